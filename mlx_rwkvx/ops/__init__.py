@@ -1,0 +1,1 @@
+"""Pure differentiable functions (WKV7, MoBA attention, head + loss) and their kernel builders."""

@@ -1,0 +1,85 @@
+"""Small timing helpers shared by ``mlx_rwkvx.info`` and ``scripts/bench.py``.
+
+Every speed we report is set beside the machine's physical limits measured in the same run:
+the fp32 matmul rate (FLOP/s) and the memory read bandwidth (bytes/s).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx_rwkvx  # noqa: F401  (OpenBLAS must be loaded before mlx.core)
+
+import mlx.core as mx
+import numpy as np
+
+
+def best_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
+    """Best wall time in seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
+
+    ``fn`` must finish its work before returning (call ``mx.eval`` inside it).
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def matmul_gflops(n: int = 2048, dtype=mx.float32, repeats: int = 3) -> float:
+    """GFLOP/s of one ``n x n @ n x n`` MLX matmul on the default device."""
+    a = mx.random.normal((n, n)).astype(dtype)
+    b = mx.random.normal((n, n)).astype(dtype)
+    mx.eval(a, b)
+    t = best_time(lambda: mx.eval(a @ b), repeats=repeats)
+    return 2 * n**3 / t / 1e9
+
+
+def read_bandwidth_gbs(
+    nbytes: int = 1 << 30, threads: int | None = None, repeats: int = 3
+) -> float:
+    """Memory read bandwidth in GB/s: a vectorised sum streaming ``nbytes`` of fp32 from RAM.
+
+    NumPy's reduction releases the GIL, so one slice per thread reads in parallel; the array is
+    far larger than any cache, so this is the DRAM read rate, the bound of weight-streaming decode.
+    """
+    import os
+
+    threads = threads or os.cpu_count() or 1
+    x = np.ones(nbytes // 4, dtype=np.float32)
+    parts = np.array_split(x, threads)
+    width = 4096
+
+    def read(p):
+        whole = p[: p.size // width * width]
+        return np.add.reduce(whole.reshape(-1, width), axis=0)
+
+    with ThreadPoolExecutor(threads) as pool:
+        t = best_time(lambda: list(pool.map(read, parts)), repeats=repeats)
+    return x.nbytes / t / 1e9
+
+
+def machine_description() -> str:
+    """One line naming the CPU, core count, memory and OS of this machine."""
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    mem = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+        with open("/proc/meminfo") as f:
+            kb = int(next(ln for ln in f if ln.startswith("MemTotal")).split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, StopIteration, ValueError):
+        pass
+    device = mx.default_device()
+    system = f"{platform.system()} {platform.machine()}"
+    return f"{cpu}, {os.cpu_count()} cores{mem}, {system}, MLX {device}"

@@ -1,0 +1,69 @@
+"""Packaging: the wheel carries the kernel bodies and the console scripts; the CLIs run."""
+
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+from mlx_rwkvx import info
+from mlx_rwkvx.ops import kernels
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI_SCRIPTS = ("mlx_rwkvx-demo", "mlx_rwkvx-info")
+
+
+def test_kernel_sources_readable():
+    for flavour in kernels.FLAVOURS:
+        text = kernels.prelude(flavour)
+        assert "#define BARRIER()" in text
+    with pytest.raises(FileNotFoundError, match="no kernel file 'nope.h'"):
+        kernels.kernel_source("nope.h")
+    with pytest.raises(ValueError, match="flavour must be one of"):
+        kernels.prelude("opencl")
+
+
+def test_wheel_ships_kernels_and_scripts(tmp_path):
+    if (
+        shutil.which("pip") is None
+        and subprocess.run(
+            [sys.executable, "-m", "pip", "--version"], capture_output=True
+        ).returncode
+    ):
+        pytest.skip("pip is not available")
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("mlx_rwkvx-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py = env_dir / "bin" / "python"
+    # No dependencies: reading a kernel body needs nothing but the package itself.
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    code = (
+        "import mlx_rwkvx.ops.kernels as k, mlx_rwkvx, pathlib\n"
+        "assert 'site-packages' in mlx_rwkvx.__file__, mlx_rwkvx.__file__\n"
+        "print(k.prelude('metal'))"
+    )
+    out = subprocess.run(
+        [str(py), "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert "threadgroup_barrier" in out.stdout
+    for script in CLI_SCRIPTS:
+        assert (env_dir / "bin" / script).exists(), script
+
+
+def test_info_report_names_device_and_blas(capsys):
+    info.main(["--no-timing"])
+    out = capsys.readouterr().out
+    for field in ("mlx_rwkvx", "mlx ", "mlx-lm", "device", "blas"):
+        assert field in out

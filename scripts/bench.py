@@ -1,6 +1,7 @@
 """Benchmarks: each subcommand verifies its fast path against a reference, then times it.
 
     python scripts/bench.py blas
+    python scripts/bench.py wkv7
 
 Results are appended to BENCHMARKS.md with the machine, the command, the times and every ratio,
 each set beside the physical limits measured in the same run.
@@ -29,8 +30,8 @@ MATMUL_SIZES = (512, 1024, 2048)
 
 
 def rel_err(x, ref) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
+    x = np.asarray(x.astype(mx.float32) if isinstance(x, mx.array) else x, dtype=np.float64)
+    ref = np.asarray(ref.astype(mx.float32) if isinstance(ref, mx.array) else ref, np.float64)
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
@@ -119,6 +120,221 @@ def bench_blas(args) -> None:
     write_section("blas", "python scripts/bench.py blas", lines)
 
 
+WKV7_SHAPES = [(256, 8), (1024, 8), (2048, 8), (4096, 8), (1024, 24)]  # (T, H); B = 1, N = 64
+# MLX autograd through a step loop keeps one full [B, T, H, N] cotangent per step (the VJP of
+# each per-step slice): memory grows as (T H)^2, measured 3.3 GB at T H = 8192. Larger runs
+# would not fit in this machine's RAM and are reported as such.
+LOOP_GRAD_MAX_HEAD_STEPS = 16384
+
+
+def wkv7_inputs(T: int, H: int, N: int = 64, seed: int = 0) -> list:
+    """RWKV-7-like inputs: decays in (0.5, 0.999), a = -kk, b = kk * iclr."""
+    rng = np.random.default_rng(seed)
+    shape = (1, T, H, N)
+    kk = rng.standard_normal(shape)
+    kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+    arrays = [
+        rng.uniform(-0.5, 0.5, shape),
+        np.log(rng.uniform(0.5, 0.999, shape)),
+        rng.uniform(-0.5, 0.5, shape),
+        rng.uniform(-0.5, 0.5, shape),
+        -kk,
+        kk * rng.uniform(0, 1, shape),
+        rng.uniform(-0.5, 0.5, (1, H, N, N)),
+    ]
+    out = [mx.array(x.astype(np.float32)) for x in arrays]
+    mx.eval(out)
+    return out
+
+
+def mlx_lm_wkv7(r, log_w, k, v, a, b, state):
+    """mlx-lm's own CPU WKV7 path (its time-mix ``_wkv7`` method), fed the decay it expects."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models.rwkv7 import Rwkv7TimeMixing
+
+    _, _, H, N = r.shape
+    owner = SimpleNamespace(num_heads=H, head_dim=N)
+    return Rwkv7TimeMixing._wkv7(owner, r, mx.exp(log_w), k, v, a, b, state)
+
+
+def chunked_flops(T: int, H: int, N: int) -> float:
+    """Matmul FLOPs of the chunked forward (ops/wkv7.py), B = 1, counted from its shapes."""
+    from mlx_rwkvx.ops.wkv7 import CHUNK as L
+    from mlx_rwkvx.ops.wkv7 import SUB as S
+
+    nq = L // S
+    per_chunk = (
+        2 * nq * (2 * S) * N * (2 * L)  # scores of r, a against k, b
+        + 2 * nq * 4 * S**3
+        + 2 * 2 * (L // 2) ** 3  # (I - A)^-1
+        + 2 * L * L * N
+        + 2 * L * L * (2 * N)
+        + 2 * L * L * N  # A_ak v, the solve, Qm
+        + 2 * L * (2 * L) * N  # Y0
+        + 2 * N * L * N
+        + 2 * N * (2 * L) * N  # P, U
+        + 2 * N**3
+        + 2 * L * N * N  # the scan, Y from the states
+    )
+    return H * -(-T // L) * per_chunk
+
+
+def _fwd(fn, args):
+    return lambda: mx.eval(fn(*args))
+
+
+def _fwd_bwd(fn, args):
+    def loss(*xs):
+        y, s = fn(*xs)
+        return y.sum() + s.sum()
+
+    grad = mx.grad(loss, argnums=list(range(7)))
+    return lambda: mx.eval(grad(*args))
+
+
+def _measure(run, repeats):
+    """(best time, peak memory in bytes above what was allocated before)."""
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    run()
+    peak = mx.get_peak_memory() - base
+    t = best_time(run, repeats=repeats, warmup=0)
+    return t, peak
+
+
+def bench_wkv7(args) -> None:
+    from mlx_rwkvx.ops.wkv7 import wkv7, wkv7_ref
+
+    # verify first: the dispatcher's path against the step loop, outputs and gradients
+    xs = wkv7_inputs(300, 4)
+    y_ref, s_ref = wkv7_ref(*xs)
+    y, s = wkv7(*xs)
+    y_lm, s_lm = mlx_lm_wkv7(*xs)
+    errs = [
+        rel_err(y, y_ref),
+        rel_err(s, s_ref),
+        rel_err(y_lm[..., 0] if y_lm.ndim == 5 else y_lm, y_ref),
+    ]
+    g_ref = mx.grad(lambda *a: sum(o.sum() for o in wkv7_ref(*a)), argnums=list(range(7)))(*xs)
+    g = mx.grad(lambda *a: sum(o.sum() for o in wkv7(*a)), argnums=list(range(7)))(*xs)
+    g_err = max(rel_err(x, r) for x, r in zip(g, g_ref, strict=True))
+    if not (max(errs[:2]) <= 2e-6 and g_err <= 1e-5 and errs[2] <= 2e-6):
+        raise SystemExit(f"verify failed: wkv7 vs ref {errs}, gradients {g_err:.1e}")
+
+    rate = matmul_gflops(2048)
+    small_rate = _bmm_gflops()
+    rows, results = [], {}
+    for T, H in WKV7_SHAPES:
+        xs = wkv7_inputs(T, H)
+        slow = T * H > 8 * 1024  # step loops of more than ~8k head-steps: one timed run
+        reps = 1 if slow else 3
+        fits = T * H <= LOOP_GRAD_MAX_HEAD_STEPS
+        res = {
+            "ours_fwd": _measure(_fwd(wkv7, xs), 3),
+            "ours_fb": _measure(_fwd_bwd(wkv7, xs), 3),
+            "lm_fwd": _measure(_fwd(mlx_lm_wkv7, xs), reps),
+            "ref_fwd": _measure(_fwd(wkv7_ref, xs), reps),
+            "lm_fb": _measure(_fwd_bwd(mlx_lm_wkv7, xs), reps) if fits else None,
+            "ref_fb": _measure(_fwd_bwd(wkv7_ref, xs), 1) if fits else None,
+        }
+        results[(T, H)] = res
+        flops = chunked_flops(T, H, 64)
+        rows.append((T, H, res, flops / res["ours_fwd"][0] / 1e9))
+        print(f"T={T} H={H}: " + ", ".join(f"{k} {v[0] * 1e3:.1f} ms" for k, v in res.items() if v))
+
+    def ms(x):
+        return f"{x * 1e3:.1f} ms"
+
+    def mib(x):
+        return f"{x / 2**20:.0f} MiB"
+
+    def ratio(res, slow, fast, index=0, fmt=".0f"):
+        if res[slow] is None:
+            return "n/a"
+        return f"{res[slow][index] / res[fast][index]:{fmt}}x"
+
+    def cell(res, key, index, show):
+        if res[key] is None:
+            return f"does not fit ({(T * H / 8192) ** 2 * 3.3:.0f} GB)"
+        return show(res[key][index])
+
+    lines = [
+        f"Verified first (T=300, H=4): wkv7 vs wkv7_ref y {errs[0]:.1e}, state {errs[1]:.1e}, "
+        f"gradients <= {g_err:.1e}; mlx-lm's loop vs wkv7_ref y {errs[2]:.1e}.",
+        "",
+        "B=1, N=64, float32. `wkv7` = our dispatcher (the chunked path on this CPU); "
+        "`ref autograd` = MLX autograd through our step loop `wkv7_ref`; `mlx-lm` = "
+        "`Rwkv7TimeMixing._wkv7`'s CPU loop of its compiled step (given exp(log_w), the exp "
+        "not timed), differentiated by MLX autograd. Best of 3 after a warm-up, except runs "
+        "over ~8k head-steps of the two step loops: one run after the memory-measuring one.",
+        "",
+        "| T | H | wkv7 fwd | mlx-lm fwd | ref fwd | fwd speed-up vs mlx-lm | wkv7 fwd+bwd "
+        "| mlx-lm fwd+bwd | ref autograd fwd+bwd | fwd+bwd speed-up vs ref autograd "
+        "| vs mlx-lm |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for T, H, res, _ in rows:
+        lines.append(
+            f"| {T} | {H} | {ms(res['ours_fwd'][0])} | {ms(res['lm_fwd'][0])} "
+            f"| {ms(res['ref_fwd'][0])} | {res['lm_fwd'][0] / res['ours_fwd'][0]:.1f}x "
+            f"| {ms(res['ours_fb'][0])} | {cell(res, 'lm_fb', 0, ms)} "
+            f"| {cell(res, 'ref_fb', 0, ms)} | {ratio(res, 'ref_fb', 'ours_fb')} "
+            f"| {ratio(res, 'lm_fb', 'ours_fb')} |"
+        )
+    lines += [
+        "",
+        "Peak memory of fwd+bwd (above the inputs):",
+        "",
+        "| T | H | wkv7 | mlx-lm | ref autograd | ref autograd / wkv7 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for T, H, res, _ in rows:
+        lines.append(
+            f"| {T} | {H} | {mib(res['ours_fb'][1])} | {cell(res, 'lm_fb', 1, mib)} "
+            f"| {cell(res, 'ref_fb', 1, mib)} | {ratio(res, 'ref_fb', 'ours_fb', 1, '.1f')} |"
+        )
+    lines += [
+        "",
+        f"Limits measured in this run: fp32 matmul {rate:.0f} GFLOP/s (2048^3), {small_rate:.0f} "
+        "GFLOP/s for the batched 16 x 64 x 64 matmuls the chunked path is made of.",
+        "",
+        "| T | H | chunked fwd matmul work | achieved | of 2048^3 rate | of batched rate |",
+        "|---|---|---|---|---|---|",
+    ]
+    for T, H, _res, gf in rows:
+        lines.append(
+            f"| {T} | {H} | {chunked_flops(T, H, 64) / 1e9:.2f} GFLOP | {gf:.0f} GFLOP/s "
+            f"| {gf / rate:.0%} | {gf / small_rate:.0%} |"
+        )
+    r1, r2, r4 = results[(1024, 8)], results[(2048, 8)], results[(4096, 8)]
+    goals = [
+        ("fwd+bwd T=1024 H=8 vs ref autograd", r1["ref_fb"][0] / r1["ours_fb"][0], ">= 100x"),
+        ("fwd T=4096 H=8 vs mlx-lm", r4["lm_fwd"][0] / r4["ours_fwd"][0], ">= 20x"),
+        (
+            "fwd+bwd peak memory ref / ours at T=2048 (T=4096: the step loop does not fit; "
+            "its share only grows with T)",
+            r2["ref_fb"][1] / r2["ours_fb"][1],
+            ">= 10x",
+        ),
+        ("T=4096 / T=1024 fwd time", r4["ours_fwd"][0] / r1["ours_fwd"][0], "<= 4.5"),
+        ("T=4096 / T=1024 fwd+bwd time", r4["ours_fb"][0] / r1["ours_fb"][0], "<= 4.5"),
+    ]
+    lines += ["", "Goals:", ""]
+    for name, value, goal in goals:
+        met = value <= 4.5 if goal.startswith("<=") else value >= float(goal[3:-1])
+        lines.append(f"- {name}: {value:.2f} (goal {goal}): {'met' if met else 'MISSED'}")
+    write_section("wkv7", "python scripts/bench.py wkv7", lines)
+
+
+def _bmm_gflops() -> float:
+    a = mx.random.normal((2048, 16, 64))
+    b = mx.random.normal((2048, 64, 64))
+    mx.eval(a, b)
+    return 2 * 2048 * 16 * 64 * 64 / best_time(lambda: mx.eval(a @ b)) / 1e9
+
+
 def main(argv=None) -> None:
     if argv is None:
         argv = sys.argv[1:]
@@ -130,8 +346,9 @@ def main(argv=None) -> None:
     )
     sub = parser.add_subparsers(dest="bench", required=True)
     sub.add_parser("blas", help="MLX matmul with and without OpenBLAS, NumPy, read bandwidth")
+    sub.add_parser("wkv7", help="WKV7 forward and fwd+bwd vs the step loop and mlx-lm")
     args = parser.parse_args(argv)
-    {"blas": bench_blas}[args.bench](args)
+    {"blas": bench_blas, "wkv7": bench_wkv7}[args.bench](args)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 The kernel's CPU flavour passes the same checks in tests/test_kernels_wkv7.py.
 """
 
+import warnings
+
 from mlx_rwkvx.ops import wkv7 as W
 
 import mlx.core as mx
@@ -177,6 +179,59 @@ def test_dispatcher_env(monkeypatch):
     monkeypatch.setenv(W.ENV_VAR, "fast")
     with pytest.raises(ValueError, match="MLX_RWKVX_WKV7='fast'"):
         W.wkv7(*args)
+
+
+def test_dispatcher_default_choice(monkeypatch):
+    monkeypatch.delenv(W.ENV_VAR, raising=False)
+    monkeypatch.setattr(W, "_kernel_fn", lambda: None)
+    calls = []
+    for name in ("wkv7_ref", "wkv7_chunked"):
+        impl = getattr(W, name)
+        monkeypatch.setattr(
+            W, name, lambda *xs, impl=impl, name=name: calls.append(name) or impl(*xs)
+        )
+    for T in (1, W.REF_MAX_T, W.REF_MAX_T + 1, 40):
+        W.wkv7(*to_mx(random_wkv7_inputs(np.random.default_rng(T), 1, T, 2, 16)))
+    assert calls == ["wkv7_ref", "wkv7_ref", "wkv7_chunked", "wkv7_chunked"]
+
+
+def test_forcing_a_missing_kernel_is_an_error(monkeypatch):
+    monkeypatch.setenv(W.ENV_VAR, "kernel")
+    monkeypatch.setattr(W, "_kernel_fn", lambda: None)
+    args = to_mx(random_wkv7_inputs(np.random.default_rng(0), 1, 5, 2, 16))
+    with pytest.raises(RuntimeError, match="no WKV7 kernel"):
+        W.wkv7(*args)
+
+
+def test_kernel_failing_self_check_falls_back_with_one_warning(monkeypatch):
+    def wrong_kernel(r, log_w, k, v, a, b, state=None):
+        y, s = W.wkv7_chunked(r, log_w, k, v, a, b, state)
+        return y * 1.01, s
+
+    monkeypatch.delenv(W.ENV_VAR, raising=False)
+    monkeypatch.setattr(W, "_kernel_fn", lambda: wrong_kernel)
+    monkeypatch.setattr(W, "_self_checked", {})
+    args = to_mx(random_wkv7_inputs(np.random.default_rng(0), 1, 40, 2, 16))
+    with pytest.warns(RuntimeWarning, match="disagrees with the chunked path"):
+        y, _ = W.wkv7(*args)
+    assert mx.array_equal(y, W.wkv7_chunked(*args)[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        W.wkv7(*args)  # decided once: no second warning
+
+
+def test_kernel_passing_self_check_is_used(monkeypatch):
+    used = []
+
+    def good_kernel(*xs):
+        used.append(True)
+        return W.wkv7_chunked(*xs)
+
+    monkeypatch.delenv(W.ENV_VAR, raising=False)
+    monkeypatch.setattr(W, "_kernel_fn", lambda: good_kernel)
+    monkeypatch.setattr(W, "_self_checked", {})
+    W.wkv7(*to_mx(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 2, 16)))
+    assert used and W._self_checked == {(16, mx.float32): True}
 
 
 BAD_CALLS = [

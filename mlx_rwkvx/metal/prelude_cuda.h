@@ -1,4 +1,7 @@
 // Kernel vocabulary, CUDA flavour (mx.fast.cuda_kernel, and cupy.RawKernel in tests/gpu/).
+// Input dtypes are MLX's CUDA names: float, __nv_bfloat16, __half.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #define KFN __device__ __forceinline__
 #define GMEM
 #define SMEM
@@ -8,4 +11,6 @@
 #define GID_X (blockIdx.x)
 #define GID_Y (blockIdx.y)
 #define FEXP(x) expf(x)
+#define FMA(a, b, c) fmaf(a, b, c)
 #define TO_F32(x) static_cast<float>(x)
+#define FROM_F32(type, x) static_cast<type>(x)

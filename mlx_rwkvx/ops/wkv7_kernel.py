@@ -1,0 +1,133 @@
+"""WKV7 as two GPU kernels, forward and backward, from ``metal/wkv7.h`` (Metal or CUDA).
+
+The forward runs one threadgroup of N threads per (batch, head), thread i holding row i of the
+state; besides y and the final state it saves a state checkpoint every ``SEG`` steps and
+``sa_t = S_{t-1} a_t``. The backward recomputes each segment's states from its checkpoint and
+runs the reverse steps, thread j holding column j. The CPU flavour of the same body runs in the
+tests (tests/test_kernels_wkv7.py); see ``mlx_rwkvx/metal/wkv7.h`` for the layouts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from mlx_rwkvx.ops import kernels
+from mlx_rwkvx.ops.wkv7 import _check, _zero_state
+
+import mlx.core as mx
+
+SEG = 16  # WKV7_SEG in metal/wkv7.h: steps between the forward's state checkpoints
+_ENTRIES = ("wkv7_fwd.h", "wkv7_bwd.h")
+
+
+def kernel_backend() -> str | None:
+    """``"metal"`` or ``"cuda"`` where MLX can run custom kernels of that kind, else None."""
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available() and hasattr(mx.fast, "cuda_kernel"):
+        return "cuda"
+    return None
+
+
+def _make_wkv7_kernels(backend: str | None = None):
+    """(forward, backward) kernel objects for ``backend`` (default: ``kernel_backend()``), or
+    None without one."""
+    backend = kernel_backend() if backend is None else backend
+    if backend == "metal":
+        make = mx.fast.metal_kernel
+    elif backend == "cuda":
+        make = mx.fast.cuda_kernel
+    else:
+        return None
+    built = []
+    for name in _ENTRIES:
+        entry = kernels.entry(name)
+        header, source = kernels.mlx_parts(backend, entry)
+        built.append(
+            make(
+                name=entry.kernel,
+                input_names=entry.input_names,
+                output_names=entry.output_names,
+                source=source,
+                header=header,
+            )
+        )
+    return tuple(built)
+
+
+@functools.cache
+def _kernels(backend: str | None):
+    return _make_wkv7_kernels(backend) if backend else None
+
+
+def _launch(kernel, inputs, r, output_shapes, output_dtypes):
+    B, T, H, N = r.shape
+    dims = mx.array([T, H], dtype=mx.int32)
+    return kernel(
+        inputs=[*inputs, dims],
+        template=[("InT", r.dtype), ("N", N)],
+        grid=(B * H * N, 1, 1),  # threads, as MLX counts them: B * H threadgroups of N
+        threadgroup=(N, 1, 1),
+        output_shapes=output_shapes,
+        output_dtypes=output_dtypes,
+    )
+
+
+@mx.custom_function
+def _wkv7_kernel_core(r, log_w, k, v, a, b, state):
+    forward, _ = _kernels(kernel_backend())
+    B, T, H, N = r.shape
+    seq = (B, T, H, N)
+    n_seg = -(-T // SEG)
+    f32 = mx.float32
+    y, state_out, ckpt, sa = _launch(
+        forward,
+        [r, log_w, k, v, a, b, state],
+        r,
+        [seq, (B, H, N, N), (B, H, n_seg, N, N), seq],
+        [r.dtype, f32, f32, f32],
+    )
+    # ckpt and sa ride along as outputs: the backward kernel starts from them
+    return y, state_out, ckpt, sa
+
+
+@_wkv7_kernel_core.vjp
+def _wkv7_kernel_vjp(primals, cotangents, outputs):
+    r, log_w, k, v, a, b, _ = primals
+    dy, d_state_out = cotangents[:2]
+    _, _, ckpt, sa = outputs
+    _, backward = _kernels(kernel_backend())
+    B, T, H, N = r.shape
+    seq = (B, T, H, N)
+    f32, dt = mx.float32, r.dtype
+    dy = mx.zeros(seq, dtype=dt) if dy is None else dy.astype(dt)
+    if d_state_out is None:
+        d_state_out = mx.zeros((B, H, N, N), dtype=f32)
+    grads = _launch(
+        backward,
+        [r, log_w, k, v, a, b, dy, d_state_out.astype(f32), ckpt, sa],
+        r,
+        [seq] * 6 + [(B, H, N, N), (B * H, SEG, N, N)],
+        [dt, f32, dt, dt, dt, dt, f32, f32],
+    )
+    return tuple(grads[:7])  # the last output is the kernel's scratch memory
+
+
+def wkv7_kernel(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
+    """WKV7 by one GPU kernel per direction (Metal or CUDA); same contract as ``wkv7_ref``.
+
+    r, k, v, a, b ``[B, T, H, N]`` (float32, bfloat16 or float16, all alike), log_w float32,
+    state ``[B, H, N, N]`` float32 or None (zeros); N in 16, 32, 64, 128. The state and every
+    accumulation are float32; returns (y in r's dtype, final state float32). Differentiable
+    w.r.t. all seven inputs (the VJP is the backward kernel). Raises RuntimeError where MLX has
+    no Metal or CUDA backend.
+    """
+    _check(r, log_w, k, v, a, b, state)
+    if _kernels(kernel_backend()) is None:
+        raise RuntimeError(
+            "wkv7_kernel needs MLX with a Metal or CUDA device; use wkv7_chunked or wkv7 here"
+        )
+    state = _zero_state(r) if state is None else state
+    y, state_out, _, _ = _wkv7_kernel_core(r, log_w, k, v, a, b, state)
+    return y, state_out

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The GPU checks: run on a machine with a CUDA GPU, CuPy and nvcc (MLX not needed), from anywhere:
+#   bash tests/gpu/run.sh [extra pytest args]
+# Prints the device, then runs tests/gpu/ (oracle checks, then timings); with $OUT set, the
+# output is also saved to $OUT/gpu_tests.log.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 2
+log=/dev/null
+if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT" && log="$OUT/gpu_tests.log"
+fi
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not found"
+    python -c "import cupy; print('cupy', cupy.__version__)" 2>/dev/null || echo "cupy: not importable"
+    python -m pytest tests/gpu -m gpu -v -s -p no:cacheprovider "$@"
+} 2>&1 | tee "$log"
+exit "${PIPESTATUS[0]}"

@@ -87,8 +87,10 @@ def test_head_sizes_chunked(N):
     compare(W.wkv7_chunked, inputs, 0, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL)
 
 
-def test_long_sequence_chunked():
-    inputs = random_wkv7_inputs(np.random.default_rng(7), 1, 1000, 2, 64, decay_range=(0.5, 0.999))
+@pytest.mark.parametrize("decays", DECAYS)
+def test_long_sequence_chunked(decays):
+    rng = np.random.default_rng(7)
+    inputs = random_wkv7_inputs(rng, 1, 1000, 2, 64, decay_range=DECAYS[decays])
     compare(W.wkv7_chunked, inputs, 1, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL)
 
 

@@ -35,10 +35,10 @@ def _check(q, k, v, chunk_size, top_k) -> None:
         raise ValueError(f"moba_attention: q must be [B, T, Hq, D], got shape {tuple(q.shape)}")
     B, T, Hq, D = q.shape
     for name, x in (("k", k), ("v", v)):
-        if x.ndim != 4 or x.shape[0] != B or x.shape[1] != T or x.shape[3] != D:
+        if x.ndim != 4 or x.shape[0] != B or x.shape[1] < T or x.shape[3] != D:
             raise ValueError(
                 f"moba_attention: {name} has shape {tuple(x.shape)}, expected "
-                f"[{B}, {T}, Hkv, {D}] (batch, time and head dim of q)"
+                f"[{B}, S >= {T}, Hkv, {D}] (batch and head dim of q, at least its length)"
             )
     if k.shape != v.shape:
         raise ValueError(f"moba_attention: v has shape {tuple(v.shape)}, expected {k.shape}")
@@ -54,10 +54,15 @@ def _check(q, k, v, chunk_size, top_k) -> None:
             )
 
 
-def _is_full(T: int, chunk_size: int, top_k: int) -> bool:
-    """True when every query attends to every earlier chunk: plain causal attention."""
-    n_chunks = -(-T // chunk_size)
-    return top_k <= 0 or top_k >= n_chunks - 1
+def _is_full(S: int, chunk_size: int, top_k: int) -> bool:
+    """True when every query attends to every earlier chunk (S keys): plain causal attention."""
+    return top_k <= 0 or top_k >= (S - 1) // chunk_size
+
+
+def _positions(q: mx.array, k: mx.array) -> mx.array:
+    """Positions of the queries: the last ``T`` of the ``S`` keys, ``[T]`` int32."""
+    T, S = q.shape[1], k.shape[1]
+    return mx.arange(S - T, S, dtype=mx.int32)
 
 
 def chunk_key_means(k: mx.array, chunk_size: int) -> mx.array:
@@ -112,26 +117,28 @@ def moba_selection(q: mx.array, k: mx.array, *, chunk_size: int, top_k: int):
     None when the rule gives full causal attention (top_k <= 0 or >= the earlier chunks).
     """
     _check(q, k, k, chunk_size, top_k)
-    T = q.shape[1]
-    if _is_full(T, chunk_size, top_k):
+    if _is_full(k.shape[1], chunk_size, top_k):
         return None
     gates = moba_gates(q, chunk_key_means(k, chunk_size))
-    own = (mx.arange(T, dtype=mx.int32) // chunk_size)[None, :, None]
+    own = (_positions(q, k) // chunk_size)[None, :, None]
     idx, valid = select_top_k(gates, own, top_k)
     return mx.stop_gradient(idx), mx.stop_gradient(valid)
 
 
-def selection_mask(idx, valid, T: int, chunk_size: int) -> mx.array:
-    """The selection as a key mask ``[B, Hq, T, T]`` bool (own chunk causal + chosen chunks).
+def selection_mask(sel, T: int, S: int, chunk_size: int) -> mx.array:
+    """A selection as a key mask ``[B, Hq, T, S]`` bool (``[1, 1, T, S]`` for None = causal).
 
-    For tests and the dense reference only: it is O(T^2).
+    Queries are the last T of the S positions. For tests and the dense reference only: O(T S).
     """
-    t = mx.arange(T)
-    key_chunk = t // chunk_size
-    own = (key_chunk[:, None] == key_chunk[None, :]) & (t[None, :] <= t[:, None])  # [T, T]
-    chosen = (key_chunk[None, None, None, :, None] == idx[:, :, :, None, :]) & valid[
-        :, :, :, None, :
-    ]  # [B, T, Hq, T(keys), top_k]
+    t = mx.arange(S - T, S)[:, None]
+    s = mx.arange(S)[None, :]
+    causal = s <= t
+    if sel is None:
+        return causal[None, None]
+    idx, valid = sel
+    own = causal & (s // chunk_size == t // chunk_size)  # [T, S]
+    key_chunk = (mx.arange(S) // chunk_size)[None, None, None, :, None]
+    chosen = (key_chunk == idx[:, :, :, None, :]) & valid[:, :, :, None, :]  # [B, T, Hq, S, K]
     mask = chosen.any(axis=-1) | own[None, :, None, :]
     return mask.transpose(0, 2, 1, 3)
 
@@ -142,14 +149,9 @@ def moba_attention_ref(q, k, v, *, chunk_size: int, top_k: int, scale=None) -> m
     B, T, Hq, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     sel = moba_selection(q, k, chunk_size=chunk_size, top_k=top_k)
-    qh = q.astype(mx.float32).transpose(0, 2, 1, 3)
-    kh = k.astype(mx.float32).transpose(0, 2, 1, 3)
-    vh = v.astype(mx.float32).transpose(0, 2, 1, 3)
-    if sel is None:
-        out = mx.fast.scaled_dot_product_attention(qh, kh, vh, scale=scale, mask="causal")
-    else:
-        mask = selection_mask(*sel, T, chunk_size)
-        out = mx.fast.scaled_dot_product_attention(qh, kh, vh, scale=scale, mask=mask)
+    mask = selection_mask(sel, T, k.shape[1], chunk_size)
+    qh, kh, vh = (x.astype(mx.float32).transpose(0, 2, 1, 3) for x in (q, k, v))
+    out = mx.fast.scaled_dot_product_attention(qh, kh, vh, scale=scale, mask=mask)
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
@@ -161,7 +163,7 @@ def _slots(q, k, sel, chunk_size: int):
     -1 for an empty slot).
     """
     B, T, Hq, _ = q.shape
-    t = mx.arange(T, dtype=mx.int32)[None, :, None, None]
+    t = _positions(q, k)[None, :, None, None]
     own = t // chunk_size
     own_limit = t % chunk_size
     if sel is None:
@@ -262,7 +264,7 @@ def _scores(q_slots, K, tiles: _Tiles, scale: float) -> mx.array:
 def _sparse_forward(q, k, v, chunk, limit, cs: int, scale: float):
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
-    n_chunks = -(-T // cs)
+    n_chunks = -(-k.shape[1] // cs)
     R = B * T * Hq
     tiles = _tiles(chunk, limit, Hkv, n_chunks, cs)
     K, V = _chunked_kv(k, n_chunks, cs), _chunked_kv(v, n_chunks, cs)
@@ -300,8 +302,8 @@ def _sparse_fn(cs: int, scale: float):
     def sparse_vjp(primals, cotangents, outputs):
         q, k, v, chunk, limit = primals
         B, T, Hq, D = q.shape
-        Hkv = k.shape[2]
-        n_chunks = -(-T // cs)
+        S, Hkv = k.shape[1], k.shape[2]
+        n_chunks = -(-S // cs)
         R = B * T * Hq
         tiles = _tiles(chunk, limit, Hkv, n_chunks, cs)
         K, V = _chunked_kv(k, n_chunks, cs), _chunked_kv(v, n_chunks, cs)
@@ -322,8 +324,8 @@ def _sparse_fn(cs: int, scale: float):
         dV = mx.segmented_mm(flat_p.T, d_slots.reshape(-1, D), tiles.segments)
         return (
             (dq * scale).reshape(B, T, Hq, D).astype(q.dtype),
-            _unchunked(dK * scale, B, T, Hkv).astype(k.dtype),
-            _unchunked(dV, B, T, Hkv).astype(v.dtype),
+            _unchunked(dK * scale, B, S, Hkv).astype(k.dtype),
+            _unchunked(dV, B, S, Hkv).astype(v.dtype),
             mx.zeros_like(chunk),
             mx.zeros_like(limit),
         )
@@ -353,7 +355,9 @@ def moba_attention_blockwise(q, k, v, *, chunk_size: int, top_k: int, scale=None
 
 def _causal_sdpa(q, k, v, scale: float) -> mx.array:
     qh, kh, vh = (x.astype(mx.float32).transpose(0, 2, 1, 3) for x in (q, k, v))
-    out = mx.fast.scaled_dot_product_attention(qh, kh, vh, scale=scale, mask="causal")
+    T, S = q.shape[1], k.shape[1]
+    mask = "causal" if T == S else selection_mask(None, T, S, 1)
+    out = mx.fast.scaled_dot_product_attention(qh, kh, vh, scale=scale, mask=mask)
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
@@ -373,3 +377,89 @@ def moba_attention(q, k, v, *, chunk_size: int, top_k: int, scale=None) -> mx.ar
         raise ValueError(f"{ENV_VAR}={choice!r}: expected one of blockwise, ref")
     impl = moba_attention_ref if choice == "ref" else moba_attention_blockwise
     return impl(q, k, v, chunk_size=chunk_size, top_k=top_k, scale=scale)
+
+
+class MobaKVCache:
+    """Keys and values of one MoBA block, head-major ``[B, Hkv, capacity, D]``, growing by whole
+    chunks, with the key sum of every chunk so that decode ranks chunks without re-reading keys.
+    """
+
+    def __init__(self, chunk_size: int):
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"MobaKVCache: chunk_size must be an int >= 1, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+        self.keys = None
+        self.values = None
+        self.key_sums = None  # [B, Hkv, capacity // chunk_size, D] float32
+        self.offset = 0
+
+    def update(self, k: mx.array, v: mx.array) -> None:
+        """Append ``k, v [B, T_new, Hkv, D]`` (the new tokens' keys and values)."""
+        B, n_new, Hkv, D = k.shape
+        cs = self.chunk_size
+        start, stop = self.offset, self.offset + n_new
+        need = -(-stop // cs) * cs
+        if self.keys is None or need > self.keys.shape[2]:
+            capacity = max(need, 2 * (0 if self.keys is None else self.keys.shape[2]))
+            keys = mx.zeros((B, Hkv, capacity, D), dtype=k.dtype)
+            values = mx.zeros((B, Hkv, capacity, D), dtype=v.dtype)
+            sums = mx.zeros((B, Hkv, capacity // cs, D), dtype=mx.float32)
+            if self.keys is not None:
+                keys[:, :, :start] = self.keys[:, :, :start]
+                values[:, :, :start] = self.values[:, :, :start]
+                sums[:, :, : self.key_sums.shape[2]] = self.key_sums
+            self.keys, self.values, self.key_sums = keys, values, sums
+        self.keys[:, :, start:stop] = k.transpose(0, 2, 1, 3)
+        self.values[:, :, start:stop] = v.transpose(0, 2, 1, 3)
+        first, last = start // cs, (stop - 1) // cs + 1  # the chunks these tokens fall in
+        span = self.keys[:, :, first * cs : last * cs].astype(mx.float32)
+        self.key_sums[:, :, first:last] = span.reshape(B, Hkv, last - first, cs, D).sum(axis=3)
+        self.offset = stop
+
+    def kv(self) -> tuple[mx.array, mx.array]:
+        """All cached keys and values, time-major ``[B, offset, Hkv, D]`` (for a prefill)."""
+        k = self.keys[:, :, : self.offset].transpose(0, 2, 1, 3)
+        return k, self.values[:, :, : self.offset].transpose(0, 2, 1, 3)
+
+
+def moba_decode(q: mx.array, cache: MobaKVCache, *, top_k: int, scale=None) -> mx.array:
+    """MoBA attention of one new token, ``q [B, 1, Hq, D]``, against ``cache``, which must
+    already hold that token's key and value. Reads the key sums of the earlier chunks, then only
+    the chosen chunks and the own chunk: O(n_chunks + (top_k + 1) chunk_size) per head.
+    Equals the last row of ``moba_attention`` over the whole sequence.
+    """
+    B, n, Hq, D = q.shape
+    if n != 1 or cache.keys is None or cache.keys.shape[0] != B or cache.keys.shape[3] != D:
+        raise ValueError(
+            f"moba_decode: q must be [B, 1, Hq, D] matching a non-empty cache, got {q.shape}"
+        )
+    cs, t = cache.chunk_size, cache.offset - 1
+    Hkv = cache.keys.shape[1]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    own = t // cs
+    qg = q[:, 0].astype(mx.float32).reshape(B, Hkv, G, D)
+    full = _is_full(t + 1, cs, top_k)
+    first = 0 if full else own * cs  # keys read by every query head of a kv head
+    shared_k = cache.keys[:, :, first : t + 1].astype(mx.float32)  # [B, Hkv, n, D]
+    shared_v = cache.values[:, :, first : t + 1].astype(mx.float32)
+    logits = qg @ mx.swapaxes(shared_k, -1, -2)  # [B, Hkv, G, n]
+    if not full:
+        means = cache.key_sums[:, :, :own] / cs  # [B, Hkv, own, D]
+        gates = (qg @ mx.swapaxes(means, -1, -2)).reshape(B, Hq, own)
+        idx, valid = select_top_k(gates, mx.array(own), top_k)  # [B, Hq, top_k]
+        kv_head = mx.arange(Hq) // G
+        flat = ((mx.arange(B)[:, None] * Hkv + kv_head[None, :]) * own)[..., None] + idx
+        chunks_k = cache.keys[:, :, : own * cs].reshape(B * Hkv * own, cs, D)
+        chunks_v = cache.values[:, :, : own * cs].reshape(B * Hkv * own, cs, D)
+        sel_k = chunks_k[flat].reshape(B, Hkv, G, -1, D).astype(mx.float32)  # top_k * cs keys
+        sel_v = chunks_v[flat].reshape(B, Hkv, G, -1, D).astype(mx.float32)
+        sel = (qg[..., None, :] @ mx.swapaxes(sel_k, -1, -2))[..., 0, :]  # [B, Hkv, G, top_k cs]
+        sel = mx.where(mx.repeat(valid, cs, axis=-1).reshape(sel.shape), sel, -mx.inf)
+        logits = mx.concatenate([logits, sel], axis=-1)
+    probs = mx.softmax(logits * scale, axis=-1, precise=True)
+    n = shared_k.shape[2]
+    out = probs[..., :n] @ shared_v
+    if not full:
+        out = out + (probs[..., None, n:] @ sel_v)[..., 0, :]
+    return out.reshape(B, 1, Hq, D).astype(q.dtype)

@@ -2,6 +2,7 @@
 
     python scripts/bench.py blas
     python scripts/bench.py wkv7
+    python scripts/bench.py moba
 
 Results are appended to BENCHMARKS.md with the machine, the command, the times and every ratio,
 each set beside the physical limits measured in the same run.
@@ -328,6 +329,142 @@ def bench_wkv7(args) -> None:
     write_section("wkv7", "python scripts/bench.py wkv7", lines)
 
 
+MOBA_TS = (2048, 4096, 8192, 16384)
+MOBA = dict(H=8, D=64, chunk_size=256, top_k=3)
+# Dense causal attention keeps [H, T, T] float32 scores (and more for its backward): at
+# T = 16384 that is 8.6 GB for the forward alone, beyond this machine with its backward.
+DENSE_MAX_T = 8192
+
+
+def _attention_inputs(T: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal((1, T, MOBA["H"], MOBA["D"])) for _ in range(3)]
+    out = [mx.array(x.astype(np.float32)) for x in arrays]
+    mx.eval(out)
+    return out
+
+
+def _dense_causal(q, k, v):
+    qh, kh, vh = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    out = mx.fast.scaled_dot_product_attention(qh, kh, vh, scale=scale, mask="causal")
+    return out.transpose(0, 2, 1, 3)
+
+
+def bench_moba(args) -> None:
+    from mlx_rwkvx.ops.moba import moba_attention, moba_attention_ref
+
+    cs, top_k = MOBA["chunk_size"], MOBA["top_k"]
+
+    def moba(q, k, v):
+        return moba_attention(q, k, v, chunk_size=cs, top_k=top_k)
+
+    # verify first: the sparse path against the dense masked reference, outputs and gradients
+    xs = _attention_inputs(1024, seed=1)
+    ref = moba_attention_ref(*xs, chunk_size=cs, top_k=top_k)
+    err = rel_err(moba(*xs), ref)
+
+    def grads(fn):
+        return mx.grad(lambda *a: (fn(*a) * ref).sum(), argnums=(0, 1, 2))(*xs)
+
+    g_err = max(
+        rel_err(a, b)
+        for a, b in zip(
+            grads(moba),
+            grads(lambda *a: moba_attention_ref(*a, chunk_size=cs, top_k=top_k)),
+            strict=True,
+        )
+    )
+    if not (err <= 2e-6 and g_err <= 1e-5):
+        raise SystemExit(f"verify failed: moba vs dense masked reference {err:.1e}, {g_err:.1e}")
+
+    def fwd(fn, xs):
+        return lambda: mx.eval(fn(*xs))
+
+    def fwd_bwd(fn, xs):
+        grad = mx.grad(lambda *a: fn(*a).sum(), argnums=(0, 1, 2))
+        return lambda: mx.eval(grad(*xs))
+
+    rate = matmul_gflops(2048)
+    rows = {}
+    for T in MOBA_TS:
+        xs = _attention_inputs(T)
+        dense = T <= DENSE_MAX_T
+        rows[T] = {
+            "moba_fwd": _measure(fwd(moba, xs), 3),
+            "moba_fb": _measure(fwd_bwd(moba, xs), 3),
+            "dense_fwd": _measure(fwd(_dense_causal, xs), 1) if dense else None,
+            "dense_fb": _measure(fwd_bwd(_dense_causal, xs), 1) if dense else None,
+        }
+        print(f"T={T}: " + ", ".join(f"{k} {v[0]:.2f} s" for k, v in rows[T].items() if v))
+
+    def cell(res, key, index, show):
+        return "does not fit" if res[key] is None else show(res[key][index])
+
+    def ratio(res, key, ours, index):
+        return "n/a" if res[key] is None else f"{res[key][index] / res[ours][index]:.1f}x"
+
+    def sec(x):
+        return f"{x:.2f} s"
+
+    def mib(x):
+        return f"{x / 2**20:.0f} MiB"
+
+    H, D = MOBA["H"], MOBA["D"]
+    lines = [
+        f"Verified first (T=1024): moba_attention vs the dense masked reference: output {err:.1e}"
+        f", gradients <= {g_err:.1e}.",
+        "",
+        f"B=1, {H} heads, D={D}, chunk_size {cs}, top_k {top_k}, float32. dense = "
+        "`mx.fast.scaled_dot_product_attention` with a causal mask (one run: it takes seconds); "
+        "moba = `mlx_rwkvx.ops.moba_attention` (best of 3 after a warm-up). Peak memory above "
+        "the inputs.",
+        "",
+        "| T | moba fwd | dense fwd | fwd speed-up | moba fwd+bwd | dense fwd+bwd | fwd+bwd "
+        "speed-up | moba peak (fwd+bwd) | dense peak (fwd+bwd) | memory ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for T, res in rows.items():
+        lines.append(
+            f"| {T} | {sec(res['moba_fwd'][0])} | {cell(res, 'dense_fwd', 0, sec)} "
+            f"| {ratio(res, 'dense_fwd', 'moba_fwd', 0)} | {sec(res['moba_fb'][0])} "
+            f"| {cell(res, 'dense_fb', 0, sec)} | {ratio(res, 'dense_fb', 'moba_fb', 0)} "
+            f"| {mib(res['moba_fb'][1])} | {cell(res, 'dense_fb', 1, mib)} "
+            f"| {ratio(res, 'dense_fb', 'moba_fb', 1)} |"
+        )
+    lines += [
+        "",
+        f"Limit measured in this run: fp32 matmul {rate:.0f} GFLOP/s (2048^3).",
+        "",
+        "| T | moba fwd matmul work | achieved | of the matmul rate |",
+        "|---|---|---|---|",
+    ]
+    for T, res in rows.items():
+        flops = 2 * 2 * T * H * (top_k + 1) * cs * D  # scores and values, own chunk included
+        achieved = flops / res["moba_fwd"][0] / 1e9
+        lines.append(
+            f"| {T} | {flops / 1e9:.1f} GFLOP | {achieved:.0f} GFLOP/s | {achieved / rate:.0%} |"
+        )
+    r8, r4, r16 = rows[8192], rows[4096], rows[16384]
+    goals = [
+        ("fwd+bwd T=8192 vs dense", r8["dense_fb"][0] / r8["moba_fb"][0], 3.0, True),
+        (
+            "fwd+bwd peak memory T=8192, dense / moba",
+            r8["dense_fb"][1] / r8["moba_fb"][1],
+            4.0,
+            True,
+        ),
+        ("fwd time T=16384 / T=4096", r16["moba_fwd"][0] / r4["moba_fwd"][0], 5.0, False),
+        ("fwd+bwd time T=16384 / T=4096", r16["moba_fb"][0] / r4["moba_fb"][0], 5.0, False),
+    ]
+    lines += ["", "Goals:", ""]
+    for name, value, bound, at_least in goals:
+        met = value >= bound if at_least else value <= bound
+        sign = ">=" if at_least else "<="
+        lines.append(f"- {name}: {value:.2f} (goal {sign} {bound:g}): {'met' if met else 'MISSED'}")
+    write_section("moba", "python scripts/bench.py moba", lines)
+
+
 def _bmm_gflops() -> float:
     a = mx.random.normal((2048, 16, 64))
     b = mx.random.normal((2048, 64, 64))
@@ -347,8 +484,9 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
     sub.add_parser("blas", help="MLX matmul with and without OpenBLAS, NumPy, read bandwidth")
     sub.add_parser("wkv7", help="WKV7 forward and fwd+bwd vs the step loop and mlx-lm")
+    sub.add_parser("moba", help="MoBA attention vs dense causal SDPA, time and memory")
     args = parser.parse_args(argv)
-    {"blas": bench_blas, "wkv7": bench_wkv7}[args.bench](args)
+    {"blas": bench_blas, "wkv7": bench_wkv7, "moba": bench_moba}[args.bench](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,188 @@
+"""One config for every model: RWKV-7, RWKV-X (RWKV-7 + MoBA) and RFA (RWKV-7 + Qwen2).
+
+``block_types`` lists every layer: ``"rwkv7"``, ``"moba"`` or ``"qwen2"``. The RWKV blocks of
+RFA are ARWKV-style (RMSNorm, SwiGLU FFN, no output gate, no group norm): four switches below.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+BLOCK_TYPES = ("rwkv7", "moba", "qwen2")
+
+
+def _low_rank(c: int, factor: float, power: float) -> int:
+    # BlinkDL's RWKV-7 sizes: max(32, round(factor * C^power / 32) * 32); C=768 gives 64/64/32/128
+    return max(32, int(round(factor * c**power / 32)) * 32)
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 65536
+    hidden_size: int = 768
+    block_types: list[str] = field(default_factory=lambda: ["rwkv7"] * 12)
+    head_size: int = 64  # WKV heads: hidden_size // head_size of them
+    intermediate_size: int | None = None  # FFN width; None: 4 * hidden_size
+    decay_low_rank: int | None = None  # None: BlinkDL's size for hidden_size
+    a_low_rank: int | None = None
+    v_low_rank: int | None = None
+    gate_low_rank: int | None = None
+    norm_eps: float = 1e-5  # LayerNorm
+    # RWKV blocks in the ARWKV style of RFA: RMSNorm, SwiGLU, no gate, no ln_x
+    rwkv_norm: str = "layer"  # "layer" | "rms"
+    rwkv_ffn: str = "channel_mix"  # "channel_mix" | "swiglu"
+    use_gate: bool = True
+    use_ln_x: bool = True
+    ln0: bool = True  # LayerNorm on the embedding before the first block (RWKV-7 checkpoints)
+    final_norm: str = "layer"  # "layer" | "rms"
+    # attention blocks
+    n_q_heads: int | None = None  # None: hidden_size // head_size
+    n_kv_heads: int | None = None  # None: n_q_heads
+    attn_head_dim: int | None = None  # None: hidden_size // n_q_heads
+    rope_theta: float = 1e6  # Qwen2
+    rms_norm_eps: float = 1e-6
+    moba_chunk_size: int = 256
+    moba_top_k: int = 3
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        self.block_types = list(self.block_types)
+        c = self.hidden_size
+        self.intermediate_size = self.intermediate_size or 4 * c
+        self.decay_low_rank = self.decay_low_rank or _low_rank(c, 1.8, 0.5)
+        self.a_low_rank = self.a_low_rank or _low_rank(c, 1.8, 0.5)
+        self.v_low_rank = self.v_low_rank or _low_rank(c, 1.3, 0.5)
+        self.gate_low_rank = self.gate_low_rank or _low_rank(c, 0.6, 0.8)
+        self.n_q_heads = self.n_q_heads or c // self.head_size
+        self.n_kv_heads = self.n_kv_heads or self.n_q_heads
+        self.attn_head_dim = self.attn_head_dim or c // self.n_q_heads
+        self.validate()
+
+    @property
+    def n_heads(self) -> int:
+        """WKV heads."""
+        return self.hidden_size // self.head_size
+
+    def validate(self) -> None:
+        """One ValueError naming the first field that does not fit."""
+        problems = []
+        bad = [t for t in self.block_types if t not in BLOCK_TYPES]
+        if not self.block_types or bad:
+            problems.append(f"block_types must be a non-empty list of {BLOCK_TYPES}, got {bad}")
+        if self.hidden_size % self.head_size:
+            problems.append(
+                f"hidden_size {self.hidden_size} is not a multiple of head_size {self.head_size}"
+            )
+        if self.head_size not in (16, 32, 64, 128):
+            problems.append(f"head_size must be 16, 32, 64 or 128, got {self.head_size}")
+        if self.n_q_heads % self.n_kv_heads:
+            problems.append(
+                f"n_q_heads {self.n_q_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
+            )
+        if "moba" in self.block_types and self.n_q_heads * self.attn_head_dim != self.hidden_size:
+            problems.append("moba blocks need n_q_heads * attn_head_dim == hidden_size")
+        for name, allowed in (
+            ("rwkv_norm", ("layer", "rms")),
+            ("final_norm", ("layer", "rms")),
+            ("rwkv_ffn", ("channel_mix", "swiglu")),
+        ):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.moba_chunk_size < 1:
+            problems.append(f"moba_chunk_size must be >= 1, got {self.moba_chunk_size}")
+        if problems:
+            raise ValueError("ModelConfig: " + "; ".join(problems))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"ModelConfig: unknown fields {unknown}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def rwkv_x_block_types(n_rwkv: int, n_attn: int) -> list[str]:
+    """RWKV-X layout: one MoBA block after each group of ``n_rwkv // n_attn`` RWKV-7 blocks.
+
+    With one attention block it goes last; leftover RWKV blocks (when n_attn does not divide
+    n_rwkv) come at the end.
+    """
+    if n_attn < 0 or n_rwkv < 1:
+        raise ValueError(f"rwkv_x_block_types: need n_rwkv >= 1, n_attn >= 0, got {n_rwkv, n_attn}")
+    if n_attn == 0:
+        return ["rwkv7"] * n_rwkv
+    interval = n_rwkv // n_attn
+    if interval < 1:
+        raise ValueError(f"rwkv_x_block_types: {n_attn} attention blocks for {n_rwkv} RWKV blocks")
+    types: list[str] = []
+    for _ in range(n_attn):
+        types += ["rwkv7"] * interval + ["moba"]
+    return types + ["rwkv7"] * (n_rwkv - interval * n_attn)
+
+
+def rfa_block_types(n_layers: int, qwen_layers: list[int]) -> list[str]:
+    """RFA layout: Qwen2 blocks at the given layer indices, RWKV-7 (ARWKV) blocks elsewhere."""
+    bad = [i for i in qwen_layers if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"rfa_block_types: layer indices {bad} outside 0..{n_layers - 1}")
+    return ["qwen2" if i in set(qwen_layers) else "rwkv7" for i in range(n_layers)]
+
+
+def rfa_config(**overrides) -> ModelConfig:
+    """An RFA config: ARWKV-style RWKV blocks, Qwen2 GQA blocks, RMSNorm, untied head."""
+    base = dict(
+        rwkv_norm="rms",
+        rwkv_ffn="swiglu",
+        use_gate=False,
+        use_ln_x=False,
+        ln0=False,
+        final_norm="rms",
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+# The 1.5B RFA reference (DESIGN.md): 28 layers, 21 ARWKV + 7 Qwen2. Checkpoints carry their own
+# block_types; this preset puts a Qwen2 block after every three ARWKV blocks.
+RFA_1P5B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    block_types=rfa_block_types(28, [3, 7, 11, 15, 19, 23, 27]),
+    head_size=64,
+    intermediate_size=8960,
+    n_q_heads=12,
+    n_kv_heads=2,
+    attn_head_dim=128,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+)
+
+PRESETS = {
+    "rfa-1.5b": lambda: rfa_config(**RFA_1P5B),
+    "rwkv7-0.1b": lambda: ModelConfig(
+        vocab_size=65536, hidden_size=768, block_types=["rwkv7"] * 12
+    ),
+    "rwkv-x-tiny": lambda: ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        head_size=16,
+        block_types=rwkv_x_block_types(4, 2),
+        moba_chunk_size=8,
+        moba_top_k=2,
+    ),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """A named config: ``rfa-1.5b``, ``rwkv7-0.1b``, ``rwkv-x-tiny``."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    return PRESETS[name]()

@@ -9,3 +9,14 @@ from mlx_rwkvx import _blas
 _blas.setup()
 
 __version__ = "0.1.0.dev0"
+
+_LAZY = {"load": "mlx_rwkvx.io.load", "save": "mlx_rwkvx.io.load"}
+
+
+def __getattr__(name: str):
+    # load/save import mlx: only when asked for, so that importing the package stays light
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mlx_rwkvx' has no attribute {name!r}")

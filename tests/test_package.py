@@ -12,7 +12,7 @@ from mlx_rwkvx.ops import kernels
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI_SCRIPTS = ("mlx_rwkvx-demo", "mlx_rwkvx-info")
+CLI_SCRIPTS = ("mlx_rwkvx-demo", "mlx_rwkvx-info", "mlx_rwkvx-convert")
 
 
 def test_kernel_sources_readable():

@@ -45,6 +45,7 @@ class ModelConfig:
     moba_chunk_size: int = 256
     moba_top_k: int = 3
     tie_embeddings: bool = False
+    quantization: dict | None = None  # {"group_size": 64, "bits": 8} once quantized
 
     def __post_init__(self):
         self.block_types = list(self.block_types)

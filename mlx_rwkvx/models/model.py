@@ -17,6 +17,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+GROUP_SIZE = 64
+# RWKV-7's low-rank projections are small and sensitive: they stay in floating point
+_LOW_RANK = (".decay.", ".iclr.", ".value_mix.", ".gate.")
+
+
+def quantizable(path: str, module: nn.Module) -> bool:
+    """Every large projection, the head and the embedding; not RWKV-7's low-rank matrices."""
+    if not isinstance(module, (nn.Linear, nn.Embedding)) or any(s in path for s in _LOW_RANK):
+        return False
+    return module.weight.shape[-1] % GROUP_SIZE == 0
+
 
 class Model(nn.Module):
     """A model of ``cfg``. ``init``: ``"seeds"`` (default, seeded and non-degenerate),
@@ -46,6 +57,13 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(C, cfg.vocab_size, bias=False)
         if init is not None:
             initialise(self, init, seed)
+
+    def quantize(self, bits: int = 8, group_size: int = GROUP_SIZE) -> Model:
+        """Quantize the large projections, head and embedding in place (``nn.QuantizedLinear``,
+        ``nn.QuantizedEmbedding``); RWKV-7's low-rank projections and the norms stay float."""
+        nn.quantize(self, group_size, bits, class_predicate=quantizable)
+        self.config.quantization = {"group_size": group_size, "bits": bits}
+        return self
 
     def make_cache(self) -> list:
         """One cache per block: ArraysCache(3) (RWKV), MobaBlockCache (MoBA), KVCache (Qwen2)."""

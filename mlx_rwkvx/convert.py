@@ -1,0 +1,155 @@
+"""``python -m mlx_rwkvx.convert SRC DST``: convert a checkpoint between formats.
+
+SRC is any format ``mlx_rwkvx.load`` reads. DST is written as ``--to native`` (a folder, or one
+``.safetensors`` with the config in its metadata), ``hf`` (Hugging Face: plain RWKV-7 or Qwen2)
+or ``blinkdl`` (BlinkDL's names, ``.safetensors``). ``--quantize int8`` stores INT8 weights
+(native only). ``--to-rfa`` turns a Qwen2 checkpoint into an RFA model: the attention of every
+layer not listed in ``--qwen-layers`` becomes an ARWKV time-mix initialised from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mlx_rwkvx.io.formats import CheckpointError, to_blinkdl, write_hf, write_native
+from mlx_rwkvx.io.load import load_model
+from mlx_rwkvx.models.config import rfa_config
+from mlx_rwkvx.models.model import Model
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def qwen2_to_rfa(model: Model, qwen_layers: list[int], seed: int = 0) -> Model:
+    """An RFA model from a model of Qwen2 blocks: layers not in ``qwen_layers`` get an ARWKV
+    time-mix with receptance from q_proj, key and value from k_proj and v_proj repeated over the
+    KV groups, output from o_proj, the rest the default init; MLP and norms are kept. The q, k, v
+    biases of replaced layers have no place in a time-mix and are dropped."""
+    cfg = model.config
+    if set(cfg.block_types) != {"qwen2"}:
+        raise ValueError("--to-rfa needs a Qwen2 checkpoint (a model of Qwen2 blocks only)")
+    n = len(cfg.block_types)
+    bad = [i for i in qwen_layers if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"--qwen-layers {bad} outside 0..{n - 1}")
+    if cfg.n_q_heads * cfg.attn_head_dim != cfg.hidden_size:
+        raise ValueError("--to-rfa needs n_q_heads * head_dim == hidden_size")
+    fields = {k: v for k, v in cfg.to_dict().items() if k not in ("block_types", "quantization")}
+    fields.update(
+        block_types=["qwen2" if i in qwen_layers else "rwkv7" for i in range(n)],
+        head_size=cfg.attn_head_dim if cfg.attn_head_dim in (16, 32, 64, 128) else 64,
+        rwkv_norm="rms",
+        rwkv_ffn="swiglu",
+        use_gate=False,
+        use_ln_x=False,
+        ln0=False,
+        final_norm="rms",
+    )
+    new = Model(rfa_config(**fields), seed=seed)
+    groups = cfg.n_q_heads // cfg.n_kv_heads
+    D = cfg.attn_head_dim
+    for old, block in zip(model.layers, new.layers, strict=True):
+        if block.kind == "qwen2":
+            block.update(old.parameters())
+            continue
+        attn = old.self_attn
+
+        def per_query_head(w):  # [n_kv * D, C] -> [n_q * D, C]: each KV head G times
+            return mx.repeat(w.reshape(cfg.n_kv_heads, D, -1), groups, axis=0).reshape(
+                -1, w.shape[-1]
+            )
+
+        block.tmix.receptance.weight = attn.q_proj.weight
+        block.tmix.key.weight = per_query_head(attn.k_proj.weight)
+        block.tmix.value.weight = per_query_head(attn.v_proj.weight)
+        block.tmix.output.weight = attn.o_proj.weight
+        block.ln1.weight = old.input_layernorm.weight
+        block.ln2.weight = old.post_attention_layernorm.weight
+        block.ffn.update(old.mlp.parameters())
+    new.embed.update(model.embed.parameters())
+    new.norm.update(model.norm.parameters())
+    if "lm_head" in model:
+        new.lm_head.update(model.lm_head.parameters())
+    return new
+
+
+def convert(
+    src: str,
+    dst: str,
+    *,
+    to: str = "native",
+    quantize=None,
+    dtype=None,
+    to_rfa: bool = False,
+    qwen_layers=None,
+) -> Model:
+    """Read ``src``, transform, write ``dst``; returns the written model."""
+    if quantize and to != "native":
+        raise ValueError("--quantize writes INT8 weights, which only the native format holds")
+    model = load_model(src, dtype=DTYPES[dtype] if dtype else None)
+    if to_rfa:
+        n = len(model.config.block_types)
+        layers = qwen_layers if qwen_layers is not None else list(range(3, n, 4))
+        model = qwen2_to_rfa(model, layers)
+    if quantize:
+        model.quantize(bits=8)
+        mx.eval(model.parameters())
+    tensors = dict(tree_flatten(model.parameters()))
+    if to == "native":
+        write_native(dst, model.config, tensors)
+    elif to == "hf":
+        write_hf(dst, model.config, tensors)
+    else:
+        if not dst.endswith(".safetensors"):
+            raise ValueError("--to blinkdl writes one .safetensors file: give DST that name")
+        mx.save_safetensors(dst, to_blinkdl(model.config, tensors))
+    return model
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_rwkvx.convert",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("src", help="checkpoint to read (folder, .safetensors or .pth)")
+    parser.add_argument("dst", help="where to write")
+    parser.add_argument("--to", choices=("native", "hf", "blinkdl"), default="native")
+    parser.add_argument("--quantize", choices=("int8",), default=None)
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="cast floating weights (default: as stored)",
+    )
+    parser.add_argument("--to-rfa", action="store_true", help="Qwen2 -> RFA (see above)")
+    parser.add_argument(
+        "--qwen-layers",
+        default=None,
+        help="comma-separated layers kept as Qwen2 (default: 3, 7, 11, ...)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        layers = None
+        if args.qwen_layers is not None:
+            layers = [int(x) for x in args.qwen_layers.split(",") if x.strip()]
+        convert(
+            args.src,
+            args.dst,
+            to=args.to,
+            quantize=args.quantize,
+            dtype=args.dtype,
+            to_rfa=args.to_rfa,
+            qwen_layers=layers,
+        )
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"mlx_rwkvx.convert: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {args.dst} ({args.to})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Checkpoints (every format we read, the native one we write) and tokenizers."""

@@ -1,0 +1,523 @@
+"""Checkpoint formats: detection, reading into native tensor names, writing.
+
+Native names are our module paths (``layers.3.tmix.receptance.weight``). Formats read:
+
+- ``native``: a folder with ``config.json`` (``"format": "mlx_rwkvx"``) and ``model.safetensors``
+  (optional ``adapters.safetensors``);
+- ``native_file``: one ``.safetensors`` whose metadata holds the config (incl. ``block_types``);
+- ``hf_rwkv7``: Hugging Face RWKV-7 as flash-linear-attention and mlx-lm name it;
+- ``hf_qwen2``: Hugging Face Qwen2 (loaded as a model of Qwen2 blocks);
+- ``blinkdl``: BlinkDL's ``.pth`` (read without torch) or its ``.safetensors`` export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+
+from mlx_rwkvx.io.pth import PthError, read_pth
+from mlx_rwkvx.models.config import ModelConfig, rfa_config
+
+import mlx.core as mx
+
+FORMAT_TAG = "mlx_rwkvx"
+WEIGHTS_FILE = "model.safetensors"
+ADAPTERS_FILE = "adapters.safetensors"
+CONFIG_FILE = "config.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: the message names the file and the tensor."""
+
+
+# --------------------------------------------------------------------------- reading tensors
+
+
+def read_safetensors(path: str) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Tensors and metadata of one ``.safetensors`` file (lazy: read when evaluated)."""
+    try:
+        tensors, metadata = mx.load(path, return_metadata=True)
+    except Exception as e:  # MLX raises RuntimeError/ValueError for damaged files
+        raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
+    return tensors, metadata or {}
+
+
+def read_folder_safetensors(folder: str) -> dict[str, mx.array]:
+    """Every ``*.safetensors`` in a folder (a sharded checkpoint), adapters excluded."""
+    names = sorted(
+        n for n in os.listdir(folder) if n.endswith(".safetensors") and n != ADAPTERS_FILE
+    )
+    if not names:
+        raise CheckpointError(f"{folder}: no .safetensors weights in the folder")
+    tensors: dict[str, mx.array] = {}
+    for name in names:
+        part, _ = read_safetensors(os.path.join(folder, name))
+        tensors.update(part)
+    return tensors
+
+
+def _from_pth(path: str) -> dict[str, mx.array]:
+    try:
+        state = read_pth(path)
+    except PthError as e:
+        raise CheckpointError(str(e)) from e
+    out = {}
+    for name, t in state.items():
+        x = mx.array(t.array)
+        out[name] = x.view(mx.bfloat16) if t.bfloat16 else x
+    return out
+
+
+# --------------------------------------------------------------------------- detection
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read JSON ({e})") from e
+
+
+def detect(path: str) -> str:
+    """The format of ``path`` (see the module docstring). Raises CheckpointError if unknown."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file or folder")
+    if os.path.isdir(path):
+        cfg_path = os.path.join(path, CONFIG_FILE)
+        if not os.path.exists(cfg_path):
+            raise CheckpointError(f"{path}: a checkpoint folder needs {CONFIG_FILE}")
+        cfg = _read_json(cfg_path)
+        if cfg.get("format") == FORMAT_TAG:
+            return "native"
+        kind = cfg.get("model_type")
+        if kind in ("rwkv7", "qwen2"):
+            return f"hf_{kind}"
+        raise CheckpointError(
+            f"{cfg_path}: unknown checkpoint (model_type {kind!r}; expected an mlx_rwkvx "
+            "config, or model_type rwkv7 or qwen2)"
+        )
+    if path.endswith(".pth"):
+        return "blinkdl"
+    if path.endswith(".safetensors"):
+        tensors, metadata = read_safetensors(path)
+        if metadata.get("format") == FORMAT_TAG:
+            return "native_file"
+        if "emb.weight" in tensors and any(n.startswith("blocks.0.att.") for n in tensors):
+            return "blinkdl"
+        raise CheckpointError(
+            f"{path}: unknown safetensors checkpoint (no mlx_rwkvx config in its metadata, and "
+            "not BlinkDL's RWKV-7 naming)"
+        )
+    raise CheckpointError(
+        f"{path}: unknown checkpoint format (expected a folder, .safetensors or .pth)"
+    )
+
+
+# --------------------------------------------------------------------------- name mappings
+# Each mapping turns a format's tensor dict into native names. A rule is
+# (pattern on the format's name, native template, transform).
+
+
+def _flat(x: mx.array) -> mx.array:
+    return x.reshape(-1)
+
+
+def _t(x: mx.array) -> mx.array:
+    return x.T
+
+
+_BLINKDL_TMIX = {
+    "x_r": ("x_r", _flat),
+    "x_w": ("x_w", _flat),
+    "x_k": ("x_k", _flat),
+    "x_v": ("x_v", _flat),
+    "x_a": ("x_a", _flat),
+    "x_g": ("x_g", _flat),
+    "w0": ("decay.up.bias", _flat),
+    "w1": ("decay.down.weight", _t),
+    "w2": ("decay.up.weight", _t),
+    "a0": ("iclr.up.bias", _flat),
+    "a1": ("iclr.down.weight", _t),
+    "a2": ("iclr.up.weight", _t),
+    "v0": ("value_mix.up.bias", _flat),
+    "v1": ("value_mix.down.weight", _t),
+    "v2": ("value_mix.up.weight", _t),
+    "g1": ("gate.down.weight", _t),
+    "g2": ("gate.up.weight", _t),
+    "k_k": ("k_k", _flat),
+    "k_a": ("k_a", _flat),
+    "r_k": ("r_k", None),
+    "receptance.weight": ("receptance.weight", None),
+    "key.weight": ("key.weight", None),
+    "value.weight": ("value.weight", None),
+    "output.weight": ("output.weight", None),
+    "ln_x.weight": ("ln_x.weight", None),
+    "ln_x.bias": ("ln_x.bias", None),
+}
+
+
+def _blinkdl_rule(name: str) -> tuple[str, Callable | None] | None:
+    fixed = {
+        "emb.weight": "embed.weight",
+        "blocks.0.ln0.weight": "ln0.weight",
+        "blocks.0.ln0.bias": "ln0.bias",
+        "ln_out.weight": "norm.weight",
+        "ln_out.bias": "norm.bias",
+        "head.weight": "lm_head.weight",
+    }
+    if name in fixed:
+        return fixed[name], None
+    m = re.fullmatch(r"blocks\.(\d+)\.(ln1|ln2)\.(weight|bias)", name)
+    if m:
+        return f"layers.{m[1]}.{m[2]}.{m[3]}", None
+    m = re.fullmatch(r"blocks\.(\d+)\.att\.(.+)", name)
+    if m and m[2] in _BLINKDL_TMIX:
+        target, fn = _BLINKDL_TMIX[m[2]]
+        return f"layers.{m[1]}.tmix.{target}", fn
+    m = re.fullmatch(r"blocks\.(\d+)\.ffn\.(x_k|key\.weight|value\.weight)", name)
+    if m:
+        return f"layers.{m[1]}.ffn.{m[2]}", _flat if m[2] == "x_k" else None
+    return None
+
+
+_HF_RWKV_TMIX = {
+    "x_r": ("x_r", _flat),
+    "x_w": ("x_w", _flat),
+    "x_k": ("x_k", _flat),
+    "x_v": ("x_v", _flat),
+    "x_a": ("x_a", _flat),
+    "x_g": ("x_g", _flat),
+    "k_k": ("k_k", _flat),
+    "k_a": ("k_a", _flat),
+    "r_k": ("r_k", None),
+    "r_proj.weight": ("receptance.weight", None),
+    "k_proj.weight": ("key.weight", None),
+    "v_proj.weight": ("value.weight", None),
+    "o_proj.weight": ("output.weight", None),
+    "w_lora.lora.0.weight": ("decay.down.weight", None),
+    "w_lora.lora.2.weight": ("decay.up.weight", None),
+    "w_lora.lora.2.bias": ("decay.up.bias", None),
+    "a_lora.lora.0.weight": ("iclr.down.weight", None),
+    "a_lora.lora.2.weight": ("iclr.up.weight", None),
+    "a_lora.lora.2.bias": ("iclr.up.bias", None),
+    "v_lora.lora.0.weight": ("value_mix.down.weight", None),
+    "v_lora.lora.2.weight": ("value_mix.up.weight", None),
+    "v_lora.lora.2.bias": ("value_mix.up.bias", None),
+    "g_lora.lora.0.weight": ("gate.down.weight", None),
+    "g_lora.lora.2.weight": ("gate.up.weight", None),
+    "g_norm.weight": ("ln_x.weight", _flat),
+    "g_norm.bias": ("ln_x.bias", _flat),
+}
+
+
+def _hf_rwkv7_rule(name: str) -> tuple[str, Callable | None] | None:
+    name = name.removeprefix("model.")
+    fixed = {
+        "embeddings.weight": "embed.weight",
+        "layers.0.pre_norm.weight": "ln0.weight",
+        "layers.0.pre_norm.bias": "ln0.bias",
+        "norm.weight": "norm.weight",
+        "norm.bias": "norm.bias",
+        "lm_head.weight": "lm_head.weight",
+    }
+    if name in fixed:
+        return fixed[name], None
+    m = re.fullmatch(r"layers\.(\d+)\.(attn_norm|ffn_norm)\.(weight|bias)", name)
+    if m:
+        return f"layers.{m[1]}.{'ln1' if m[2] == 'attn_norm' else 'ln2'}.{m[3]}", None
+    m = re.fullmatch(r"layers\.(\d+)\.attn\.(.+)", name)
+    if m and m[2] in _HF_RWKV_TMIX:
+        target, fn = _HF_RWKV_TMIX[m[2]]
+        return f"layers.{m[1]}.tmix.{target}", fn
+    m = re.fullmatch(r"layers\.(\d+)\.ffn\.(x_k|key\.weight|value\.weight)", name)
+    if m:
+        return f"layers.{m[1]}.ffn.{m[2]}", _flat if m[2] == "x_k" else None
+    return None
+
+
+def _hf_qwen2_rule(name: str) -> tuple[str, Callable | None] | None:
+    name = name.removeprefix("model.")
+    if name == "embed_tokens.weight":
+        return "embed.weight", None
+    if name in ("norm.weight", "lm_head.weight"):
+        return name, None
+    if name.startswith("layers.") and ".rotary_emb." not in name:
+        return name, None  # our Qwen2 blocks use Hugging Face's names
+    return None
+
+
+def _rename(path: str, tensors: dict, rule) -> dict[str, mx.array]:
+    out = {}
+    for name, x in tensors.items():
+        mapped = rule(name)
+        if mapped is None:
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} for this format")
+        target, fn = mapped
+        out[target] = x if fn is None else fn(x)
+    return out
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def _need(path: str, tensors: dict, name: str) -> mx.array:
+    if name not in tensors:
+        raise CheckpointError(f"{path}: missing tensor {name!r}")
+    return tensors[name]
+
+
+def _rwkv7_config_from_native(path: str, t: dict, **extra) -> ModelConfig:
+    """An RWKV-7 config inferred from native-named tensors (formats without a config)."""
+    vocab, C = _need(path, t, "embed.weight").shape
+    layers = sorted({int(n.split(".")[1]) for n in t if n.startswith("layers.")})
+    if not layers:
+        raise CheckpointError(f"{path}: no RWKV blocks found")
+    H, N = _need(path, t, "layers.0.tmix.r_k").shape
+    tm = "layers.0.tmix"
+    gate = f"{tm}.gate.down.weight" in t
+    v_rank = (
+        t["layers.1.tmix.value_mix.down.weight"].shape[0]
+        if "layers.1.tmix.value_mix.down.weight" in t
+        else None
+    )
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=C,
+        block_types=["rwkv7"] * (layers[-1] + 1),
+        head_size=N,
+        intermediate_size=_need(path, t, "layers.0.ffn.key.weight").shape[0],
+        decay_low_rank=_need(path, t, f"{tm}.decay.down.weight").shape[0],
+        a_low_rank=_need(path, t, f"{tm}.iclr.down.weight").shape[0],
+        v_low_rank=v_rank,
+        gate_low_rank=t[f"{tm}.gate.down.weight"].shape[0] if gate else None,
+        use_gate=gate,
+        use_ln_x=f"{tm}.ln_x.weight" in t,
+        ln0="ln0.weight" in t,
+        tie_embeddings="lm_head.weight" not in t,
+        **extra,
+    )
+
+
+def read_checkpoint(path: str) -> tuple[ModelConfig, dict[str, mx.array], str]:
+    """(config, native-named tensors, format) of any supported checkpoint."""
+    fmt = detect(path)
+    if fmt == "native":
+        cfg = _config_from_dict(path, _read_json(os.path.join(path, CONFIG_FILE)))
+        weights = os.path.join(path, WEIGHTS_FILE)
+        if not os.path.exists(weights):
+            raise CheckpointError(f"{path}: missing {WEIGHTS_FILE}")
+        tensors, _ = read_safetensors(weights)
+        return cfg, tensors, fmt
+    if fmt == "native_file":
+        tensors, metadata = read_safetensors(path)
+        try:
+            cfg_dict = json.loads(metadata["config"])
+        except (KeyError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: bad or missing 'config' in the metadata ({e})") from e
+        return _config_from_dict(path, cfg_dict), tensors, fmt
+    if fmt == "blinkdl":
+        raw = _from_pth(path) if path.endswith(".pth") else read_safetensors(path)[0]
+        tensors = _rename(path, raw, _blinkdl_rule)
+        return _rwkv7_config_from_native(path, tensors), tensors, fmt
+    hf = _read_json(os.path.join(path, CONFIG_FILE))
+    raw = read_folder_safetensors(path)
+    if fmt == "hf_rwkv7":
+        tensors = _rename(path, raw, _hf_rwkv7_rule)
+        cfg = _rwkv7_config_from_native(path, tensors, norm_eps=hf.get("norm_eps", 1e-5))
+        return cfg, tensors, fmt
+    tensors = _rename(path, raw, _hf_qwen2_rule)
+    return _qwen2_config(path, hf), tensors, fmt
+
+
+def _config_from_dict(path: str, d: dict) -> ModelConfig:
+    d = {k: v for k, v in d.items() if k != "format"}
+    try:
+        return ModelConfig.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: bad config ({e})") from e
+
+
+def _qwen2_config(path: str, hf: dict) -> ModelConfig:
+    try:
+        n_heads = hf["num_attention_heads"]
+        return rfa_config(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            block_types=["qwen2"] * hf["num_hidden_layers"],
+            intermediate_size=hf["intermediate_size"],
+            n_q_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads", n_heads),
+            attn_head_dim=hf["hidden_size"] // n_heads,
+            rope_theta=hf.get("rope_theta", 1e6),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_embeddings=hf.get("tie_word_embeddings", False),
+            head_size=64 if hf["hidden_size"] % 64 == 0 else 32,
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)}: missing field {e}") from e
+
+
+# --------------------------------------------------------------------------- writing other formats
+
+
+def _row(x: mx.array) -> mx.array:
+    return x.reshape(1, 1, -1)
+
+
+def _inverse(table: dict, row_names: tuple) -> dict:
+    """native tmix suffix -> (format suffix, transform) from a format's reading table."""
+    inv = {}
+    for fmt_name, (native, fn) in table.items():
+        back = _t if fn is _t else (_row if fmt_name in row_names else None)
+        inv[native] = (fmt_name, back)
+    return inv
+
+
+_ROW_LERPS = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+_TO_BLINKDL = _inverse(_BLINKDL_TMIX, _ROW_LERPS + ("w0", "a0", "v0", "k_k", "k_a"))
+_TO_HF_RWKV = _inverse(_HF_RWKV_TMIX, _ROW_LERPS)
+
+
+def _rwkv7_only(cfg: ModelConfig, fmt: str) -> None:
+    if set(cfg.block_types) != {"rwkv7"} or cfg.rwkv_ffn != "channel_mix" or not cfg.use_gate:
+        raise CheckpointError(f"only plain RWKV-7 models can be written as {fmt}; use native")
+
+
+def to_blinkdl(cfg: ModelConfig, tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Native tensors of a plain RWKV-7 model in BlinkDL's names and shapes (``.pth`` layout)."""
+    _rwkv7_only(cfg, "BlinkDL")
+    fixed = {
+        "embed.weight": "emb.weight",
+        "ln0.weight": "blocks.0.ln0.weight",
+        "ln0.bias": "blocks.0.ln0.bias",
+        "norm.weight": "ln_out.weight",
+        "norm.bias": "ln_out.bias",
+        "lm_head.weight": "head.weight",
+    }
+    out = {}
+    for name, x in tensors.items():
+        if name in fixed:
+            out[fixed[name]] = x
+            continue
+        _, i, part, rest = name.split(".", 3)
+        if part == "tmix":
+            fmt_name, fn = _TO_BLINKDL[rest]
+            out[f"blocks.{i}.att.{fmt_name}"] = x if fn is None else fn(x)
+        elif part == "ffn":
+            out[f"blocks.{i}.ffn.{rest}"] = _row(x) if rest == "x_k" else x
+        else:  # ln1, ln2
+            out[f"blocks.{i}.{part}.{rest}"] = x
+    return out
+
+
+def to_hf(cfg: ModelConfig, tensors: dict[str, mx.array]) -> tuple[dict, dict[str, mx.array]]:
+    """(config.json, tensors) in Hugging Face form: RWKV-7 as flash-linear-attention names it,
+    or Qwen2 for a model of Qwen2 blocks only. Hybrids have no Hugging Face form."""
+    if set(cfg.block_types) == {"qwen2"}:
+        hf = {
+            "model_type": "qwen2",
+            "architectures": ["Qwen2ForCausalLM"],
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": len(cfg.block_types),
+            "num_attention_heads": cfg.n_q_heads,
+            "num_key_value_heads": cfg.n_kv_heads,
+            "rope_theta": cfg.rope_theta,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "tie_word_embeddings": cfg.tie_embeddings,
+        }
+        out = {("model." + n if n != "lm_head.weight" else n): x for n, x in tensors.items()}
+        out["model.embed_tokens.weight"] = out.pop("model.embed.weight")
+        return hf, out
+    _rwkv7_only(cfg, "Hugging Face")
+    hf = {
+        "model_type": "rwkv7",
+        "architectures": ["RWKV7ForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "head_dim": cfg.head_size,
+        "num_heads": cfg.n_heads,
+        "num_hidden_layers": len(cfg.block_types),
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_ratio": None,
+        "decay_low_rank_dim": cfg.decay_low_rank,
+        "a_low_rank_dim": cfg.a_low_rank,
+        "v_low_rank_dim": cfg.v_low_rank,
+        "gate_low_rank_dim": cfg.gate_low_rank,
+        "norm_eps": cfg.norm_eps,
+        "norm_first": cfg.ln0,
+        "tie_word_embeddings": cfg.tie_embeddings,
+    }
+    fixed = {
+        "embed.weight": "model.embeddings.weight",
+        "ln0.weight": "model.layers.0.pre_norm.weight",
+        "ln0.bias": "model.layers.0.pre_norm.bias",
+        "norm.weight": "model.norm.weight",
+        "norm.bias": "model.norm.bias",
+        "lm_head.weight": "lm_head.weight",
+    }
+    out = {}
+    for name, x in tensors.items():
+        if name in fixed:
+            out[fixed[name]] = x
+            continue
+        _, i, part, rest = name.split(".", 3)
+        if part == "tmix":
+            fmt_name, fn = _TO_HF_RWKV[rest]
+            out[f"model.layers.{i}.attn.{fmt_name}"] = x if fn is None else fn(x)
+        elif part == "ffn":
+            out[f"model.layers.{i}.ffn.{rest}"] = x  # flash-linear-attention keeps x_k [C]
+        else:
+            norm = "attn_norm" if part == "ln1" else "ffn_norm"
+            out[f"model.layers.{i}.{norm}.{rest}"] = x
+    return hf, out
+
+
+def write_hf(path: str, cfg: ModelConfig, tensors: dict[str, mx.array]) -> None:
+    """A Hugging Face folder (``config.json``, ``model.safetensors``), written atomically."""
+    hf, out = to_hf(cfg, tensors)
+    os.makedirs(path, exist_ok=True)
+    _atomic_safetensors(os.path.join(path, WEIGHTS_FILE), out, {"format": "pt"})
+    _atomic_text(os.path.join(path, CONFIG_FILE), json.dumps(hf, indent=2))
+
+
+# --------------------------------------------------------------------------- writing native
+
+
+def write_native(path: str, cfg: ModelConfig, tensors: dict[str, mx.array]) -> None:
+    """A native folder (``config.json`` + ``model.safetensors``) or, for a path ending in
+    ``.safetensors``, one file with the config in its metadata. Written atomically: to a
+    temporary name, then renamed, so an interrupted save never leaves a damaged checkpoint."""
+    if path.endswith(".safetensors"):
+        meta = {
+            "format": FORMAT_TAG,
+            "config": cfg.to_json(),
+            "block_types": json.dumps(cfg.block_types),
+        }
+        _atomic_safetensors(path, tensors, meta)
+        return
+    os.makedirs(path, exist_ok=True)
+    _atomic_safetensors(os.path.join(path, WEIGHTS_FILE), tensors, {"format": FORMAT_TAG})
+    _atomic_text(
+        os.path.join(path, CONFIG_FILE),
+        json.dumps({"format": FORMAT_TAG, **cfg.to_dict()}, indent=2),
+    )
+
+
+def _atomic_safetensors(path: str, tensors: dict, metadata: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}.safetensors"
+    mx.save_safetensors(tmp, tensors, metadata=metadata)
+    os.replace(tmp, path)
+
+
+def _atomic_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

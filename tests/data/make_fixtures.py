@@ -1,0 +1,42 @@
+"""Writes the committed BlinkDL ``.pth`` fixtures (run once; CI never runs it).
+
+    python tests/data/make_fixtures.py export   # with mlx_rwkvx: writes tiny_rwkv7.npz
+    python tests/data/make_fixtures.py pth      # with torch: tiny_rwkv7{,_bf16}.pth from it
+
+The model is ``FIXTURE_CONFIG`` with the seeds' init, seed ``FIXTURE_SEED``, in BlinkDL's names;
+tests/test_io_formats.py rebuilds the same model and compares.
+"""
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FIXTURE_CONFIG = dict(vocab_size=256, hidden_size=32, head_size=16, block_types=["rwkv7"] * 2)
+FIXTURE_SEED = 7
+
+
+def export() -> None:
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from mlx_rwkvx.io.formats import to_blinkdl
+    from mlx_rwkvx.models import Model, ModelConfig
+
+    cfg = ModelConfig(**FIXTURE_CONFIG)
+    model = Model(cfg, seed=FIXTURE_SEED)
+    tensors = to_blinkdl(cfg, dict(tree_flatten(model.parameters())))
+    np.savez(HERE / "tiny_rwkv7.npz", **{k: np.array(v) for k, v in tensors.items()})
+
+
+def pth() -> None:
+    import numpy as np
+    import torch
+
+    arrays = np.load(HERE / "tiny_rwkv7.npz")
+    state = {k: torch.from_numpy(arrays[k].copy()) for k in arrays.files}
+    torch.save(state, HERE / "tiny_rwkv7.pth")
+    torch.save({k: v.bfloat16() for k, v in state.items()}, HERE / "tiny_rwkv7_bf16.pth")
+
+
+if __name__ == "__main__":
+    {"export": export, "pth": pth}[sys.argv[1]]()

@@ -1,0 +1,310 @@
+"""Every checkpoint format loads into the same model; bad files give one clear error."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx_rwkvx
+from mlx_rwkvx.convert import convert, qwen2_to_rfa
+from mlx_rwkvx.io.formats import CheckpointError, detect, to_blinkdl, write_hf
+from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
+from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+DATA = Path(__file__).parent / "data"
+sys.path.insert(0, str(DATA))
+from make_fixtures import FIXTURE_CONFIG, FIXTURE_SEED  # noqa: E402
+
+TOKENS = mx.array([[1, 5, 9, 200, 3, 3, 77, 12, 0, 255]])
+
+
+def rwkv7_cfg(**kw):
+    return ModelConfig(
+        vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"] * 3, **kw
+    )
+
+
+def qwen2_cfg():
+    return rfa_config(
+        vocab_size=256,
+        hidden_size=64,
+        head_size=16,
+        block_types=["qwen2"] * 4,
+        n_q_heads=4,
+        n_kv_heads=2,
+        intermediate_size=96,
+    )
+
+
+def params(model) -> dict:
+    return dict(tree_flatten(model.parameters()))
+
+
+def same_model(a, b) -> bool:
+    pa, pb = params(a), params(b)
+    return pa.keys() == pb.keys() and all(mx.array_equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.parametrize("cfg", [rwkv7_cfg(), preset("rwkv-x-tiny"), qwen2_cfg()], ids=str)
+@pytest.mark.parametrize("single_file", [False, True])
+def test_native_round_trip(tmp_path, cfg, single_file):
+    model = Model(cfg, seed=4)
+    path = str(tmp_path / ("m.safetensors" if single_file else "m"))
+    mlx_rwkvx.save(model, path)
+    assert detect(path) == ("native_file" if single_file else "native")
+    loaded, tokenizer = mlx_rwkvx.load(path)
+    assert loaded.config.to_dict() == cfg.to_dict()
+    assert same_model(loaded, model)
+    assert isinstance(tokenizer, ByteTokenizer)
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]  # atomic writes leave nothing
+
+
+def test_single_file_metadata_carries_block_types(tmp_path):
+    model = Model(preset("rwkv-x-tiny"))
+    path = str(tmp_path / "hybrid.safetensors")
+    mlx_rwkvx.save(model, path)
+    _, metadata = mx.load(path, return_metadata=True)
+    assert json.loads(metadata["block_types"]) == model.config.block_types
+
+
+@pytest.mark.parametrize("name", ["tiny_rwkv7.pth", "tiny_rwkv7_bf16.pth"])
+def test_blinkdl_pth_without_torch(name):
+    # written once by torch.save (tests/data/make_fixtures.py); read here with no torch at all
+    expected = Model(ModelConfig(**FIXTURE_CONFIG), seed=FIXTURE_SEED)
+    model, _ = mlx_rwkvx.load(str(DATA / name))
+    assert detect(str(DATA / name)) == "blinkdl"
+    if "bf16" in name:
+        pe, pm = params(expected), params(model)
+        assert all(mx.array_equal(pe[k].astype(mx.bfloat16), pm[k]) for k in pe)
+    else:
+        assert same_model(model, expected)
+    assert "torch" not in sys.modules
+
+
+def test_blinkdl_safetensors_export(tmp_path):
+    model = Model(rwkv7_cfg(), seed=2)
+    path = str(tmp_path / "rwkv7.safetensors")
+    mx.save_safetensors(path, to_blinkdl(model.config, params(model)))
+    loaded, _ = mlx_rwkvx.load(path)
+    assert detect(path) == "blinkdl" and same_model(loaded, model)
+
+
+@pytest.mark.parametrize("cfg", [rwkv7_cfg(), qwen2_cfg()], ids=["rwkv7", "qwen2"])
+def test_hugging_face_formats_match_mlx_lm(tmp_path, cfg):
+    from mlx_lm.utils import load_model
+
+    model = Model(cfg, seed=6)
+    write_hf(str(tmp_path / "hf"), cfg, params(model))
+    loaded, _ = mlx_rwkvx.load(str(tmp_path / "hf"))
+    assert (
+        detect(str(tmp_path / "hf")) == f"hf_{'rwkv7' if 'rwkv7' in cfg.block_types else 'qwen2'}"
+    )
+    assert same_model(loaded, model)
+    # mlx-lm reads the same folder with its own code: an independent check of the names
+    theirs, _ = load_model(tmp_path / "hf")
+    ours = model(TOKENS)
+    err = mx.linalg.norm(theirs(TOKENS) - ours) / mx.linalg.norm(ours)
+    assert err.item() <= 1e-5
+
+
+def test_sharded_hugging_face_folder(tmp_path):
+    model = Model(rwkv7_cfg(), seed=1)
+    write_hf(str(tmp_path), model.config, params(model))
+    tensors = mx.load(str(tmp_path / "model.safetensors"))
+    names = sorted(tensors)
+    os.remove(tmp_path / "model.safetensors")
+    half = len(names) // 2
+    for i, part in enumerate((names[:half], names[half:])):
+        mx.save_safetensors(
+            str(tmp_path / f"model-0000{i + 1}-of-00002.safetensors"), {n: tensors[n] for n in part}
+        )
+    loaded, _ = mlx_rwkvx.load(str(tmp_path))
+    assert same_model(loaded, model)
+
+
+def test_world_tokenizer_for_65536_vocab(tmp_path):
+    cfg = ModelConfig(vocab_size=65536, hidden_size=32, head_size=16, block_types=["rwkv7"])
+    mlx_rwkvx.save(Model(cfg), str(tmp_path / "w"))
+    _, tokenizer = mlx_rwkvx.load(str(tmp_path / "w"))
+    assert isinstance(tokenizer, WorldTokenizer)
+
+
+def test_convert_qwen2_to_rfa(tmp_path):
+    qwen = Model(qwen2_cfg(), seed=3)
+    write_hf(str(tmp_path / "qwen"), qwen.config, params(qwen))
+    rfa = convert(str(tmp_path / "qwen"), str(tmp_path / "rfa"), to_rfa=True, qwen_layers=[1, 3])
+    assert rfa.config.block_types == ["rwkv7", "qwen2", "rwkv7", "qwen2"]
+    assert rfa.config.rwkv_ffn == "swiglu" and not rfa.config.use_gate
+    old0, new0 = qwen.layers[0], rfa.layers[0]
+    assert mx.array_equal(new0.tmix.receptance.weight, old0.self_attn.q_proj.weight)
+    assert mx.array_equal(new0.tmix.output.weight, old0.self_attn.o_proj.weight)
+    k = old0.self_attn.k_proj.weight.reshape(2, 16, 64)  # 2 KV heads of 16
+    for head in range(4):  # query head h reads KV head h // 2
+        got = new0.tmix.key.weight.reshape(4, 16, 64)[head]
+        assert mx.array_equal(got, k[head // 2])
+    assert mx.array_equal(new0.ffn.down_proj.weight, old0.mlp.down_proj.weight)
+    assert mx.array_equal(new0.ln2.weight, old0.post_attention_layernorm.weight)
+    assert same_model(rfa.layers[1], qwen.layers[1])
+    loaded, _ = mlx_rwkvx.load(str(tmp_path / "rfa"))
+    assert same_model(loaded, rfa)
+    assert mx.array_equal(loaded(TOKENS), rfa(TOKENS))
+
+
+def test_convert_cli_round_trip_and_errors(tmp_path):
+    model = Model(rwkv7_cfg(), seed=5)
+    mlx_rwkvx.save(model, str(tmp_path / "src"))
+    run = [sys.executable, "-m", "mlx_rwkvx.convert"]
+    out = subprocess.run(
+        run + [str(tmp_path / "src"), str(tmp_path / "hf"), "--to", "hf"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    loaded, _ = mlx_rwkvx.load(str(tmp_path / "hf"))
+    assert same_model(loaded, model)
+    bad = subprocess.run(
+        run + [str(tmp_path / "nope"), str(tmp_path / "x")], capture_output=True, text=True
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        f"mlx_rwkvx.convert: error: {tmp_path / 'nope'}: no such file or folder"
+    ]
+    hybrid = str(tmp_path / "hybrid")
+    mlx_rwkvx.save(Model(preset("rwkv-x-tiny")), hybrid)
+    bad = subprocess.run(
+        run + [hybrid, str(tmp_path / "y"), "--to", "hf"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "only plain RWKV-7 models" in bad.stderr
+    assert not os.path.exists(tmp_path / "y")
+
+
+def test_int8_load_and_round_trip(tmp_path):
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, head_size=32, block_types=["rwkv7"] * 2)
+    model = Model(cfg, seed=8)
+    mlx_rwkvx.save(model, str(tmp_path / "fp"))
+    q, _ = mlx_rwkvx.load(str(tmp_path / "fp"), quantize="int8")
+    import mlx.nn as nn
+
+    assert isinstance(q.layers[0].tmix.receptance, nn.QuantizedLinear)
+    assert isinstance(q.embed, nn.QuantizedEmbedding) and isinstance(q.lm_head, nn.QuantizedLinear)
+    assert isinstance(q.layers[0].tmix.decay.down, nn.Linear)  # low-rank stays float
+    assert not any(
+        v.dtype == mx.float32 and v.ndim == 2 and v.shape[-1] >= 128
+        for k, v in params(q).items()
+        if "decay" not in k and "iclr" not in k and "value_mix" not in k and "gate" not in k
+    )
+    # INT8 (group 64, per-group scale and bias) vs fp32 logits: within 2% of their norm here
+    # (the error grows with depth and width; this is a 2-layer C=128 model of the seeds' init)
+    ref = model(TOKENS)
+    err = (mx.linalg.norm(q(TOKENS) - ref) / mx.linalg.norm(ref)).item()
+    assert err <= 2e-2
+    mlx_rwkvx.save(q, str(tmp_path / "q8"))
+    q2, _ = mlx_rwkvx.load(str(tmp_path / "q8"))
+    assert same_model(q2, q) and q2.config.quantization == {"group_size": 64, "bits": 8}
+
+
+def test_model_quantize_in_place():
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, head_size=32, block_types=["rwkv7"])
+    model = Model(cfg)
+    ref = model(TOKENS)
+    model.quantize(bits=8)
+    err = (mx.linalg.norm(model(TOKENS) - ref) / mx.linalg.norm(ref)).item()
+    assert 0 < err <= 2e-2
+
+
+def _write_native(tmp_path, change):
+    model = Model(rwkv7_cfg(), seed=1)
+    tensors = params(model)
+    change(tensors)
+    path = str(tmp_path / "bad.safetensors")
+    mx.save_safetensors(
+        path, tensors, metadata={"format": "mlx_rwkvx", "config": model.config.to_json()}
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda t: t.pop("layers.1.tmix.key.weight"),
+            r"missing tensors \['layers.1.tmix.key.weight'\]",
+        ),
+        (
+            lambda t: t.update({"layers.9.extra": mx.zeros(3)}),
+            r"unexpected tensors \['layers.9.extra'\]",
+        ),
+        (
+            lambda t: t.update({"layers.0.ffn.key.weight": mx.zeros((5, 64))}),
+            r"layers.0.ffn.key.weight has shape \(5, 64\), expected \(256, 64\)",
+        ),
+    ],
+    ids=["missing", "unexpected", "shape"],
+)
+def test_bad_tensors_name_the_file_and_tensor(tmp_path, change, message):
+    path = _write_native(tmp_path, change)
+    with pytest.raises(CheckpointError, match=message) as e:
+        mlx_rwkvx.load(path)
+    assert path in str(e.value)
+
+
+def test_truncated_and_unknown_files(tmp_path):
+    model = Model(rwkv7_cfg(), seed=1)
+    good = str(tmp_path / "good.safetensors")
+    mlx_rwkvx.save(model, good)
+    data = Path(good).read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="cut.safetensors"):
+        mlx_rwkvx.load(str(cut))
+    junk = tmp_path / "junk.pth"
+    junk.write_bytes(b"not a zip")
+    with pytest.raises(CheckpointError, match="junk.pth: not a readable PyTorch zip"):
+        mlx_rwkvx.load(str(junk))
+    cut_pth = tmp_path / "cut.pth"
+    cut_pth.write_bytes((DATA / "tiny_rwkv7.pth").read_bytes()[:-4000])
+    with pytest.raises(CheckpointError, match="cut.pth"):
+        mlx_rwkvx.load(str(cut_pth))
+    other = tmp_path / "other.safetensors"
+    mx.save_safetensors(str(other), {"weight": mx.zeros(3)})
+    with pytest.raises(CheckpointError, match="unknown safetensors checkpoint"):
+        mlx_rwkvx.load(str(other))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(CheckpointError, match="model_type 'llama'"):
+        mlx_rwkvx.load(str(tmp_path / "folder"))
+    (tmp_path / "model.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(CheckpointError, match="model.bin: unknown checkpoint format"):
+        mlx_rwkvx.load(str(tmp_path / "model.bin"))
+
+
+def test_pth_refuses_code(tmp_path):
+    import pickle
+    import zipfile
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    path = tmp_path / "evil.pth"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("evil/data.pkl", pickle.dumps({"x": Evil()}))
+    with pytest.raises(CheckpointError, match="refuses to load posix.system"):
+        mlx_rwkvx.load(str(path))
+
+
+def test_qwen2_to_rfa_rejects_other_models():
+    with pytest.raises(ValueError, match="needs a Qwen2 checkpoint"):
+        qwen2_to_rfa(Model(rwkv7_cfg()), [0])
+
+
+def test_loaded_bf16_stays_bf16():
+    model, _ = mlx_rwkvx.load(str(DATA / "tiny_rwkv7_bf16.pth"))
+    assert params(model)["embed.weight"].dtype == mx.bfloat16
+    assert np.isfinite(np.array(model(TOKENS).astype(mx.float32))).all()

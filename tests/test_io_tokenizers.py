@@ -1,0 +1,101 @@
+"""Tokenizers: World equals greedy longest match; all round-trip ASCII, CJK, emoji, bad UTF-8."""
+
+import json
+
+from mlx_rwkvx.io.tokenizers import ByteTokenizer, HFTokenizer, WorldTokenizer, load_tokenizer
+
+import pytest
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "你好，世界。今天天气很好。",
+    "emoji: 😀🎉👍🏽 and flags 🇯🇵",
+    "mixed 日本語 text with\ttabs\nand newlines\r\n  spaces    ",
+    "",
+]
+BAD_UTF8 = [b"\xff\xfe\x00abc", b"\xc3\x28", b"ok \xe2\x82 cut", b"\xf0\x9f\x98"]
+
+
+@pytest.fixture(scope="module")
+def world():
+    return WorldTokenizer()
+
+
+def greedy_longest_match(tok: WorldTokenizer, data: bytes) -> list[int]:
+    """The reference algorithm, written independently: at each position the longest entry."""
+    table = {b: i for i, b in tok.id_to_bytes.items()}
+    longest = max(len(b) for b in table)
+    ids, i = [], 0
+    while i < len(data):
+        for n in range(min(longest, len(data) - i), 0, -1):
+            if data[i : i + n] in table:
+                ids.append(table[data[i : i + n]])
+                i += n
+                break
+        else:
+            raise AssertionError("no match")
+    return ids
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_world_round_trip_and_reference(world, text):
+    ids = world.encode(text)
+    assert world.decode(ids) == text
+    assert ids == greedy_longest_match(world, text.encode("utf-8"))
+
+
+@pytest.mark.parametrize("data", BAD_UTF8)
+def test_world_invalid_utf8_bytes_round_trip(world, data):
+    ids = world.encode_bytes(data)
+    assert world.decode_bytes(ids) == data
+    assert ids == greedy_longest_match(world, data)
+
+
+def test_world_vocabulary(world):
+    assert len(world.id_to_bytes) == 65529 and world.vocab_size == 65530
+    assert all(bytes([b]) in world.id_to_bytes.values() for b in range(256))
+    assert world.encode(" the") == [world.encode(" the")[0]]  # a whole-word token
+    with pytest.raises(ValueError, match="unknown token id 70000"):
+        world.decode([70000])
+
+
+def test_byte_tokenizer_round_trips():
+    tok = ByteTokenizer()
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    for data in BAD_UTF8:
+        assert tok.decode_bytes(tok.encode_bytes(data)) == data
+    with pytest.raises(ValueError, match="outside 0..255"):
+        tok.decode([256])
+
+
+def _tiny_hf_tokenizer(folder):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(TEXTS * 20, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+def test_hf_tokenizer_json(tmp_path):
+    _tiny_hf_tokenizer(tmp_path)
+    tok = load_tokenizer(str(tmp_path), vocab_size=400)
+    assert isinstance(tok, HFTokenizer)
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_token_ids == {tok._tok.token_to_id("<|endoftext|>")}
+
+
+def test_tokenizer_choice(tmp_path):
+    assert isinstance(load_tokenizer(str(tmp_path), 65536), WorldTokenizer)
+    assert isinstance(load_tokenizer(str(tmp_path), 256), ByteTokenizer)
+    with pytest.raises(ValueError, match="no tokenizer.json beside the checkpoint"):
+        load_tokenizer(str(tmp_path), 32000)

@@ -308,3 +308,19 @@ def test_loaded_bf16_stays_bf16():
     model, _ = mlx_rwkvx.load(str(DATA / "tiny_rwkv7_bf16.pth"))
     assert params(model)["embed.weight"].dtype == mx.bfloat16
     assert np.isfinite(np.array(model(TOKENS).astype(mx.float32))).all()
+
+
+def test_quantize_by_row_blocks_equals_whole(tmp_path, monkeypatch):
+    # big tensors are read from disk and quantized a block of rows at a time: same result
+    from mlx_rwkvx.io import load as load_module
+    from mlx_rwkvx.models import init as init_module
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=128, head_size=32, block_types=["rwkv7"] * 2)
+    mlx_rwkvx.save(Model(cfg, seed=9), str(tmp_path / "fp"))
+    whole, _ = mlx_rwkvx.load(str(tmp_path / "fp"), quantize="int8")
+    monkeypatch.setattr(load_module, "ROW_BLOCK_BYTES", 100 * 128 * 4)  # 100 rows a block
+    blocks, _ = mlx_rwkvx.load(str(tmp_path / "fp"), quantize="int8")
+    assert same_model(blocks, whole)
+    monkeypatch.setattr(init_module, "ROW_BLOCK", 100 * 128)  # the random init by blocks too
+    built = load_module.build(cfg, quantize="int8", seed=9)
+    assert same_model(built, Model(cfg, seed=9).quantize(bits=8))

@@ -16,6 +16,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from mlx_rwkvx.io.pth import PthError, read_pth
 from mlx_rwkvx.models.config import ModelConfig, rfa_config
@@ -44,18 +45,50 @@ def read_safetensors(path: str) -> tuple[dict[str, mx.array], dict[str, str]]:
     return tensors, metadata or {}
 
 
-def read_folder_safetensors(folder: str) -> dict[str, mx.array]:
-    """Every ``*.safetensors`` in a folder (a sharded checkpoint), adapters excluded."""
+_ST_DTYPES = {
+    "F32": ("<f4", None),
+    "F16": ("<f2", None),
+    "BF16": ("<u2", mx.bfloat16),
+    "I32": ("<i4", None),
+    "U32": ("<u4", None),
+    "I8": ("i1", None),
+    "U8": ("u1", None),
+}
+
+
+def read_rows(path: str, name: str, start: int, stop: int) -> mx.array:
+    """Rows ``start:stop`` of tensor ``name`` of a ``.safetensors`` file, read from disk alone
+    (a big embedding can be quantized a slice at a time, never whole in floating point)."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        info = header[name]
+        np_dtype, view = _ST_DTYPES[info["dtype"]]
+        shape = info["shape"]
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(np_dtype).itemsize
+        f.seek(8 + header_len + info["data_offsets"][0] + start * row_bytes)
+        raw = f.read((stop - start) * row_bytes)
+    x = mx.array(np.frombuffer(raw, dtype=np_dtype).reshape(stop - start, *shape[1:]))
+    return x.view(view) if view is not None else x
+
+
+def read_folder_safetensors(folder: str) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Every ``*.safetensors`` in a folder (a sharded checkpoint), adapters excluded; and the
+    file of each tensor."""
     names = sorted(
         n for n in os.listdir(folder) if n.endswith(".safetensors") and n != ADAPTERS_FILE
     )
     if not names:
         raise CheckpointError(f"{folder}: no .safetensors weights in the folder")
     tensors: dict[str, mx.array] = {}
+    files: dict[str, str] = {}
     for name in names:
         part, _ = read_safetensors(os.path.join(folder, name))
         tensors.update(part)
-    return tensors
+        files.update(dict.fromkeys(part, os.path.join(folder, name)))
+    return tensors, files
 
 
 def _from_pth(path: str) -> dict[str, mx.array]:
@@ -249,15 +282,18 @@ def _hf_qwen2_rule(name: str) -> tuple[str, Callable | None] | None:
     return None
 
 
-def _rename(path: str, tensors: dict, rule) -> dict[str, mx.array]:
-    out = {}
+def _rename(path: str, tensors: dict, rule) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Native-named tensors, and the stored name of each one kept as stored (no reshape)."""
+    out, kept = {}, {}
     for name, x in tensors.items():
         mapped = rule(name)
         if mapped is None:
             raise CheckpointError(f"{path}: unexpected tensor {name!r} for this format")
         target, fn = mapped
         out[target] = x if fn is None else fn(x)
-    return out
+        if fn is None:
+            kept[target] = name
+    return out, kept
 
 
 # --------------------------------------------------------------------------- configs
@@ -301,8 +337,20 @@ def _rwkv7_config_from_native(path: str, t: dict, **extra) -> ModelConfig:
     )
 
 
-def read_checkpoint(path: str) -> tuple[ModelConfig, dict[str, mx.array], str]:
-    """(config, native-named tensors, format) of any supported checkpoint."""
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds: its config, its tensors under native names, its format, and
+    for tensors stored as is in a .safetensors file, ``(file, stored name)`` (for ``read_rows``).
+    """
+
+    config: ModelConfig
+    tensors: dict[str, mx.array]
+    format: str
+    sources: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    """Any supported checkpoint (see the module docstring), under native names."""
     fmt = detect(path)
     if fmt == "native":
         cfg = _config_from_dict(path, _read_json(os.path.join(path, CONFIG_FILE)))
@@ -310,26 +358,32 @@ def read_checkpoint(path: str) -> tuple[ModelConfig, dict[str, mx.array], str]:
         if not os.path.exists(weights):
             raise CheckpointError(f"{path}: missing {WEIGHTS_FILE}")
         tensors, _ = read_safetensors(weights)
-        return cfg, tensors, fmt
+        return Checkpoint(cfg, tensors, fmt, {n: (weights, n) for n in tensors})
     if fmt == "native_file":
         tensors, metadata = read_safetensors(path)
         try:
             cfg_dict = json.loads(metadata["config"])
         except (KeyError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: bad or missing 'config' in the metadata ({e})") from e
-        return _config_from_dict(path, cfg_dict), tensors, fmt
+        return Checkpoint(
+            _config_from_dict(path, cfg_dict), tensors, fmt, {n: (path, n) for n in tensors}
+        )
     if fmt == "blinkdl":
-        raw = _from_pth(path) if path.endswith(".pth") else read_safetensors(path)[0]
-        tensors = _rename(path, raw, _blinkdl_rule)
-        return _rwkv7_config_from_native(path, tensors), tensors, fmt
+        from_pth = path.endswith(".pth")
+        raw = _from_pth(path) if from_pth else read_safetensors(path)[0]
+        tensors, kept = _rename(path, raw, _blinkdl_rule)
+        sources = {} if from_pth else {n: (path, stored) for n, stored in kept.items()}
+        return Checkpoint(_rwkv7_config_from_native(path, tensors), tensors, fmt, sources)
     hf = _read_json(os.path.join(path, CONFIG_FILE))
-    raw = read_folder_safetensors(path)
+    raw, files = read_folder_safetensors(path)
+    rule = _hf_rwkv7_rule if fmt == "hf_rwkv7" else _hf_qwen2_rule
+    tensors, kept = _rename(path, raw, rule)
+    sources = {n: (files[stored], stored) for n, stored in kept.items()}
     if fmt == "hf_rwkv7":
-        tensors = _rename(path, raw, _hf_rwkv7_rule)
         cfg = _rwkv7_config_from_native(path, tensors, norm_eps=hf.get("norm_eps", 1e-5))
-        return cfg, tensors, fmt
-    tensors = _rename(path, raw, _hf_qwen2_rule)
-    return _qwen2_config(path, hf), tensors, fmt
+    else:
+        cfg = _qwen2_config(path, hf)
+    return Checkpoint(cfg, tensors, fmt, sources)
 
 
 def _config_from_dict(path: str, d: dict) -> ModelConfig:

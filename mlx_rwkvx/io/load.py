@@ -8,9 +8,10 @@ half-loaded model. With ``quantize="int8"`` each large projection is quantized a
 
 from __future__ import annotations
 
-from mlx_rwkvx.io.formats import CheckpointError, read_checkpoint, write_native
+from mlx_rwkvx.io.formats import CheckpointError, read_checkpoint, read_rows, write_native
 from mlx_rwkvx.io.tokenizers import load_tokenizer
 from mlx_rwkvx.models.config import ModelConfig
+from mlx_rwkvx.models.init import seeds_scale, uniform_row_blocks
 from mlx_rwkvx.models.model import GROUP_SIZE, Model, quantizable
 
 import mlx.core as mx
@@ -56,22 +57,89 @@ def _quantized_paths(model: nn.Module) -> set[str]:
 
 
 def build(cfg: ModelConfig, *, quantize=None, init: str | None = "seeds", seed: int = 0) -> Model:
-    """A model of ``cfg``, optionally quantized. The initial values are only computed (lazily)
-    as each layer is quantized, so a quantized random model never holds its float weights."""
-    model = Model(cfg, init=init, seed=seed)
+    """A model of ``cfg`` with a fresh init, optionally quantized layer by layer: with the
+    seeds' init a big matrix is even drawn and quantized a block of rows at a time, so a
+    quantized random model never holds its float weights (the 1.5B preset fits in ~2 GB)."""
+    model = Model(cfg, init=init, seed=seed)  # lazy: nothing is computed yet
     bits = _bits(quantize)
-    if bits:
-        nn.quantize(model, GROUP_SIZE, bits, class_predicate=quantizable)
-        for _, module in model.named_modules():
-            if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-                mx.eval(module.parameters())
+    if not bits:
         mx.eval(model.parameters())
+        return model
+    targets = _quantized_paths(model)
+    scales = {p: seeds_scale(m, "weight") for p, m in model.named_modules() if p in targets}
+    nn.quantize(model, GROUP_SIZE, bits, class_predicate=lambda p, m: p in targets)
+    for path, module in model.named_modules():
+        if path not in targets:
+            continue
+        if init == "seeds":
+            scale, offset = scales[path]
+            blocks = uniform_row_blocks(seed, f"{path}.weight", _shape(module), scale, offset)
+            module.weight, module.scales, module.biases = _quantize_blocks(blocks, bits)
+        mx.eval(module.parameters())
+    mx.eval(model.parameters())
+    model.config.quantization = {"group_size": GROUP_SIZE, "bits": bits}
     return model
+
+
+def _quantize_blocks(blocks: list, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Quantize row blocks (arrays, or ``_RowBlock``s read from disk when their turn comes) one
+    at a time into preallocated outputs, dropping each float block once it is done."""
+    rows = sum(b.shape[0] for b in blocks)
+    out, start = None, 0
+    for i in range(len(blocks)):
+        block, blocks[i] = blocks[i], None
+        if isinstance(block, _RowBlock):
+            block = block.read()
+        parts = mx.quantize(block, GROUP_SIZE, bits)
+        if out is None:
+            out = [mx.zeros((rows, *p.shape[1:]), dtype=p.dtype) for p in parts]
+        n = block.shape[0]
+        for o, p in zip(out, parts, strict=True):
+            o[start : start + n] = p  # in place: the output is its only reference
+        mx.eval(out)
+        start += n
+        del block, parts
+    return tuple(out)
+
+
+def _shape(module: nn.Module) -> tuple[int, int]:
+    """The float weight shape of a quantized module: rows and (packed) input dims unpacked."""
+    rows, packed = module.weight.shape
+    return rows, packed * 32 // module.bits
+
+
+# quantize tensors larger than this a block of rows at a time, read from disk block by block
+ROW_BLOCK_BYTES = 64 << 20
+
+
+def _quantize_weight(ckpt, name: str, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """``mx.quantize`` of one weight; a big one stored as is in a safetensors file is read and
+    quantized a block of rows at a time (quantization groups lie within rows: same result)."""
+    w = ckpt.tensors.pop(name)
+    rows = w.shape[0]
+    step = max(1, ROW_BLOCK_BYTES // (w.size // rows * w.itemsize))
+    if name not in ckpt.sources or rows <= step:
+        return mx.quantize(w, GROUP_SIZE, bits)
+    file, stored = ckpt.sources[name]
+    blocks = [_RowBlock(file, stored, a, min(rows, a + step), w) for a in range(0, rows, step)]
+    return _quantize_blocks(blocks, bits)
+
+
+class _RowBlock:
+    """Rows ``start:stop`` of a stored tensor, read from disk only when quantized."""
+
+    def __init__(self, file, name, start, stop, like):
+        self.args = (file, name, start, stop)
+        self.shape = (stop - start, *like.shape[1:])
+
+    def read(self) -> mx.array:
+        return read_rows(*self.args)
 
 
 def load_model(path: str, *, quantize=None, dtype=None) -> Model:
     """The model of any supported checkpoint (see ``mlx_rwkvx.io.formats``)."""
-    cfg, tensors, _ = read_checkpoint(path)
+    ckpt = read_checkpoint(path)
+    cfg, tensors = ckpt.config, ckpt.tensors
     bits = _bits(quantize)
     stored = cfg.quantization
     model = Model(cfg, init=None)  # lazy: its own initial values are never computed
@@ -82,7 +150,8 @@ def load_model(path: str, *, quantize=None, dtype=None) -> Model:
         bits = None
     _check_tensors(path, expected, tensors)
     if dtype is not None:
-        tensors = {
+        ckpt.sources = {}  # cast tensors are no longer as stored
+        tensors = ckpt.tensors = {
             n: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x
             for n, x in tensors.items()
         }
@@ -94,9 +163,10 @@ def load_model(path: str, *, quantize=None, dtype=None) -> Model:
     nn.quantize(model, GROUP_SIZE, bits, class_predicate=lambda p, m: p in targets)
     modules = dict(model.named_modules())
     for target in sorted(targets):
-        w, scales, biases = mx.quantize(tensors.pop(f"{target}.weight"), GROUP_SIZE, bits)
         module = modules[target]
-        module.weight, module.scales, module.biases = w, scales, biases
+        module.weight, module.scales, module.biases = _quantize_weight(
+            ckpt, f"{target}.weight", bits
+        )
         if f"{target}.bias" in tensors:
             module.bias = tensors.pop(f"{target}.bias")
         mx.eval(module.parameters())  # one layer's float weight at a time, then dropped

@@ -16,13 +16,33 @@ import mlx.nn as nn
 INIT_SCHEMES = ("seeds", "pretrain")
 
 
-def _uniform(seed: int, name: str, shape, scale: float, offset: float = 0.0) -> mx.array:
+ROW_BLOCK = 1 << 22  # elements: large matrices are drawn this many at a time, by rows
+
+
+def _key(seed: int, name: str) -> mx.array:
     # one key per parameter name: the values do not depend on the order of traversal
-    key = mx.random.key((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    return offset + scale * (mx.random.uniform(shape=shape, key=key) - 0.5)
+    return mx.random.key((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
 
 
-def _seeds_scale(module: nn.Module, name: str) -> tuple[float, float]:
+def uniform_row_blocks(seed: int, name: str, shape, scale: float, offset: float = 0.0):
+    """The seeded ``offset + scale * U(-0.5, 0.5)`` of one parameter as blocks of rows (all of
+    it for small ones): a big embedding can be quantized block by block, never whole in float."""
+    if len(shape) != 2 or shape[0] * shape[1] <= ROW_BLOCK:
+        return [offset + scale * (mx.random.uniform(shape=shape, key=_key(seed, name)) - 0.5)]
+    rows = max(1, ROW_BLOCK // shape[1])
+    keys = mx.random.split(_key(seed, name), -(-shape[0] // rows))
+    return [
+        offset + scale * (mx.random.uniform(shape=(min(rows, shape[0] - s), shape[1]), key=k) - 0.5)
+        for s, k in zip(range(0, shape[0], rows), keys, strict=True)
+    ]
+
+
+def _uniform(seed: int, name: str, shape, scale: float, offset: float = 0.0) -> mx.array:
+    blocks = uniform_row_blocks(seed, name, shape, scale, offset)
+    return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=0)
+
+
+def seeds_scale(module: nn.Module, name: str) -> tuple[float, float]:
     """(scale, offset) of ``offset + scale * uniform(-0.5, 0.5)`` for one parameter."""
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm, HeadNorm)):
         return (0.2, 1.0) if name == "weight" else (0.2, 0.0)
@@ -41,7 +61,7 @@ def init_seeded(model: nn.Module, seed: int = 0) -> nn.Module:
         for name, value in list(module.items()):
             if isinstance(value, mx.array):
                 full = f"{path}.{name}" if path else name
-                scale, offset = _seeds_scale(module, name)
+                scale, offset = seeds_scale(module, name)
                 module[name] = _uniform(seed, full, value.shape, scale, offset).astype(value.dtype)
     return model
 
@@ -49,8 +69,7 @@ def init_seeded(model: nn.Module, seed: int = 0) -> nn.Module:
 def _orthogonal(seed: int, name: str, shape, gain: float) -> mx.array:
     """A (semi-)orthogonal matrix times ``gain``, seeded by name (QR of a Gaussian)."""
     rows, cols = shape
-    key = mx.random.key((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    a = mx.random.normal((max(rows, cols), min(rows, cols)), key=key)
+    a = mx.random.normal((max(rows, cols), min(rows, cols)), key=_key(seed, name))
     q, r = mx.linalg.qr(a, stream=mx.cpu)
     q = q * mx.sign(mx.diagonal(r))  # a unique, uniformly distributed Q
     return gain * (q if rows >= cols else q.T)

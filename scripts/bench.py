@@ -3,6 +3,7 @@
     python scripts/bench.py blas
     python scripts/bench.py wkv7
     python scripts/bench.py moba
+    python scripts/bench.py models
 
 Results are appended to BENCHMARKS.md with the machine, the command, the times and every ratio,
 each set beside the physical limits measured in the same run.
@@ -465,6 +466,164 @@ def bench_moba(args) -> None:
     write_section("moba", "python scripts/bench.py moba", lines)
 
 
+def _mlx_lm_twin(model, tmp: str):
+    """mlx-lm's own model with the same weights (through our Hugging Face export)."""
+    from pathlib import Path
+
+    from mlx_rwkvx.io.formats import write_hf
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    write_hf(tmp, model.config, dict(tree_flatten(model.parameters())))
+    theirs, _ = load_model(Path(tmp))
+    return theirs
+
+
+def _linear_params(model) -> int:
+    """Parameters of every Linear (the head included, the embedding not): one read per token."""
+    import mlx.nn as nn
+
+    total = 0
+    for _, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            total += m.weight.size + (m.bias.size if "bias" in m else 0)
+    return total
+
+
+def _decode_rate(model, steps: int = 24) -> float:
+    """Tokens per second of one-token steps with the cache, after a short prefill."""
+    cache = model.make_cache()
+    mx.eval(model(mx.array([[1, 2, 3, 4]]), cache))
+    token = mx.array([[5]])
+
+    def run():
+        nonlocal token
+        for _ in range(steps):
+            logits = model(token, cache)
+            token = mx.argmax(logits[:, -1:], axis=-1)
+            mx.eval(token)
+
+    return steps / best_time(run, repeats=2, warmup=1)
+
+
+def bench_models(args) -> None:
+    import tempfile
+
+    from mlx_rwkvx.io.load import build
+    from mlx_rwkvx.models import ModelConfig, preset
+
+    from mlx.utils import tree_flatten
+
+    rate = matmul_gflops(2048)
+    bandwidth = read_bandwidth_gbs()
+    lines = [
+        f"Limits measured in this run: fp32 matmul {rate:.0f} GFLOP/s (2048^3), memory read "
+        f"{bandwidth:.1f} GB/s.",
+        "",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        # the RWKV-7 0.1B shape, random weights (the seeds' init), ours and mlx-lm's
+        cfg = ModelConfig(vocab_size=65536, hidden_size=768, block_types=["rwkv7"] * 12)
+        ours = build(cfg)
+        theirs = _mlx_lm_twin(ours, tmp + "/hf")
+        tokens = mx.array(np.random.default_rng(0).integers(0, 65536, (1, 1024)))
+        a, b = ours(tokens), theirs(tokens)
+        err = rel_err(a, b)
+        if not err <= 1e-4:
+            raise SystemExit(f"verify failed: logits vs mlx-lm {err:.1e}")
+        t_ours = best_time(lambda: mx.eval(ours(tokens)), repeats=3)
+        t_lm = best_time(lambda: mx.eval(theirs(tokens)), repeats=2)
+        n_lin = _linear_params(ours)
+        bound = 2 * 1024 * n_lin / (rate * 1e9)
+        lines += [
+            f"Verified first: logits of the 12-layer C=768 vocab-65536 model vs mlx-lm's, T=1024: "
+            f"relative error {err:.1e}.",
+            "",
+            "| prefill T=1024, 12 x C=768, vocab 65536 (all logits) | time | vs matmul bound |",
+            "|---|---|---|",
+            f"| matmul bound: 2 T x {n_lin / 1e6:.0f}M Linear+head params / {rate:.0f} GFLOP/s "
+            f"| {bound:.2f} s | 1.00 |",
+            f"| mlx_rwkvx | {t_ours:.2f} s | {t_ours / bound:.2f} |",
+            f"| mlx-lm | {t_lm:.2f} s | {t_lm / bound:.2f} |",
+            "",
+            f"mlx_rwkvx is {t_lm / t_ours:.1f}x faster than mlx-lm here.",
+            "",
+        ]
+        weight_bytes = n_lin * 4
+        decode_bound = bandwidth * 1e9 / weight_bytes
+        rates = {"fp32": _decode_rate(ours), "mlx-lm fp32": _decode_rate(theirs)}
+        bf16 = build(cfg)
+        bf16.set_dtype(mx.bfloat16)
+        rates["bf16"] = _decode_rate(bf16)
+        del bf16
+        rates["int8"] = _decode_rate(build(cfg, quantize="int8"))
+        lines += [
+            f"Decode (one token, cache) of the same model; weight-read bound "
+            f"{weight_bytes / 1e6:.0f} MB fp32 / {bandwidth:.1f} GB/s = {decode_bound:.1f} tok/s.",
+            "",
+            "| decode | tok/s | of the fp32 bound |",
+            "|---|---|---|",
+        ]
+        for name, r in rates.items():
+            lines.append(f"| {name} | {r:.1f} | {r / decode_bound:.0%} |")
+        # recurrence-dominated: 4 layers, C=256, vocab 4096, T=4096
+        small = ModelConfig(vocab_size=4096, hidden_size=256, block_types=["rwkv7"] * 4)
+        ours_s = build(small)
+        theirs_s = _mlx_lm_twin(ours_s, tmp + "/hf_small")
+        tokens = mx.array(np.random.default_rng(1).integers(0, 4096, (1, 4096)))
+        err_s = rel_err(ours_s(tokens), theirs_s(tokens))
+        t_s = best_time(lambda: mx.eval(ours_s(tokens)), repeats=3)
+        t_s_lm = best_time(lambda: mx.eval(theirs_s(tokens)), repeats=1)
+        lines += [
+            "",
+            f"Prefill T=4096 of a 4-layer C=256 vocab-4096 model (logits vs mlx-lm {err_s:.1e}): "
+            f"mlx_rwkvx {t_s:.2f} s, mlx-lm {t_s_lm:.2f} s: {t_s_lm / t_s:.1f}x faster.",
+        ]
+    # the 1.5B RFA preset in INT8: build, save, load; memory and decode
+    mx.reset_peak_memory()
+    big = build(preset("rfa-1.5b"), quantize="int8")
+    peak_build, at_rest = mx.get_peak_memory(), mx.get_active_memory()
+    n_params = sum(v.size for _, v in tree_flatten(big.parameters()))
+    rfa_rate = _decode_rate(big, steps=8)
+    with tempfile.TemporaryDirectory() as tmp:
+        from mlx_rwkvx.io.load import load_model, save
+
+        save(big, tmp + "/rfa8")
+        del big
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        loaded = load_model(tmp + "/rfa8")
+        peak_load, rest_load = mx.get_peak_memory(), mx.get_active_memory()
+        del loaded
+    lines += [
+        "",
+        "The 1.5B RFA preset (random weights) in INT8:",
+        "",
+        f"- stored values {n_params / 1e9:.2f}B (packed INT8 weights, scales and biases, float "
+        "norms and low-rank matrices)",
+        f"- build: peak {peak_build / 1e9:.2f} GB, at rest {at_rest / 1e9:.2f} GB (goal <= 2.3 GB)",
+        f"- load of the saved INT8 checkpoint: peak {peak_load / 1e9:.2f} GB, at rest "
+        f"{rest_load / 1e9:.2f} GB",
+        f"- decode {rfa_rate:.2f} tok/s (MLX's CPU quantized matmul; see the INT8 row above)",
+    ]
+    goals = [
+        ("prefill T=1024 / matmul bound", t_ours / bound, 1.3, False),
+        ("prefill T=4096 small model vs mlx-lm", t_s_lm / t_s, 10.0, True),
+        ("fp32 decode / weight-read bound", rates["fp32"] / decode_bound, 0.85, True),
+        ("1.5B INT8 peak while building, GB", peak_build / 1e9, 2.3, False),
+        ("1.5B INT8 peak while loading, GB", peak_load / 1e9, 2.3, False),
+    ]
+    lines += ["", "Goals:", ""]
+    for name, value, bound_, at_least in goals:
+        met = value >= bound_ if at_least else value <= bound_
+        sign = ">=" if at_least else "<="
+        lines.append(
+            f"- {name}: {value:.2f} (goal {sign} {bound_:g}): {'met' if met else 'MISSED'}"
+        )
+    write_section("models", "python scripts/bench.py models", lines)
+
+
 def _bmm_gflops() -> float:
     a = mx.random.normal((2048, 16, 64))
     b = mx.random.normal((2048, 64, 64))
@@ -485,8 +644,10 @@ def main(argv=None) -> None:
     sub.add_parser("blas", help="MLX matmul with and without OpenBLAS, NumPy, read bandwidth")
     sub.add_parser("wkv7", help="WKV7 forward and fwd+bwd vs the step loop and mlx-lm")
     sub.add_parser("moba", help="MoBA attention vs dense causal SDPA, time and memory")
+    sub.add_parser("models", help="prefill and decode vs mlx-lm and the physical bounds")
     args = parser.parse_args(argv)
-    {"blas": bench_blas, "wkv7": bench_wkv7, "moba": bench_moba}[args.bench](args)
+    benches = {"blas": bench_blas, "wkv7": bench_wkv7, "moba": bench_moba, "models": bench_models}
+    benches[args.bench](args)
 
 
 if __name__ == "__main__":

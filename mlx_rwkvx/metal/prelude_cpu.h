@@ -57,27 +57,29 @@ T* shared_alloc(std::size_t n) {
 }
 
 // Runs `body` on `threads` threads for each of `groups` threadgroups along x, one group at a
-// time (the kernels' groups are independent, and one group already fills this machine).
+// time (the kernels' groups are independent, and one group already fills this machine). The
+// same threads serve every group: a barrier ends each, so the next may reuse the arena.
 template <typename F>
 void launch(unsigned groups, unsigned threads, F&& body) {
     std::vector<unsigned char> arena(ARENA_BYTES);
-    for (unsigned g = 0; g < groups; ++g) {
-        std::barrier<> barrier(threads);
-        Group grp{&barrier, arena.data()};
-        std::vector<std::thread> pool;
-        pool.reserve(threads);
-        for (unsigned t = 0; t < threads; ++t) {
-            pool.emplace_back([&, t] {
-                group = &grp;
-                tid_x = t;
+    std::barrier<> barrier(threads);
+    Group grp{&barrier, arena.data()};
+    std::vector<std::thread> pool;
+    pool.reserve(threads);
+    for (unsigned t = 0; t < threads; ++t) {
+        pool.emplace_back([&, t] {
+            group = &grp;
+            tid_x = t;
+            gid_y = 0;
+            for (unsigned g = 0; g < groups; ++g) {
                 gid_x = g;
-                gid_y = 0;
                 arena_used = 0;
                 body();
-            });
-        }
-        for (auto& th : pool) th.join();
+                barrier.arrive_and_wait();
+            }
+        });
     }
+    for (auto& th : pool) th.join();
 }
 }  // namespace kcpu
 
@@ -90,6 +92,7 @@ void launch(unsigned groups, unsigned threads, F&& body) {
 #define GID_X (kcpu::gid_x)
 #define GID_Y (kcpu::gid_y)
 #define FEXP(x) std::exp(x)
+#define FLOG(x) std::log(x)
 #define FMA(a, b, c) std::fma(a, b, c)
 #define TO_F32(x) static_cast<float>(x)
 #define FROM_F32(type, x) static_cast<type>(x)

@@ -11,6 +11,7 @@
 #define GID_X (blockIdx.x)
 #define GID_Y (blockIdx.y)
 #define FEXP(x) expf(x)
+#define FLOG(x) logf(x)
 #define FMA(a, b, c) fmaf(a, b, c)
 #define TO_F32(x) static_cast<float>(x)
 #define FROM_F32(type, x) static_cast<type>(x)

@@ -11,6 +11,7 @@
 #define GID_X (threadgroup_position_in_grid.x)
 #define GID_Y (threadgroup_position_in_grid.y)
 #define FEXP(x) metal::precise::exp(x)
+#define FLOG(x) metal::precise::log(x)
 #define FMA(a, b, c) metal::fma(a, b, c)
 #define TO_F32(x) static_cast<float>(x)
 #define FROM_F32(type, x) static_cast<type>(x)

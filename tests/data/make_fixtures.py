@@ -16,11 +16,11 @@ FIXTURE_SEED = 7
 
 
 def export() -> None:
-    import numpy as np
-    from mlx.utils import tree_flatten
-
     from mlx_rwkvx.io.formats import to_blinkdl
     from mlx_rwkvx.models import Model, ModelConfig
+
+    import numpy as np
+    from mlx.utils import tree_flatten
 
     cfg = ModelConfig(**FIXTURE_CONFIG)
     model = Model(cfg, seed=FIXTURE_SEED)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks: run on a machine with a CUDA GPU, CuPy and nvcc (MLX not needed), from anywhere:
 #   bash tests/gpu/run.sh [extra pytest args]
-# Prints the device, then runs tests/gpu/ (oracle checks, then timings); with $OUT set, the
-# output is also saved to $OUT/gpu_tests.log.
+# Prints the device, then runs tests/gpu/ (WKV7 and MoBA: oracle checks, then timings); with
+# $OUT set, the output is also saved to $OUT/gpu_tests.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 log=/dev/null

@@ -1,0 +1,154 @@
+"""What MLX does with a custom kernel, emulated for machines without its GPU backends: the
+exact text ``mx.fast.metal_kernel`` and ``mx.fast.cuda_kernel`` compile (so g++ and nvcc can check
+it), and a stand-in kernel object that runs the CPU flavour of the same entry on the same buffers
+(so the MLX wrappers and their VJPs run end to end here)."""
+
+from __future__ import annotations
+
+from mlx_rwkvx.ops import kernels
+
+import mlx.core as mx
+import numpy as np
+
+# MLX's Metal signature writer (mlx/fast.cpp, write_signature): an input of fewer elements than
+# this goes in the `constant` address space, and the thread-position attributes it declares
+# when the source names them, in its order.
+MAX_CONSTANT_ARRAY_SIZE = 8
+METAL_ATTRIBUTES = (
+    ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"),
+    ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"),
+    ("threads_per_threadgroup", "uint3"),
+)
+MLX_METAL_TYPES = {"float32": "float", "bfloat16": "bfloat16_t", "float16": "float16_t"}
+MLX_CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half"}
+# Stand-ins for the Metal names the sources use, so that g++ can check the rest of the text.
+METAL_STUB = """
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#define device
+#define constant
+#define threadgroup
+#define kernel
+using uint = unsigned;
+struct uint3 { uint x, y, z; };
+namespace mem_flags { enum flags { mem_none, mem_threadgroup }; }
+inline void threadgroup_barrier(mem_flags::flags) {}
+namespace metal {
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+namespace precise {
+inline float exp(float x) { return std::exp(x); }
+inline float log(float x) { return std::log(x); }
+}
+}
+struct bfloat16_t {
+  float v;
+  bfloat16_t() = default;
+  explicit bfloat16_t(float f) : v(f) {}
+  explicit operator float() const { return v; }
+};
+using float16_t = _Float16;
+"""
+
+
+def metal_text(e: kernels.Entry, dtype: str, n: int, small: tuple[str, ...] = ()) -> str:
+    """What ``mx.fast.metal_kernel`` compiles for ``e`` at ``InT = dtype``, ``N = n``, with the
+    inputs named in ``small`` under MAX_CONSTANT_ARRAY_SIZE elements (so in ``constant``)."""
+    header, source = kernels.mlx_parts("metal", e)
+    name = f"custom_kernel_{e.kernel}_{MLX_METAL_TYPES[dtype]}_{n}"
+    params = []
+    for i, (pname, ptype) in enumerate(e.inputs):
+        space = "constant" if pname in small else "device"
+        ctype = MLX_METAL_TYPES[e.dtype_of(ptype, dtype)] if ptype != "int" else "int32_t"
+        params.append(f"  const {space} {ctype}* {pname} [[buffer({i})]]")
+    for i, (pname, ptype) in enumerate(e.outputs, start=len(e.inputs)):
+        params.append(
+            f"  device {MLX_METAL_TYPES[e.dtype_of(ptype, dtype)]}* {pname} [[buffer({i})]]"
+        )
+    params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES if a in source]
+    inst = f"{name}<{MLX_METAL_TYPES[dtype]}, {n}>"
+    return (
+        f"{header}template <typename InT, int N>\n[[kernel]] void {name}(\n"
+        + ",\n".join(params)
+        + f") {{\n{source}\n}}\n"
+        + f'template [[host_name("{name}")]] [[kernel]] decltype({inst}) {inst};\n'
+    )
+
+
+def cuda_text(e: kernels.Entry, dtype: str, n: int) -> str:
+    """What ``mx.fast.cuda_kernel`` compiles (mlx/backend/cuda/custom_kernel.cpp, build_kernel),
+    with its default header's MLX include left out."""
+    header, source = kernels.mlx_parts("cuda", e)
+    types = MLX_CUDA_TYPES | {"int32": "int32_t"}
+    params = [f"    const {types[e.dtype_of(t, dtype)]}* {p}" for p, t in e.inputs]
+    params += [f"    {types[e.dtype_of(t, dtype)]}* {p}" for p, t in e.outputs]
+    return (
+        "#include <cooperative_groups.h>\n"
+        + header
+        + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        + f"__global__ void custom_kernel_{e.kernel}_{dtype}_{n}(\n"
+        + ",\n".join(params)
+        + f") {{\n  using InT = {types[dtype]};\n  constexpr int N = {n};\n\n{source}\n}}\n\n}}\n"
+    )
+
+
+MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+NP_OF_MX = {mx.float32: np.float32, mx.int32: np.int32, mx.bfloat16: np.uint16}
+NP_OF_MX[mx.float16] = np.uint16
+
+
+def fake_kernel_maker(backend: str, entries, launch, calls: list):
+    """A replacement for ``mx.fast.metal_kernel`` (or ``cuda_kernel``) whose kernels check each
+    call against their entry and run the CPU flavour (``launch``, see kernel_harness.cpu) of the
+    same function on the same buffers. Each call appends ``(kernel, {input: size})`` to
+    ``calls``."""
+
+    def make(*, name, input_names, output_names, source, header):
+        entry = next(e for e in entries if e.kernel == name)
+        assert input_names == entry.input_names and output_names == entry.output_names
+        assert (header, source) == kernels.mlx_parts(backend, entry)
+        return _FakeKernel(entry, launch, calls)
+
+    return make
+
+
+def _garbage(shape, dtype) -> np.ndarray:
+    """MLX does not initialise outputs: NaN (or a wild int) shows any element a kernel skips."""
+    if dtype == mx.int32:
+        return np.full(shape, np.iinfo(np.int32).min, dtype=np.int32)
+    if dtype == mx.float32:
+        return np.full(shape, np.nan, dtype=np.float32)
+    return np.full(shape, 0xFFFF, dtype=np.uint16)  # NaN in bfloat16 and in float16
+
+
+class _FakeKernel:
+    def __init__(self, entry, launch, calls):
+        self.entry, self.launch, self.calls = entry, launch, calls
+
+    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        e = self.entry
+        self.calls.append(
+            (e.kernel, {n: x.size for n, x in zip(e.input_names, inputs, strict=True)})
+        )
+        targs = dict(template)
+        dtype = next(k for k, v in MX_DTYPES.items() if v == targs["InT"])
+        n = targs["N"]
+        assert threadgroup == (n, 1, 1) and grid[0] % n == 0 and grid[1:] == (1, 1)
+        want = [e.dtype_of(t, dtype) for _, t in e.inputs]
+        got = [
+            next(k for k, v in {**MX_DTYPES, "int32": mx.int32}.items() if v == x.dtype)
+            for x in inputs
+        ]
+        assert got == want, (e.kernel, got, want)
+        arrays = []
+        for x in inputs:
+            x = x.view(mx.uint16) if x.dtype in (mx.bfloat16, mx.float16) else x
+            arrays.append(np.ascontiguousarray(np.array(x)))
+        outs = [_garbage(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        self.launch(kernels.instance_name(e, dtype, n), grid[0] // n, n, arrays + outs)
+        return [
+            mx.array(o).view(d) if d in (mx.bfloat16, mx.float16) else mx.array(o)
+            for o, d in zip(outs, output_dtypes, strict=True)
+        ]

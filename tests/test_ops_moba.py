@@ -186,3 +186,50 @@ def test_bad_arguments(impl, case):
         k = k.astype(change["dtype_k"])
     with pytest.raises(ValueError, match=message):
         IMPLS[impl](q, k, v, chunk_size=change.get("chunk_size", 4), top_k=2)
+
+
+def test_forcing_a_missing_kernel_is_an_error(monkeypatch):
+    _, args, cs, top_k = make(CASES["sparse"])
+    monkeypatch.setenv(M.ENV_VAR, "kernel")
+    monkeypatch.setattr(M, "_kernel_fn", lambda head_dim=None: None)
+    with pytest.raises(RuntimeError, match="moba_kernel needs MLX with a Metal or CUDA device"):
+        M.moba_attention(*args, chunk_size=cs, top_k=top_k)
+
+
+def test_kernel_self_check(monkeypatch):
+    # a kernel that is wrong on this device is dropped after one warning; a right one is used
+    import warnings
+
+    _, args, cs, top_k = make(CASES["sparse"])
+    monkeypatch.delenv(M.ENV_VAR, raising=False)
+    used = []
+
+    def wrong(cs_, scale):
+        fn = M._sparse_fn(cs_, scale)
+
+        def run(*xs):
+            used.append("wrong")
+            out, lse = fn(*xs)
+            return out * 1.01, lse
+
+        return run
+
+    monkeypatch.setattr(M, "_kernel_fn", lambda head_dim=None: wrong)
+    monkeypatch.setattr(M._self_check, "results", {})
+    with pytest.warns(RuntimeWarning, match="MoBA kernel .* disagrees with the blockwise path"):
+        out = M.moba_attention(*args, chunk_size=cs, top_k=top_k)
+    assert mx.array_equal(out, M.moba_attention_blockwise(*args, chunk_size=cs, top_k=top_k))
+    used.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        M.moba_attention(*args, chunk_size=cs, top_k=top_k)
+    assert not used
+
+    def right(cs_, scale):
+        used.append("right")
+        return M._sparse_fn(cs_, scale)
+
+    monkeypatch.setattr(M, "_kernel_fn", lambda head_dim=None: right)
+    monkeypatch.setattr(M._self_check, "results", {})
+    M.moba_attention(*args, chunk_size=cs, top_k=top_k)
+    assert used and all(v for v in M._self_check.results.values())

@@ -212,7 +212,7 @@ def test_kernel_failing_self_check_falls_back_with_one_warning(monkeypatch):
 
     monkeypatch.delenv(W.ENV_VAR, raising=False)
     monkeypatch.setattr(W, "_kernel_fn", lambda: wrong_kernel)
-    monkeypatch.setattr(W, "_self_checked", {})
+    monkeypatch.setattr(W._self_check, "results", {})
     args = to_mx(random_wkv7_inputs(np.random.default_rng(0), 1, 40, 2, 16))
     with pytest.warns(RuntimeWarning, match="disagrees with the chunked path"):
         y, _ = W.wkv7(*args)
@@ -231,9 +231,9 @@ def test_kernel_passing_self_check_is_used(monkeypatch):
 
     monkeypatch.delenv(W.ENV_VAR, raising=False)
     monkeypatch.setattr(W, "_kernel_fn", lambda: good_kernel)
-    monkeypatch.setattr(W, "_self_checked", {})
+    monkeypatch.setattr(W._self_check, "results", {})
     W.wkv7(*to_mx(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 2, 16)))
-    assert used and W._self_checked == {(16, mx.float32): True}
+    assert used and W._self_check.results == {(16, mx.float32): True}
 
 
 BAD_CALLS = [

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from mlx_rwkvx import _runtime
+from mlx_rwkvx.ops.dispatch import SelfCheck, agree
 
 import mlx.core as mx
 
@@ -342,6 +343,22 @@ def moba_attention_blockwise(q, k, v, *, chunk_size: int, top_k: int, scale=None
     gradient over the pairs that read it (``mx.segmented_mm``). Full causal attention (the rule
     with top_k <= 0 or >= the earlier chunks) goes to ``mx.fast.scaled_dot_product_attention``.
     """
+    return _moba(q, k, v, chunk_size, top_k, scale, _sparse_fn)
+
+
+def moba_kernel(q, k, v, *, chunk_size: int, top_k: int, scale=None) -> mx.array:
+    """MoBA with the selected-chunk attention in one Metal/CUDA kernel per direction
+    (``ops/moba_kernel.py``); same contract. RuntimeError where the device has no kernel."""
+    fn = _kernel_fn(q.shape[-1])
+    if fn is None:
+        raise RuntimeError(
+            f"moba_kernel needs MLX with a Metal or CUDA device and a head dim in 16, 32, 64, "
+            f"128 (got {q.shape[-1]})"
+        )
+    return _moba(q, k, v, chunk_size, top_k, scale, fn)
+
+
+def _moba(q, k, v, chunk_size, top_k, scale, sparse_fn) -> mx.array:
     _check(q, k, v, chunk_size, top_k)
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -349,8 +366,40 @@ def moba_attention_blockwise(q, k, v, *, chunk_size: int, top_k: int, scale=None
     if sel is None:
         return _causal_sdpa(q, k, v, scale)
     chunk, limit = _slots(q, k, sel, chunk_size)
-    out, _ = _sparse_fn(chunk_size, scale)(q, k, v, chunk, limit)
+    out, _ = sparse_fn(chunk_size, scale)(q, k, v, chunk, limit)
     return out
+
+
+def _kernel_fn(head_dim: int | None = None):
+    """The kernel's sparse function where the device has a kernel (for ``head_dim``)."""
+    from mlx_rwkvx.ops.moba_kernel import HEAD_DIMS, moba_kernel_fn
+    from mlx_rwkvx.ops.wkv7_kernel import kernel_backend
+
+    if kernel_backend() is None or (head_dim is not None and head_dim not in HEAD_DIMS):
+        return None
+    return moba_kernel_fn
+
+
+_self_check = SelfCheck("MoBA", "blockwise")
+
+
+def _kernel_passes_self_check(D: int, dtype) -> bool:
+    """Once per (D, dtype): the kernel against the blockwise path, outputs and gradients."""
+
+    def check() -> bool:
+        keys = mx.random.split(mx.random.key(0), 3)
+        q = mx.random.normal((1, 50, 4, D), key=keys[0]).astype(dtype)
+        k, v = (mx.random.normal((1, 50, 2, D), key=key).astype(dtype) for key in keys[1:])
+
+        def run(impl):
+            f = functools.partial(impl, chunk_size=8, top_k=2)
+            grads = mx.grad(lambda *a: f(*a).astype(mx.float32).sum(), argnums=(0, 1, 2))
+            return [f(q, k, v), *grads(q, k, v)]
+
+        tol = 1e-4 if dtype == mx.float32 else 5e-2
+        return agree(run(moba_kernel), run(moba_attention_blockwise), tol)
+
+    return _self_check.passes((D, dtype), check)
 
 
 def _causal_sdpa(q, k, v, scale: float) -> mx.array:
@@ -367,16 +416,25 @@ ENV_VAR = "MLX_RWKVX_MOBA"
 def moba_attention(q, k, v, *, chunk_size: int, top_k: int, scale=None) -> mx.array:
     """MoBA sparse causal attention (see the module docstring for the selection rule).
 
-    q ``[B, T, Hq, D]``, k and v ``[B, T, Hkv, D]`` (Hq a multiple of Hkv), float32, bfloat16 or
-    float16; scale defaults to 1/sqrt(D). Softmax and accumulation in float32; returns
-    ``[B, T, Hq, D]`` in q's dtype. Gradients w.r.t. q, k, v are exact for the selection, which
-    is held fixed. ``MLX_RWKVX_MOBA=ref|blockwise`` forces an implementation.
+    q ``[B, T, Hq, D]``, k and v ``[B, S, Hkv, D]`` (S >= T: the queries are the last T of S
+    positions; Hq a multiple of Hkv), float32, bfloat16 or float16; scale defaults to
+    1/sqrt(D). Softmax and accumulation in float32; returns ``[B, T, Hq, D]`` in q's dtype.
+    Gradients w.r.t. q, k, v are exact for the selection, which is held fixed. Uses the kernel
+    where the device has one and it passed its self-check, else the blockwise path;
+    ``MLX_RWKVX_MOBA=ref|blockwise|kernel`` forces one.
     """
     choice = os.environ.get(ENV_VAR, "")
-    if choice not in ("", "ref", "blockwise"):
-        raise ValueError(f"{ENV_VAR}={choice!r}: expected one of blockwise, ref")
-    impl = moba_attention_ref if choice == "ref" else moba_attention_blockwise
-    return impl(q, k, v, chunk_size=chunk_size, top_k=top_k, scale=scale)
+    impls = {"ref": moba_attention_ref, "blockwise": moba_attention_blockwise,
+             "kernel": moba_kernel}  # fmt: skip
+    if choice and choice not in impls:
+        raise ValueError(f"{ENV_VAR}={choice!r}: expected one of blockwise, kernel, ref")
+    if not choice:
+        use_kernel = _kernel_fn(q.shape[-1]) is not None
+        if use_kernel:
+            _check(q, k, v, chunk_size, top_k)
+            use_kernel = _kernel_passes_self_check(q.shape[-1], q.dtype)
+        choice = "kernel" if use_kernel else "blockwise"
+    return impls[choice](q, k, v, chunk_size=chunk_size, top_k=top_k, scale=scale)
 
 
 class MobaKVCache:

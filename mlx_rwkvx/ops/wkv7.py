@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from mlx_rwkvx import _runtime
+from mlx_rwkvx.ops.dispatch import SelfCheck, agree
 
 import mlx.core as mx
 
@@ -296,7 +297,7 @@ ENV_VAR = "MLX_RWKVX_WKV7"
 # forward 1.6 vs 2.5 ms at T=8, 3.2 vs 1.8 ms at T=16; fwd+bwd likewise).
 REF_MAX_T = 8
 _SELF_CHECK_TOL = 1e-4  # kernel vs chunked, float32: both are ~1e-7 from the oracle
-_self_checked: dict = {}
+_self_check = SelfCheck("WKV7", "chunked")
 
 
 def _kernel_fn():
@@ -305,55 +306,38 @@ def _kernel_fn():
     return wkv7_kernel if kernel_backend() is not None else None
 
 
-def _kernel_passes_self_check(N: int, dtype) -> bool:
-    """Run the kernel once against the chunked path on a tiny problem (outputs and gradients).
-
-    On disagreement warn once and never use the kernel for this (N, dtype) again.
-    """
-    key = (N, dtype)
-    if key not in _self_checked:
-        kernel = _kernel_fn()
-        ok = kernel is not None and _agree(kernel, wkv7_chunked, N, dtype)
-        if kernel is not None and not ok:
-            import warnings
-
-            warnings.warn(
-                f"mlx_rwkvx: the WKV7 kernel ({N=}, {dtype}) disagrees with the chunked path on "
-                "this device; using the chunked path instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        _self_checked[key] = ok
-    return _self_checked[key]
-
-
-def _agree(fn_a, fn_b, N: int, dtype) -> bool:
-    key = mx.random.key(0)
+def _self_check_inputs(N: int, dtype) -> list:
+    keys = mx.random.split(mx.random.key(0), 7)
     shape = (1, 37, 2, N)
-    parts = mx.random.split(key, 7)
-    r, k, v = (mx.random.uniform(-0.5, 0.5, shape, key=parts[i]) for i in range(3))
-    kk = mx.random.normal(shape, key=parts[3])
+    r, k, v = (mx.random.uniform(-0.5, 0.5, shape, key=keys[i]) for i in range(3))
+    kk = mx.random.normal(shape, key=keys[3])
     kk = kk / mx.linalg.norm(kk, axis=-1, keepdims=True)
-    log_w = mx.log(mx.random.uniform(0.5, 0.999, shape, key=parts[4]))
-    b = kk * mx.random.uniform(shape=shape, key=parts[5])
-    state = mx.random.uniform(-0.5, 0.5, (1, 2, N, N), key=parts[6])
+    log_w = mx.log(mx.random.uniform(0.5, 0.999, shape, key=keys[4]))
+    b = kk * mx.random.uniform(shape=shape, key=keys[5])
+    state = mx.random.uniform(-0.5, 0.5, (1, 2, N, N), key=keys[6])
     args = [x.astype(dtype) for x in (r, log_w, k, v, -kk, b)] + [state]
     args[1] = log_w
+    return args
 
-    def outputs_and_grads(fn):
-        def loss(*xs):
-            y, s = fn(*xs)
-            return y.astype(mx.float32).sum() + s.sum()
 
-        return [*fn(*args), *mx.grad(loss, argnums=list(range(7)))(*args)]
+def _outputs_and_grads(fn, args) -> list:
+    def loss(*xs):
+        y, s = fn(*xs)
+        return y.astype(mx.float32).sum() + s.sum()
 
-    tol = _SELF_CHECK_TOL if dtype == mx.float32 else 5e-2
-    for x, y in zip(outputs_and_grads(fn_a), outputs_and_grads(fn_b), strict=True):
-        x, y = x.astype(mx.float32), y.astype(mx.float32)
-        err = mx.linalg.norm(x - y) / mx.maximum(mx.linalg.norm(y), 1e-30)
-        if not err.item() <= tol:
-            return False
-    return True
+    return [*fn(*args), *mx.grad(loss, argnums=list(range(7)))(*args)]
+
+
+def _kernel_passes_self_check(N: int, dtype) -> bool:
+    """Once per (N, dtype): the kernel against the chunked path, outputs and gradients."""
+
+    def check() -> bool:
+        args = _self_check_inputs(N, dtype)
+        tol = _SELF_CHECK_TOL if dtype == mx.float32 else 5e-2
+        mine = _outputs_and_grads(_kernel_fn(), args)
+        return agree(mine, _outputs_and_grads(wkv7_chunked, args), tol)
+
+    return _self_check.passes((N, dtype), check)
 
 
 def wkv7(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:

@@ -14,7 +14,7 @@ import sys
 
 from mlx_rwkvx.io.formats import CheckpointError, to_blinkdl, write_hf, write_native
 from mlx_rwkvx.io.load import load_model
-from mlx_rwkvx.models.config import rfa_config
+from mlx_rwkvx.models.config import RFA_SWITCHES, rfa_config
 from mlx_rwkvx.models.model import Model
 
 import mlx.core as mx
@@ -39,14 +39,9 @@ def qwen2_to_rfa(model: Model, qwen_layers: list[int], seed: int = 0) -> Model:
         raise ValueError("--to-rfa needs n_q_heads * head_dim == hidden_size")
     fields = {k: v for k, v in cfg.to_dict().items() if k not in ("block_types", "quantization")}
     fields.update(
+        RFA_SWITCHES,
         block_types=["qwen2" if i in qwen_layers else "rwkv7" for i in range(n)],
         head_size=cfg.attn_head_dim if cfg.attn_head_dim in (16, 32, 64, 128) else 64,
-        rwkv_norm="rms",
-        rwkv_ffn="swiglu",
-        use_gate=False,
-        use_ln_x=False,
-        ln0=False,
-        final_norm="rms",
     )
     new = Model(rfa_config(**fields), seed=seed)
     groups = cfg.n_q_heads // cfg.n_kv_heads

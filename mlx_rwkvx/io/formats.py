@@ -162,113 +162,135 @@ def _t(x: mx.array) -> mx.array:
     return x.T
 
 
-_BLINKDL_TMIX = {
-    "x_r": ("x_r", _flat),
-    "x_w": ("x_w", _flat),
-    "x_k": ("x_k", _flat),
-    "x_v": ("x_v", _flat),
-    "x_a": ("x_a", _flat),
-    "x_g": ("x_g", _flat),
-    "w0": ("decay.up.bias", _flat),
-    "w1": ("decay.down.weight", _t),
-    "w2": ("decay.up.weight", _t),
-    "a0": ("iclr.up.bias", _flat),
-    "a1": ("iclr.down.weight", _t),
-    "a2": ("iclr.up.weight", _t),
-    "v0": ("value_mix.up.bias", _flat),
-    "v1": ("value_mix.down.weight", _t),
-    "v2": ("value_mix.up.weight", _t),
-    "g1": ("gate.down.weight", _t),
-    "g2": ("gate.up.weight", _t),
+_LERPS = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+_LOW_RANKS = (("w", "decay"), ("a", "iclr"), ("v", "value_mix"), ("g", "gate"))
+_SHARED_TMIX = {
+    **{name: (name, _flat) for name in _LERPS},
     "k_k": ("k_k", _flat),
     "k_a": ("k_a", _flat),
     "r_k": ("r_k", None),
-    "receptance.weight": ("receptance.weight", None),
-    "key.weight": ("key.weight", None),
-    "value.weight": ("value.weight", None),
-    "output.weight": ("output.weight", None),
+}
+_BLINKDL_TMIX = {
+    **_SHARED_TMIX,
+    **{f"{p}0": (f"{m}.up.bias", _flat) for p, m in _LOW_RANKS if p != "g"},
+    **{f"{p}1": (f"{m}.down.weight", _t) for p, m in _LOW_RANKS},
+    **{f"{p}2": (f"{m}.up.weight", _t) for p, m in _LOW_RANKS},
+    **{f"{n}.weight": (f"{n}.weight", None) for n in ("receptance", "key", "value", "output")},
     "ln_x.weight": ("ln_x.weight", None),
     "ln_x.bias": ("ln_x.bias", None),
 }
+_HF_RWKV_TMIX = {
+    **_SHARED_TMIX,
+    **{
+        f"{p}_proj.weight": (f"{n}.weight", None)
+        for p, n in (("r", "receptance"), ("k", "key"), ("v", "value"), ("o", "output"))
+    },
+    **{f"{p}_lora.lora.0.weight": (f"{m}.down.weight", None) for p, m in _LOW_RANKS},
+    **{f"{p}_lora.lora.2.weight": (f"{m}.up.weight", None) for p, m in _LOW_RANKS},
+    **{f"{p}_lora.lora.2.bias": (f"{m}.up.bias", None) for p, m in _LOW_RANKS if p != "g"},
+    "g_norm.weight": ("ln_x.weight", _flat),
+    "g_norm.bias": ("ln_x.bias", _flat),
+}
 
 
-def _blinkdl_rule(name: str) -> tuple[str, Callable | None] | None:
-    fixed = {
+def _row(x: mx.array) -> mx.array:
+    return x.reshape(1, 1, -1)
+
+
+@dataclass(frozen=True)
+class _RwkvNaming:
+    """How a format names a plain RWKV-7 model, both ways (native <-> format)."""
+
+    fixed: dict  # format name -> native name, outside the blocks
+    block: str  # the blocks' prefix: "blocks" or "model.layers"
+    att: str  # the time-mix's name inside a block
+    norms: dict  # format norm name -> ln1 / ln2
+    tmix: dict  # format time-mix suffix -> (native suffix, transform when reading)
+    rows: tuple  # time-mix suffixes stored as [1, 1, C]
+    ffn_x_k_row: bool  # ffn.x_k stored as [1, 1, C]
+
+    def read(self, name: str) -> tuple[str, Callable | None] | None:
+        if name in self.fixed:
+            return self.fixed[name], None
+        block = re.escape(self.block)
+        m = re.fullmatch(rf"{block}\.(\d+)\.(\w+)\.(weight|bias)", name)
+        if m and m[2] in self.norms:
+            return f"layers.{m[1]}.{self.norms[m[2]]}.{m[3]}", None
+        m = re.fullmatch(rf"{block}\.(\d+)\.{self.att}\.(.+)", name)
+        if m and m[2] in self.tmix:
+            target, fn = self.tmix[m[2]]
+            return f"layers.{m[1]}.tmix.{target}", fn
+        m = re.fullmatch(rf"{block}\.(\d+)\.ffn\.(x_k|key\.weight|value\.weight)", name)
+        if m:
+            return f"layers.{m[1]}.ffn.{m[2]}", _flat if m[2] == "x_k" else None
+        return None
+
+    def write(self, tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+        fixed = {native: fmt for fmt, native in self.fixed.items()}
+        norms = {native: fmt for fmt, native in self.norms.items()}
+        tmix = {}
+        for fmt, (native, fn) in self.tmix.items():
+            tmix[native] = (fmt, _t if fn is _t else (_row if fmt in self.rows else None))
+        out = {}
+        for name, x in tensors.items():
+            if name in fixed:
+                out[fixed[name]] = x
+                continue
+            _, i, part, rest = name.split(".", 3)
+            prefix = f"{self.block}.{i}"
+            if part == "tmix":
+                fmt_name, fn = tmix[rest]
+                out[f"{prefix}.{self.att}.{fmt_name}"] = x if fn is None else fn(x)
+            elif part == "ffn":
+                row = rest == "x_k" and self.ffn_x_k_row
+                out[f"{prefix}.ffn.{rest}"] = _row(x) if row else x
+            else:
+                out[f"{prefix}.{norms[part]}.{rest}"] = x
+        return out
+
+
+BLINKDL = _RwkvNaming(
+    fixed={
         "emb.weight": "embed.weight",
         "blocks.0.ln0.weight": "ln0.weight",
         "blocks.0.ln0.bias": "ln0.bias",
         "ln_out.weight": "norm.weight",
         "ln_out.bias": "norm.bias",
         "head.weight": "lm_head.weight",
-    }
-    if name in fixed:
-        return fixed[name], None
-    m = re.fullmatch(r"blocks\.(\d+)\.(ln1|ln2)\.(weight|bias)", name)
-    if m:
-        return f"layers.{m[1]}.{m[2]}.{m[3]}", None
-    m = re.fullmatch(r"blocks\.(\d+)\.att\.(.+)", name)
-    if m and m[2] in _BLINKDL_TMIX:
-        target, fn = _BLINKDL_TMIX[m[2]]
-        return f"layers.{m[1]}.tmix.{target}", fn
-    m = re.fullmatch(r"blocks\.(\d+)\.ffn\.(x_k|key\.weight|value\.weight)", name)
-    if m:
-        return f"layers.{m[1]}.ffn.{m[2]}", _flat if m[2] == "x_k" else None
-    return None
-
-
-_HF_RWKV_TMIX = {
-    "x_r": ("x_r", _flat),
-    "x_w": ("x_w", _flat),
-    "x_k": ("x_k", _flat),
-    "x_v": ("x_v", _flat),
-    "x_a": ("x_a", _flat),
-    "x_g": ("x_g", _flat),
-    "k_k": ("k_k", _flat),
-    "k_a": ("k_a", _flat),
-    "r_k": ("r_k", None),
-    "r_proj.weight": ("receptance.weight", None),
-    "k_proj.weight": ("key.weight", None),
-    "v_proj.weight": ("value.weight", None),
-    "o_proj.weight": ("output.weight", None),
-    "w_lora.lora.0.weight": ("decay.down.weight", None),
-    "w_lora.lora.2.weight": ("decay.up.weight", None),
-    "w_lora.lora.2.bias": ("decay.up.bias", None),
-    "a_lora.lora.0.weight": ("iclr.down.weight", None),
-    "a_lora.lora.2.weight": ("iclr.up.weight", None),
-    "a_lora.lora.2.bias": ("iclr.up.bias", None),
-    "v_lora.lora.0.weight": ("value_mix.down.weight", None),
-    "v_lora.lora.2.weight": ("value_mix.up.weight", None),
-    "v_lora.lora.2.bias": ("value_mix.up.bias", None),
-    "g_lora.lora.0.weight": ("gate.down.weight", None),
-    "g_lora.lora.2.weight": ("gate.up.weight", None),
-    "g_norm.weight": ("ln_x.weight", _flat),
-    "g_norm.bias": ("ln_x.bias", _flat),
-}
-
-
-def _hf_rwkv7_rule(name: str) -> tuple[str, Callable | None] | None:
-    name = name.removeprefix("model.")
-    fixed = {
-        "embeddings.weight": "embed.weight",
-        "layers.0.pre_norm.weight": "ln0.weight",
-        "layers.0.pre_norm.bias": "ln0.bias",
-        "norm.weight": "norm.weight",
-        "norm.bias": "norm.bias",
+    },
+    block="blocks",
+    att="att",
+    norms={"ln1": "ln1", "ln2": "ln2"},
+    tmix=_BLINKDL_TMIX,
+    rows=_LERPS + ("w0", "a0", "v0", "k_k", "k_a"),
+    ffn_x_k_row=True,
+)
+HF_RWKV7 = _RwkvNaming(
+    fixed={
+        "model.embeddings.weight": "embed.weight",
+        "model.layers.0.pre_norm.weight": "ln0.weight",
+        "model.layers.0.pre_norm.bias": "ln0.bias",
+        "model.norm.weight": "norm.weight",
+        "model.norm.bias": "norm.bias",
         "lm_head.weight": "lm_head.weight",
-    }
-    if name in fixed:
-        return fixed[name], None
-    m = re.fullmatch(r"layers\.(\d+)\.(attn_norm|ffn_norm)\.(weight|bias)", name)
-    if m:
-        return f"layers.{m[1]}.{'ln1' if m[2] == 'attn_norm' else 'ln2'}.{m[3]}", None
-    m = re.fullmatch(r"layers\.(\d+)\.attn\.(.+)", name)
-    if m and m[2] in _HF_RWKV_TMIX:
-        target, fn = _HF_RWKV_TMIX[m[2]]
-        return f"layers.{m[1]}.tmix.{target}", fn
-    m = re.fullmatch(r"layers\.(\d+)\.ffn\.(x_k|key\.weight|value\.weight)", name)
-    if m:
-        return f"layers.{m[1]}.ffn.{m[2]}", _flat if m[2] == "x_k" else None
-    return None
+    },
+    block="model.layers",
+    att="attn",
+    norms={"attn_norm": "ln1", "ffn_norm": "ln2"},
+    tmix=_HF_RWKV_TMIX,
+    rows=_LERPS,
+    ffn_x_k_row=False,  # flash-linear-attention keeps the channel-mix x_k as [C]
+)
+
+
+def _blinkdl_rule(name: str):
+    return BLINKDL.read(name)
+
+
+def _hf_rwkv7_rule(name: str):
+    if name != "lm_head.weight" and not name.startswith("model."):
+        name = "model." + name  # some exports drop the "model." prefix
+    return HF_RWKV7.read(name)
 
 
 def _hf_qwen2_rule(name: str) -> tuple[str, Callable | None] | None:
@@ -417,24 +439,6 @@ def _qwen2_config(path: str, hf: dict) -> ModelConfig:
 # --------------------------------------------------------------------------- writing other formats
 
 
-def _row(x: mx.array) -> mx.array:
-    return x.reshape(1, 1, -1)
-
-
-def _inverse(table: dict, row_names: tuple) -> dict:
-    """native tmix suffix -> (format suffix, transform) from a format's reading table."""
-    inv = {}
-    for fmt_name, (native, fn) in table.items():
-        back = _t if fn is _t else (_row if fmt_name in row_names else None)
-        inv[native] = (fmt_name, back)
-    return inv
-
-
-_ROW_LERPS = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
-_TO_BLINKDL = _inverse(_BLINKDL_TMIX, _ROW_LERPS + ("w0", "a0", "v0", "k_k", "k_a"))
-_TO_HF_RWKV = _inverse(_HF_RWKV_TMIX, _ROW_LERPS)
-
-
 def _rwkv7_only(cfg: ModelConfig, fmt: str) -> None:
     if set(cfg.block_types) != {"rwkv7"} or cfg.rwkv_ffn != "channel_mix" or not cfg.use_gate:
         raise CheckpointError(f"only plain RWKV-7 models can be written as {fmt}; use native")
@@ -443,28 +447,7 @@ def _rwkv7_only(cfg: ModelConfig, fmt: str) -> None:
 def to_blinkdl(cfg: ModelConfig, tensors: dict[str, mx.array]) -> dict[str, mx.array]:
     """Native tensors of a plain RWKV-7 model in BlinkDL's names and shapes (``.pth`` layout)."""
     _rwkv7_only(cfg, "BlinkDL")
-    fixed = {
-        "embed.weight": "emb.weight",
-        "ln0.weight": "blocks.0.ln0.weight",
-        "ln0.bias": "blocks.0.ln0.bias",
-        "norm.weight": "ln_out.weight",
-        "norm.bias": "ln_out.bias",
-        "lm_head.weight": "head.weight",
-    }
-    out = {}
-    for name, x in tensors.items():
-        if name in fixed:
-            out[fixed[name]] = x
-            continue
-        _, i, part, rest = name.split(".", 3)
-        if part == "tmix":
-            fmt_name, fn = _TO_BLINKDL[rest]
-            out[f"blocks.{i}.att.{fmt_name}"] = x if fn is None else fn(x)
-        elif part == "ffn":
-            out[f"blocks.{i}.ffn.{rest}"] = _row(x) if rest == "x_k" else x
-        else:  # ln1, ln2
-            out[f"blocks.{i}.{part}.{rest}"] = x
-    return out
+    return BLINKDL.write(tensors)
 
 
 def to_hf(cfg: ModelConfig, tensors: dict[str, mx.array]) -> tuple[dict, dict[str, mx.array]]:
@@ -506,29 +489,7 @@ def to_hf(cfg: ModelConfig, tensors: dict[str, mx.array]) -> tuple[dict, dict[st
         "norm_first": cfg.ln0,
         "tie_word_embeddings": cfg.tie_embeddings,
     }
-    fixed = {
-        "embed.weight": "model.embeddings.weight",
-        "ln0.weight": "model.layers.0.pre_norm.weight",
-        "ln0.bias": "model.layers.0.pre_norm.bias",
-        "norm.weight": "model.norm.weight",
-        "norm.bias": "model.norm.bias",
-        "lm_head.weight": "lm_head.weight",
-    }
-    out = {}
-    for name, x in tensors.items():
-        if name in fixed:
-            out[fixed[name]] = x
-            continue
-        _, i, part, rest = name.split(".", 3)
-        if part == "tmix":
-            fmt_name, fn = _TO_HF_RWKV[rest]
-            out[f"model.layers.{i}.attn.{fmt_name}"] = x if fn is None else fn(x)
-        elif part == "ffn":
-            out[f"model.layers.{i}.ffn.{rest}"] = x  # flash-linear-attention keeps x_k [C]
-        else:
-            norm = "attn_norm" if part == "ln1" else "ffn_norm"
-            out[f"model.layers.{i}.{norm}.{rest}"] = x
-    return hf, out
+    return hf, HF_RWKV7.write(tensors)
 
 
 def write_hf(path: str, cfg: ModelConfig, tensors: dict[str, mx.array]) -> None:

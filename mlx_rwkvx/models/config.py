@@ -137,18 +137,15 @@ def rfa_block_types(n_layers: int, qwen_layers: list[int]) -> list[str]:
     return ["qwen2" if i in set(qwen_layers) else "rwkv7" for i in range(n_layers)]
 
 
+# What makes RFA's RWKV blocks ARWKV-style, and its norms Qwen2's
+RFA_SWITCHES = dict(
+    rwkv_norm="rms", rwkv_ffn="swiglu", use_gate=False, use_ln_x=False, ln0=False, final_norm="rms"
+)
+
+
 def rfa_config(**overrides) -> ModelConfig:
     """An RFA config: ARWKV-style RWKV blocks, Qwen2 GQA blocks, RMSNorm, untied head."""
-    base = dict(
-        rwkv_norm="rms",
-        rwkv_ffn="swiglu",
-        use_gate=False,
-        use_ln_x=False,
-        ln0=False,
-        final_norm="rms",
-    )
-    base.update(overrides)
-    return ModelConfig(**base)
+    return ModelConfig(**{**RFA_SWITCHES, **overrides})
 
 
 # The 1.5B RFA reference (DESIGN.md): 28 layers, 21 ARWKV + 7 Qwen2. Checkpoints carry their own

@@ -1,0 +1,347 @@
+"""Whole tiny models of the three families against the float64 model oracle (logits and the
+gradient of every parameter), their caches (prefill = token-by-token decode = a prompt
+prefilled in pieces), state tuning and the initialisations."""
+
+from __future__ import annotations
+
+from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config
+from mlx_rwkvx.ops.moba import moba_selection, selection_mask
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache
+from model_params import (
+    assert_close,
+    flat_params,
+    from_oracle,
+    grads_of,
+    oracle_params,
+    to_mx,
+)
+from oracle.common import rel_err
+from oracle.model import model_bwd_np, model_fwd_np, spec_of
+
+FWD_TOL, GRAD_TOL = 1e-5, 1e-4  # DESIGN.md, a whole tiny model in float32
+# Two float32 paths (chunked prefill vs step decode, dense vs decode MoBA) that are each within
+# FWD_TOL of the oracle agree within twice that.
+CACHE_TOL = 2 * FWD_TOL
+B = 2
+LOW_RANK = dict(decay_low_rank=8, a_low_rank=8, v_low_rank=8, gate_low_rank=16)
+CONFIGS = {
+    "rwkv7": lambda: ModelConfig(
+        vocab_size=40, hidden_size=32, head_size=16, block_types=["rwkv7"] * 3, **LOW_RANK
+    ),
+    # rwkv7, rwkv7, moba, rwkv7, rwkv7, moba; chunks of 8, top 2
+    "rwkv-x-tiny": lambda: preset("rwkv-x-tiny"),
+    "rfa": lambda: rfa_config(
+        vocab_size=40,
+        hidden_size=64,
+        head_size=16,
+        block_types=["rwkv7", "qwen2", "rwkv7", "rwkv7", "qwen2"],
+        intermediate_size=96,
+        n_q_heads=4,
+        n_kv_heads=2,
+        attn_head_dim=16,
+        rope_theta=1e4,
+        **LOW_RANK,
+    ),
+    # attention first (v_first appears at block 1), tied head
+    "rfa-tied": lambda: rfa_config(
+        vocab_size=40,
+        hidden_size=32,
+        head_size=16,
+        block_types=["qwen2", "rwkv7", "qwen2", "rwkv7"],
+        intermediate_size=48,
+        n_q_heads=4,
+        n_kv_heads=1,
+        attn_head_dim=8,
+        tie_embeddings=True,
+        **LOW_RANK,
+    ),
+    # all three block kinds, RWKV-7 style, final RMSNorm, no ln0
+    "mixed": lambda: ModelConfig(
+        vocab_size=40,
+        hidden_size=32,
+        head_size=16,
+        block_types=["moba", "rwkv7", "qwen2", "rwkv7", "moba", "rwkv7"],
+        intermediate_size=48,
+        n_q_heads=2,
+        n_kv_heads=1,
+        moba_chunk_size=4,
+        moba_top_k=1,
+        ln0=False,
+        final_norm="rms",
+        **LOW_RANK,
+    ),
+}
+# long enough for sparse MoBA selections (more earlier chunks than top_k)
+SEQ = {"rwkv7": 17, "rwkv-x-tiny": 33, "rfa": 17, "rfa-tied": 9, "mixed": 17}
+
+
+def _tokens(cfg, T, seed=0) -> mx.array:
+    rng = np.random.default_rng(seed)
+    t = rng.integers(0, cfg.vocab_size, (B, T))
+    t[0, 1:4] = t[0, 0]  # repeated tokens: embedding gradients accumulate
+    return mx.array(t)
+
+
+def _moba_masks(model, tokens) -> dict[int, np.ndarray]:
+    """Each MoBA block's own selection (on its float32 q, k) as the oracle's mask, so both
+    sides attend to the same keys whatever near-ties float64 would break differently."""
+    h = model.embed(tokens)
+    if "ln0" in model:
+        h = model.ln0(h)
+    masks, v_first = {}, None
+    B_, T = tokens.shape
+    for i, layer in enumerate(model.layers):
+        if layer.kind == "moba":
+            attn = layer.attn
+            x1 = layer.ln1(h)
+            shape = (B_, T, attn.n_heads, attn.head_dim)
+            q, k = attn.q_proj(x1).reshape(shape), attn.k_proj(x1).reshape(shape)
+            sel = moba_selection(q, k, chunk_size=attn.chunk_size, top_k=attn.top_k)
+            mask = np.array(selection_mask(sel, T, T, attn.chunk_size))
+            masks[i] = np.broadcast_to(mask, (B_, attn.n_heads, T, T)).copy()
+        h, v_first = layer(h, v_first)
+    return masks
+
+
+def _state0_of(model) -> dict[int, mx.array]:
+    layers = enumerate(model.layers)
+    return {i: b.tmix.state0 for i, b in layers if b.kind == "rwkv7" and "state0" in b.tmix}
+
+
+def _check_vs_oracle(model, tokens, what, *, seed=1, grad_tol=GRAD_TOL):
+    """Logits and every parameter's gradient (state0 included) against the oracle."""
+    cfg = model.config
+    spec = spec_of(cfg)
+    names = [n for n in flat_params(model) if not n.endswith("state0")]
+    p = oracle_params(model, block_types=cfg.block_types)
+    masks = _moba_masks(model, tokens)
+    if any(k == "moba" for k in cfg.block_types) and tokens.shape[1] > 2 * cfg.moba_chunk_size:
+        causal = np.tril(np.ones(masks[cfg.block_types.index("moba")].shape[-2:], dtype=bool))
+        assert any((m != causal).any() for m in masks.values()), "expected sparse selections"
+    states = {
+        i: np.broadcast_to(np.array(s, dtype=np.float64), (B, *s.shape))
+        for i, s in _state0_of(model).items()
+    }
+    tok = np.array(tokens)
+    logits, cache = model_fwd_np(tok, p, spec, states=states, selections=masks)
+    assert_close({"logits": model(tokens)}, {"logits": logits}, FWD_TOL, f"{what} logits")
+
+    d = np.random.default_rng(seed).standard_normal(logits.shape)
+    d_mx = to_mx(d)
+    g_params, _ = grads_of(model, lambda _: (model(tokens) * d_mx).sum())
+    g_ref = model_bwd_np(cache, d)
+    want = from_oracle(g_ref, names, block_types=cfg.block_types)
+    for i in states:
+        want[f"layers.{i}.tmix.state0"] = g_ref[f"layers.{i}.state"].sum(axis=0)
+    assert_close(g_params, want, grad_tol, f"{what} gradients")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_model_vs_oracle(name):
+    cfg = CONFIGS[name]()
+    model = Model(cfg, seed=7)
+    _check_vs_oracle(model, _tokens(cfg, SEQ[name]), name)
+
+
+@pytest.mark.parametrize("name", ["rwkv-x-tiny", "rfa"])
+@pytest.mark.parametrize("T", [63, 100])
+def test_long_sequence_vs_oracle(name, T):
+    """DESIGN.md's awkward lengths: many WKV chunks, many MoBA chunks with sparse selections.
+
+    Looser gradient bound, 5e-4: at T >= 63 the last RWKV block's k_a / iclr / decay gradients
+    are ill-conditioned. Measured: rounding the parameters to float32 precision (relative 6e-8)
+    moves them by up to 1.2e-4 in the float64 oracle itself; float32 lands 3e-5 (chunked WKV)
+    to 1.4e-4 (step-loop WKV, or MLX's built-in BLAS) from it; the other tensors below 1e-4.
+    """
+    cfg = CONFIGS[name]()
+    _check_vs_oracle(Model(cfg, seed=9), _tokens(cfg, T), f"{name} T={T}", grad_tol=5e-4)
+
+
+@pytest.mark.parametrize("name", ["rwkv-x-tiny", "rfa"])
+def test_state_tuning_vs_oracle(name):
+    """A trainable initial WKV state: the logits depend on it, its gradient is the oracle's
+    initial-state gradient summed over the batch, and a cache starts from it."""
+    cfg = CONFIGS[name]()
+    model = Model(cfg, seed=2)
+    tokens = _tokens(cfg, 9)
+    base = model(tokens)
+    rwkv = [i for i, k in enumerate(cfg.block_types) if k == "rwkv7"]
+    rng = np.random.default_rng(3)
+    for i in rwkv[:2]:
+        model.layers[i].tmix.enable_state_tuning()
+        assert not np.any(np.array(model.layers[i].tmix.state0)), "state0 must start at zero"
+    np.testing.assert_array_equal(np.array(model(tokens)), np.array(base))
+    for i in rwkv[:2]:
+        tmix = model.layers[i].tmix
+        tmix.state0 = to_mx(0.3 * rng.standard_normal(tmix.state0.shape))
+    tuned = model(tokens)
+    assert rel_err(np.array(tuned), np.array(base)) > 1e-3
+    assert set(_state0_of(model)) == set(rwkv[:2])
+    _check_vs_oracle(model, tokens, f"{name} state-tuned")
+    # a fresh cache starts from state0 too; decoding on continues the same sequence
+    cache = model.make_cache()
+    head = model(tokens[:, :5], cache)
+    tail = model(tokens[:, 5:], cache)
+    both = mx.concatenate([head, tail], axis=1)
+    assert rel_err(np.array(both), np.array(tuned)) <= CACHE_TOL
+    # and state0 stays differentiable through a cache (what state tuning trains)
+    d = to_mx(rng.standard_normal(tuned.shape))
+    plain, _ = grads_of(model, lambda _: (model(tokens) * d).sum())
+    cached, _ = grads_of(model, lambda _: (model(tokens, model.make_cache()) * d).sum())
+    names = [f"layers.{i}.tmix.state0" for i in rwkv[:2]]
+    want = {k: np.array(plain[k], dtype=np.float64) for k in names}
+    assert_close(cached, want, CACHE_TOL, f"{name} state0 gradient through a cache")
+
+
+@pytest.mark.parametrize("name", ["rwkv7", "rwkv-x-tiny", "rfa", "mixed"])
+def test_bf16_model_vs_oracle(name):
+    """bfloat16 weights and activations (log-decay and WKV state stay float32): logits within
+    3e-2 of the float64 oracle of the same (bf16-rounded) weights.
+
+    Looser than DESIGN.md's 2e-2, which holds per block (tests/test_models_blocks.py: <= 6.5e-3
+    measured): over 3 to 6 blocks the bf16 rounding of the residual stream and of every branch
+    compounds. Measured over 6 seeds: 0.6e-2 (rwkv7) to 1.9e-2 (rfa, whose small un-normalised
+    embedding makes every branch's error count in full)."""
+    cfg = CONFIGS[name]()
+    model = Model(cfg, seed=7)
+    model.set_dtype(mx.bfloat16)
+    tokens = _tokens(cfg, SEQ[name])
+    logits = model(tokens)
+    assert logits.dtype == mx.bfloat16
+    p = oracle_params(model, block_types=cfg.block_types)
+    ref, _ = model_fwd_np(np.array(tokens), p, spec_of(cfg), selections=_moba_masks(model, tokens))
+    assert_close({"logits": logits}, {"logits": ref}, 3e-2, f"{name} bf16 logits")
+
+
+@pytest.mark.parametrize("name", ["rwkv7", "rwkv-x-tiny", "rfa", "mixed"])
+def test_prefill_equals_decode(name):
+    """Logits of every position: one full-sequence call without a cache, one prefill into a
+    fresh cache, and token-by-token decode from a fresh cache."""
+    cfg = CONFIGS[name]()
+    model = Model(cfg, seed=4)
+    T = 40 if name == "rwkv-x-tiny" else 21  # decode past several chunks: sparse selections
+    tokens = _tokens(cfg, T, seed=5)
+    full = np.array(model(tokens))
+    prefill = np.array(model(tokens, model.make_cache()))
+    cache = model.make_cache()
+    steps = [model(tokens[:, t : t + 1], cache) for t in range(T)]
+    decode = np.array(mx.concatenate(steps, axis=1))
+    assert rel_err(prefill, full) <= CACHE_TOL
+    assert rel_err(decode, full) <= CACHE_TOL
+    assert all(c.offset == T for c in cache if hasattr(c, "offset"))
+
+
+@pytest.mark.parametrize("name", ["rwkv7", "rwkv-x-tiny", "rfa", "mixed"])
+def test_bf16_prefill_equals_decode_and_rows_are_independent(name):
+    """bfloat16: decode token by token within DESIGN.md's 2e-2 of the full sequence (caches keep
+    the WKV state and MoBA key sums in float32). float32: each batch row alone gives its logits
+    in the batch (MoBA packs all rows' (query, chunk) pairs together)."""
+    cfg = CONFIGS[name]()
+    model = Model(cfg, seed=4)
+    T = 40 if name == "rwkv-x-tiny" else 21
+    tokens = _tokens(cfg, T, seed=5)
+    batch = np.array(model(tokens))
+    for b in range(B):
+        alone = np.array(model(tokens[b : b + 1]))
+        assert rel_err(alone[0], batch[b]) <= FWD_TOL, f"row {b}"
+    model.set_dtype(mx.bfloat16)
+    full = model(tokens)
+    cache = model.make_cache()
+    decode = mx.concatenate([model(tokens[:, t : t + 1], cache) for t in range(T)], axis=1)
+    assert decode.dtype == mx.bfloat16
+    assert all(c[1].dtype == mx.float32 for c in cache if isinstance(c, ArraysCache))
+    f32 = [np.array(x.astype(mx.float32)) for x in (decode, full)]
+    assert rel_err(*f32) <= 2e-2
+
+
+@pytest.mark.parametrize("name", ["rwkv7", "rwkv-x-tiny", "rfa", "mixed"])
+@pytest.mark.parametrize("cuts", [(3, 9, 10), (1, 2, 17), (8, 16)])
+def test_prefill_in_pieces(name, cuts):
+    """A prompt prefilled in pieces cut at arbitrary points (chunk boundaries or not, pieces of
+    one token) equals one prefill, and both caches then decode the same next token."""
+    cfg = CONFIGS[name]()
+    model = Model(cfg, seed=6)
+    T = 29
+    tokens = _tokens(cfg, T, seed=8)
+    whole_cache = model.make_cache()
+    whole = np.array(model(tokens, whole_cache))
+    cache = model.make_cache()
+    bounds = [0, *cuts, T]
+    pieces = [model(tokens[:, a:b], cache) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    assert rel_err(np.array(mx.concatenate(pieces, axis=1)), whole) <= CACHE_TOL
+    nxt = tokens[:, :1]
+    a, b = model(nxt, whole_cache), model(nxt, cache)
+    assert rel_err(np.array(b), np.array(a)) <= CACHE_TOL
+
+
+def test_hidden_and_head_split_the_call():
+    cfg = CONFIGS["rfa-tied"]()
+    model = Model(cfg)
+    tokens = _tokens(cfg, 5)
+    np.testing.assert_array_equal(
+        np.array(model.head(model.hidden(tokens))), np.array(model(tokens))
+    )
+    with pytest.raises(ValueError, match=r"tokens must be \[B, T\]"):
+        model(tokens[0])
+
+
+def _all_params(cfg, **kw) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in flat_params(Model(cfg, **kw)).items()}
+
+
+@pytest.mark.parametrize("name", ["rwkv-x-tiny", "rfa", "mixed"])
+def test_seeded_init(name):
+    """Same seed, same values; another seed changes every parameter; no parameter is all zero
+    (no gradient test is vacuous); norm gains are near 1."""
+    cfg = CONFIGS[name]()
+    a, b, c = _all_params(cfg, seed=0), _all_params(cfg, seed=0), _all_params(cfg, seed=1)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        assert not np.array_equal(a[k], c[k]), f"{k}: the seed does not change it"
+        assert np.all(np.isfinite(a[k])) and np.any(a[k]), f"{k}: all zero or not finite"
+        if k.endswith(("ln1.weight", "norm.weight", "layernorm.weight")):
+            assert np.all(np.abs(a[k] - 1.0) <= 0.1), k
+        assert len(np.unique(a[k])) > a[k].size // 2, f"{k}: degenerate values"
+
+
+@pytest.mark.parametrize("name", ["rwkv-x-tiny", "rfa", "mixed"])
+def test_pretrain_init(name):
+    """RWKV-7's pretraining init: every residual branch ends in a zero projection, so the
+    hidden state is the final norm of the (ln0-normed) embedding; logits finite; decays and the
+    other per-channel vectors in their published ranges."""
+    cfg = CONFIGS[name]()
+    model = Model(cfg, init="pretrain", seed=0)
+    params = {k: np.array(v) for k, v in flat_params(model).items()}
+    zero = (".tmix.output.weight", ".ffn.value.weight", ".o_proj.weight", ".down_proj.weight")
+    zero += (".down.weight",)  # low-rank inputs
+    zero += ("norm.bias", "ln0.bias", "ln1.bias", "ln2.bias", "ln_x.bias", "_proj.bias")
+    for k, v in params.items():
+        assert np.all(np.isfinite(v)), k
+        assert (not np.any(v)) == k.endswith(zero), f"{k}: zero is {not np.any(v)}"
+    tokens = _tokens(cfg, 7)
+    h = model.embed(tokens)
+    if "ln0" in model:
+        h = model.ln0(h)
+    want = np.array(model.norm(h))
+    assert rel_err(np.array(model.hidden(tokens)), want) <= 1e-6
+    assert np.all(np.isfinite(np.array(model(tokens))))
+    for i, layer in enumerate(model.layers):
+        if layer.kind != "rwkv7":
+            continue
+        tm = layer.tmix
+        np.testing.assert_allclose(np.array(tm.k_a), 1.02, rtol=1e-6)
+        np.testing.assert_allclose(np.array(tm.r_k), -0.04, rtol=1e-6)
+        w0 = np.array(tm.decay.up.bias)
+        assert w0.min() < -4 and w0.max() > 0, f"layer {i}: decay bias range {w0.min(), w0.max()}"
+        for n in ("x_r", "x_w", "x_k", "x_v", "x_a"):
+            x = np.array(tm[n])
+            assert x.min() >= 0 and x.max() <= 1, f"layer {i} {n}"
+    assert not np.array_equal(
+        np.array(Model(cfg, init="pretrain", seed=1).embed.weight), np.array(model.embed.weight)
+    )
+    with pytest.raises(ValueError, match="init scheme"):
+        Model(cfg, init="nope")

@@ -345,3 +345,26 @@ def test_pretrain_init(name):
     )
     with pytest.raises(ValueError, match="init scheme"):
         Model(cfg, init="nope")
+
+
+@pytest.mark.parametrize("name", ["rwkv-x-tiny"])
+def test_prompt_cache_saves_and_loads_with_mlx_lm(tmp_path, name):
+    # mlx-lm's own prompt-cache files hold our caches (MoBA blocks included), and decoding
+    # from a loaded cache equals decoding from the original
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    model = Model(preset(name), seed=2)
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9]])
+    empty = model.make_cache()
+    save_prompt_cache(str(tmp_path / "empty.safetensors"), empty)
+    fresh = load_prompt_cache(str(tmp_path / "empty.safetensors"))
+    assert mx.array_equal(model(tokens, fresh), model(tokens))
+    cache = model.make_cache()
+    model(tokens, cache)
+    save_prompt_cache(str(tmp_path / "prompt.safetensors"), cache)
+    loaded = load_prompt_cache(str(tmp_path / "prompt.safetensors"))
+    step = mx.array([[2]])
+    a, b = model(step, cache), model(step, loaded)
+    assert mx.array_equal(a, b)
+    a, b = model(mx.array([[7, 1, 8]]), cache), model(mx.array([[7, 1, 8]]), loaded)
+    assert mx.array_equal(a, b)

@@ -10,6 +10,7 @@ from mlx_rwkvx.ops.moba import MobaKVCache, moba_attention, moba_decode
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 
@@ -37,24 +38,43 @@ class MobaBlockCache(_BaseCache):
 
     @property
     def state(self):
-        if self.kv.keys is None:
-            return []
-        return [self.kv.keys, self.kv.values, self.kv.key_sums] + (
-            [] if self.shift is None else [self.shift]
-        )
+        """Arrays only (mlx-lm evaluates and saves them): the keys, values and key sums so far,
+        the chunk size, and the channel-mix shift (empty when there is none yet)."""
+        kv = self.kv
+        shift = mx.zeros((0,)) if self.shift is None else self.shift
+        if kv.keys is None:
+            nothing = mx.zeros((0,))
+            return [nothing, nothing, nothing, mx.array([kv.chunk_size]), shift]
+        used = -(-kv.offset // kv.chunk_size)
+        return [
+            kv.keys[:, :, : kv.offset],
+            kv.values[:, :, : kv.offset],
+            kv.key_sums[:, :, :used],
+            mx.array([kv.chunk_size]),
+            shift,
+        ]
 
     @state.setter
     def state(self, v):
-        self.kv.keys, self.kv.values, self.kv.key_sums = v[:3]
-        self.shift = v[3] if len(v) > 3 else None
+        keys, values, sums, chunk_size, shift = v
+        cs = int(chunk_size.item())
+        self.kv = MobaKVCache(cs)
+        self.shift = None if shift.size == 0 else shift
+        if keys.size == 0:
+            return
+        B, Hkv, n, D = keys.shape
+        capacity = -(-n // cs) * cs
+        pad = ((0, 0), (0, 0), (0, capacity - n), (0, 0))
+        self.kv.keys, self.kv.values = mx.pad(keys, pad), mx.pad(values, pad)
+        self.kv.key_sums, self.kv.offset = sums, n
 
     @property
     def meta_state(self):
-        return (str(self.kv.chunk_size), str(self.kv.offset))
+        return ""
 
     @meta_state.setter
     def meta_state(self, v):
-        self.kv.chunk_size, self.kv.offset = int(v[0]), int(v[1])
+        pass
 
     def empty(self):
         return self.kv.keys is None
@@ -62,6 +82,11 @@ class MobaBlockCache(_BaseCache):
     @property
     def nbytes(self):
         return sum(x.nbytes for x in self.state)
+
+
+# mlx-lm's load_prompt_cache looks cache classes up by name in its own cache module: ours must
+# be there for a saved RWKV-X prompt cache to load.
+mlx_lm_cache.MobaBlockCache = MobaBlockCache
 
 
 class MobaAttention(nn.Module):

@@ -1,14 +1,22 @@
 """What MLX does with a custom kernel, emulated for machines without its GPU backends: the
 exact text ``mx.fast.metal_kernel`` and ``mx.fast.cuda_kernel`` compile (so g++ and nvcc can check
 it), and a stand-in kernel object that runs the CPU flavour of the same entry on the same buffers
-(so the MLX wrappers and their VJPs run end to end here)."""
+(so the MLX wrappers and their VJPs run end to end here). Also the checks built on them that
+tests/test_kernels_*.py share."""
 
 from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 from mlx_rwkvx.ops import kernels
 
 import mlx.core as mx
 import numpy as np
+import pytest
+from kernel_harness import cpu
 
 # MLX's Metal signature writer (mlx/fast.cpp, write_signature): an input of fewer elements than
 # this goes in the `constant` address space, and the thread-position attributes it declares
@@ -95,8 +103,6 @@ def cuda_text(e: kernels.Entry, dtype: str, n: int) -> str:
 
 
 MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-NP_OF_MX = {mx.float32: np.float32, mx.int32: np.int32, mx.bfloat16: np.uint16}
-NP_OF_MX[mx.float16] = np.uint16
 
 
 def fake_kernel_maker(backend: str, entries, launch, calls: list):
@@ -152,3 +158,69 @@ class _FakeKernel:
             mx.array(o).view(d) if d in (mx.bfloat16, mx.float16) else mx.array(o)
             for o, d in zip(outs, output_dtypes, strict=True)
         ]
+
+
+def check_metal_assembly(tmp_path: Path, stem: str, entries, instances, small, extra="") -> None:
+    """What MLX needs of each entry's Metal assembly (the prelude and body in the header; the
+    thread ids it must declare named in the source itself; no input that makes MLX add
+    ``_shape``/``_strides``/``_ndim`` parameters the entry does not take), then the text
+    ``metal_text`` rebuilds for ``entries`` at each ``(dtype, N)`` of ``instances`` (``small``
+    as there), followed by ``extra``, syntax-checked as C++ over METAL_STUB. Skips the
+    syntax check without a C++ compiler."""
+    for e in entries:
+        header, source = kernels.mlx_parts("metal", e)
+        assert kernels.prelude("metal") in header and kernels.kernel_source(e.body) in header
+        for attr in ("thread_position_in_threadgroup", "threadgroup_position_in_grid"):
+            assert attr in source, attr
+        for pname in e.input_names:
+            for suffix in ("_shape", "_strides", "_ndim"):
+                assert pname + suffix not in source
+    if cpu.compiler() is None:
+        pytest.skip("no C++ compiler for the syntax check")
+    text = METAL_STUB + "".join(
+        metal_text(e, d, n, small=small) for e in entries for d, n in instances
+    )
+    path = tmp_path / f"{stem}_metal_as_cpp.cpp"
+    path.write_text(text + extra)
+    cmd = [cpu.compiler(), "-std=c++20", "-fsyntax-only", "-w", str(path)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def check_cuda_compiles(tmp_path: Path, stem: str, entries, instances, as_mlx) -> None:
+    """nvcc (sm_80) compiles the standalone CUDA flavour of ``entries`` at each ``(dtype, N)``
+    of ``instances``, and the text ``cuda_text`` rebuilds for them at each of ``as_mlx``; the
+    two compile side by side. Skips without nvcc."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed: the CUDA flavour is not compiled here")
+    standalone = tmp_path / f"{stem}_standalone.cu"
+    standalone.write_text(kernels.standalone_source("cuda", entries, instances))
+    mlx_text = tmp_path / f"{stem}_as_mlx.cu"
+    mlx_text.write_text("".join(cuda_text(e, d, n) for e in entries for d, n in as_mlx))
+    jobs = [
+        subprocess.Popen(
+            [nvcc, "-std=c++17", "-arch=sm_80", "-c", str(src), "-o", str(src.with_suffix(".o"))],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for src in (standalone, mlx_text)
+    ]
+    for job in jobs:
+        out, _ = job.communicate()
+        assert job.returncode == 0, out[-3000:]
+
+
+def check_imports_without_mlx(module: str) -> None:
+    """Importing ``module`` of tests/gpu/ (after tests/conftest.py, as pytest does) in a fresh
+    interpreter pulls in no mlx: the lent GPU machine has CuPy but no MLX."""
+    code = (
+        "import sys; sys.path[:0] = ['tests', 'tests/gpu']\n"
+        f"import conftest, {module}\n"
+        "bad = [m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')]\n"
+        "assert not bad, bad\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

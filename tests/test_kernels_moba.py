@@ -3,12 +3,8 @@ selections, the CUDA flavour through nvcc, the Metal and CUDA sources exactly as
 assemble them, and the MLX wrapper (moba_kernel_fn and its VJP) driven through the CPU flavour."""
 
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
-from mlx_rwkvx.ops import kernels
+from mlx_rwkvx.ops import kernels, mlx_kernels
 from mlx_rwkvx.ops import moba as M
 from mlx_rwkvx.ops import moba_kernel as MK
 
@@ -17,7 +13,13 @@ import numpy as np
 import pytest
 from kernel_harness import cpu
 from kernel_harness import moba as harness
-from mlx_kernel_emulation import MX_DTYPES, cuda_text, fake_kernel_maker, metal_text
+from mlx_kernel_emulation import (
+    MX_DTYPES,
+    check_cuda_compiles,
+    check_imports_without_mlx,
+    check_metal_assembly,
+    fake_kernel_maker,
+)
 from oracle.common import rel_err
 
 HEAD_SIZES = MK.HEAD_DIMS
@@ -25,12 +27,7 @@ HEAD_SIZES = MK.HEAD_DIMS
 
 @pytest.fixture(scope="module")
 def launch(request, tmp_path_factory):
-    if cpu.compiler() is None:
-        pytest.skip("no C++ compiler (g++ or clang++): the CPU flavour cannot be built")
-    instances = [(d, n) for d in kernels.DTYPES for n in HEAD_SIZES]
-    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
-    where = cache.mkdir("kernels_cpu") if cache else tmp_path_factory.mktemp("kernels_cpu")
-    return cpu.launcher(cpu.build(harness.ENTRIES, instances, where))
+    return cpu.fixture_launch(request, tmp_path_factory, harness.ENTRIES, HEAD_SIZES)
 
 
 # (B, T, Hq, Hkv, D, chunk_size, top_k, key prefix, shuffled slots)
@@ -136,54 +133,16 @@ static_assert((MOBA_DKV_SHARED(128) + MOBA_DKV_INT_SHARED) * 4 <= 32768, "dk/dv"
 
 
 def test_metal_assembly_names_its_thread_ids_and_compiles_as_cpp(tmp_path):
-    for e in harness.ENTRIES:
-        header, source = kernels.mlx_parts("metal", e)
-        assert kernels.prelude("metal") in header and kernels.kernel_source(e.body) in header
-        for attr in ("thread_position_in_threadgroup", "threadgroup_position_in_grid"):
-            assert attr in source, attr
-        for pname in e.input_names:  # no _shape/_strides/_ndim parameters the entry does not take
-            for suffix in ("_shape", "_strides", "_ndim"):
-                assert pname + suffix not in source
-    if cpu.compiler() is None:
-        pytest.skip("no C++ compiler for the syntax check")
-    from mlx_kernel_emulation import METAL_STUB
-
-    text = METAL_STUB + "".join(
-        metal_text(e, d, n, small=("scale", "dims"))
-        for e in harness.ENTRIES
-        for d, n in [("float32", 64), ("bfloat16", 16), ("float16", 128)]
-    )
-    path = tmp_path / "moba_metal_as_cpp.cpp"
-    path.write_text(text + SHARED_LIMITS)
-    cmd = [cpu.compiler(), "-std=c++20", "-fsyntax-only", "-w", str(path)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    instances = [("float32", 64), ("bfloat16", 16), ("float16", 128)]
+    small = ("scale", "dims")
+    check_metal_assembly(tmp_path, "moba", harness.ENTRIES, instances, small, SHARED_LIMITS)
 
 
 def test_cuda_flavour_compiles_with_nvcc(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not installed: the CUDA flavour is not compiled here")
     instances = [("float32", 16), ("float32", 64), ("float32", 128)]
     instances += [("bfloat16", 64), ("float16", 32)]
-    standalone = tmp_path / "moba_standalone.cu"
-    standalone.write_text(kernels.standalone_source("cuda", harness.ENTRIES, instances))
-    as_mlx = tmp_path / "moba_as_mlx.cu"
-    as_mlx.write_text(
-        "".join(cuda_text(e, d, 64) for e in harness.ENTRIES for d in ("bfloat16", "float16"))
-    )
-    jobs = [
-        subprocess.Popen(
-            [nvcc, "-std=c++17", "-arch=sm_80", "-c", str(src), "-o", str(src.with_suffix(".o"))],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for src in (standalone, as_mlx)
-    ]
-    for job in jobs:
-        out, _ = job.communicate()
-        assert job.returncode == 0, out[-3000:]
+    as_mlx = [("bfloat16", 64), ("float16", 64)]
+    check_cuda_compiles(tmp_path, "moba", harness.ENTRIES, instances, as_mlx)
 
 
 def _mx(x: np.ndarray, dtype: str) -> mx.array:
@@ -193,7 +152,7 @@ def _mx(x: np.ndarray, dtype: str) -> mx.array:
 def test_builders_return_none_without_a_backend():
     if MK.kernel_backend() is not None:
         pytest.skip("this MLX has a GPU backend")
-    assert MK._make_moba_kernels() is None
+    assert MK._kernels() is None
     with pytest.raises(RuntimeError, match="moba_kernel_fn needs MLX with a Metal or CUDA"):
         MK.moba_kernel_fn(8, 0.25)
 
@@ -233,7 +192,7 @@ def _run_wrapper(monkeypatch, launch, backend, x, cs, scale, dtype, out_only=Fal
     fake = fake_kernel_maker(backend, harness.ENTRIES, launch, calls)
     monkeypatch.setattr(mx.fast, maker, fake, raising=False)
     monkeypatch.setattr(MK, "kernel_backend", lambda: backend)
-    MK._kernels.cache_clear()
+    mlx_kernels.make_kernels.cache_clear()
     try:
         fn = MK.moba_kernel_fn(cs, scale)
         q, k, v, d_out = (_mx(x[n], dtype) for n in ("q", "k", "v", "dout"))
@@ -251,7 +210,7 @@ def _run_wrapper(monkeypatch, launch, backend, x, cs, scale, dtype, out_only=Fal
             grads = mx.grad(loss, argnums=(0, 1, 2))(q, k, v)
         mx.eval(out, lse, grads)
     finally:
-        MK._kernels.cache_clear()
+        mlx_kernels.make_kernels.cache_clear()
     assert out.dtype == q.dtype and lse.dtype == mx.float32 and lse.shape == (q.size // D,)
     assert [g.dtype for g in grads] == [q.dtype] * 3
     return out, lse, grads, calls
@@ -309,13 +268,4 @@ def test_mlx_wrapper_pads_small_inputs_out_of_metals_constant_space(launch, monk
 
 
 def test_gpu_harness_imports_without_mlx():
-    # the lent GPU machine has CuPy but no MLX: nothing tests/gpu/ imports may pull mlx in
-    code = (
-        "import sys; sys.path[:0] = ['tests', 'tests/gpu']\n"
-        "import conftest, test_moba_cuda\n"
-        "bad = [m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')]\n"
-        "assert not bad, bad\n"
-    )
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    check_imports_without_mlx("test_moba_cuda")

@@ -372,8 +372,8 @@ def _moba(q, k, v, chunk_size, top_k, scale, sparse_fn) -> mx.array:
 
 def _kernel_fn(head_dim: int | None = None):
     """The kernel's sparse function where the device has a kernel (for ``head_dim``)."""
+    from mlx_rwkvx.ops.mlx_kernels import kernel_backend
     from mlx_rwkvx.ops.moba_kernel import HEAD_DIMS, moba_kernel_fn
-    from mlx_rwkvx.ops.wkv7_kernel import kernel_backend
 
     if kernel_backend() is None or (head_dim is not None and head_dim not in HEAD_DIMS):
         return None

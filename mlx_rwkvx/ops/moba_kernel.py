@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from mlx_rwkvx.ops import kernels
-from mlx_rwkvx.ops.wkv7_kernel import kernel_backend
+from mlx_rwkvx.ops.mlx_kernels import kernel_backend, make_kernels
 
 import mlx.core as mx
 
@@ -26,35 +25,9 @@ _ENTRIES = ("moba_fwd.h", "moba_bwd_dq.h", "moba_bwd_dkv.h")
 _MIN_DEVICE_SIZE = 8
 
 
-def _make_moba_kernels(backend: str | None = None):
-    """(forward, dq, dk/dv) kernel objects for ``backend`` (default: ``kernel_backend()``), or
-    None without one."""
-    backend = kernel_backend() if backend is None else backend
-    if backend == "metal":
-        make = mx.fast.metal_kernel
-    elif backend == "cuda":
-        make = mx.fast.cuda_kernel
-    else:
-        return None
-    built = []
-    for name in _ENTRIES:
-        entry = kernels.entry(name)
-        header, source = kernels.mlx_parts(backend, entry)
-        built.append(
-            make(
-                name=entry.kernel,
-                input_names=entry.input_names,
-                output_names=entry.output_names,
-                source=source,
-                header=header,
-            )
-        )
-    return tuple(built)
-
-
-@functools.cache
-def _kernels(backend: str | None):
-    return _make_moba_kernels(backend) if backend else None
+def _kernels() -> tuple | None:
+    """(forward, dq, dk/dv) MLX kernels for this machine's backend, or None without one."""
+    return make_kernels(_ENTRIES, kernel_backend())
 
 
 def _device_sized(x: mx.array) -> mx.array:
@@ -128,7 +101,7 @@ def _moba_kernel_fn(cs: int, scale: float):
     @mx.custom_function
     def moba_slots_kernel(q, k, v, chunk, limit):
         _check(q, k, v, chunk, limit)
-        forward, _, _ = _kernels(kernel_backend())
+        forward, _, _ = _kernels()
         B, T, Hq, D = q.shape
         R = B * T * Hq
         scale_arr, dims = _consts(q, k, chunk, cs, scale)
@@ -147,7 +120,7 @@ def _moba_kernel_fn(cs: int, scale: float):
         q, k, v, chunk, limit = primals
         d_out, d_lse = cotangents
         out, lse = outputs
-        _, dq_kernel, dkv_kernel = _kernels(kernel_backend())
+        _, dq_kernel, dkv_kernel = _kernels()
         B, T, Hq, D = q.shape
         _, Tk, Hkv, _ = k.shape
         R = B * T * Hq
@@ -202,7 +175,7 @@ def moba_kernel_fn(chunk_size: int, scale: float):
     the slots, lse's cotangent included. Raises RuntimeError where MLX has no Metal or CUDA
     backend.
     """
-    if _kernels(kernel_backend()) is None:
+    if _kernels() is None:
         raise RuntimeError(
             "moba_kernel_fn needs MLX with a Metal or CUDA device; use moba_attention_blockwise "
             "or moba_attention here"

@@ -301,7 +301,8 @@ _self_check = SelfCheck("WKV7", "chunked")
 
 
 def _kernel_fn():
-    from mlx_rwkvx.ops.wkv7_kernel import kernel_backend, wkv7_kernel
+    from mlx_rwkvx.ops.mlx_kernels import kernel_backend
+    from mlx_rwkvx.ops.wkv7_kernel import wkv7_kernel
 
     return wkv7_kernel if kernel_backend() is not None else None
 

@@ -9,9 +9,7 @@ tests (tests/test_kernels_wkv7.py); see ``mlx_rwkvx/metal/wkv7.h`` for the layou
 
 from __future__ import annotations
 
-import functools
-
-from mlx_rwkvx.ops import kernels
+from mlx_rwkvx.ops.mlx_kernels import kernel_backend, make_kernels
 from mlx_rwkvx.ops.wkv7 import _check, _zero_state
 
 import mlx.core as mx
@@ -20,45 +18,9 @@ SEG = 16  # WKV7_SEG in metal/wkv7.h: steps between the forward's state checkpoi
 _ENTRIES = ("wkv7_fwd.h", "wkv7_bwd.h")
 
 
-def kernel_backend() -> str | None:
-    """``"metal"`` or ``"cuda"`` where MLX can run custom kernels of that kind, else None."""
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available() and hasattr(mx.fast, "cuda_kernel"):
-        return "cuda"
-    return None
-
-
-def _make_wkv7_kernels(backend: str | None = None):
-    """(forward, backward) kernel objects for ``backend`` (default: ``kernel_backend()``), or
-    None without one."""
-    backend = kernel_backend() if backend is None else backend
-    if backend == "metal":
-        make = mx.fast.metal_kernel
-    elif backend == "cuda":
-        make = mx.fast.cuda_kernel
-    else:
-        return None
-    built = []
-    for name in _ENTRIES:
-        entry = kernels.entry(name)
-        header, source = kernels.mlx_parts(backend, entry)
-        built.append(
-            make(
-                name=entry.kernel,
-                input_names=entry.input_names,
-                output_names=entry.output_names,
-                source=source,
-                header=header,
-            )
-        )
-    return tuple(built)
-
-
-@functools.cache
-def _kernels(backend: str | None):
-    return _make_wkv7_kernels(backend) if backend else None
+def _kernels() -> tuple | None:
+    """(forward, backward) MLX kernels for this machine's backend, or None without one."""
+    return make_kernels(_ENTRIES, kernel_backend())
 
 
 def _launch(kernel, inputs, r, output_shapes, output_dtypes):
@@ -76,7 +38,7 @@ def _launch(kernel, inputs, r, output_shapes, output_dtypes):
 
 @mx.custom_function
 def _wkv7_kernel_core(r, log_w, k, v, a, b, state):
-    forward, _ = _kernels(kernel_backend())
+    forward, _ = _kernels()
     B, T, H, N = r.shape
     seq = (B, T, H, N)
     n_seg = -(-T // SEG)
@@ -97,7 +59,7 @@ def _wkv7_kernel_vjp(primals, cotangents, outputs):
     r, log_w, k, v, a, b, _ = primals
     dy, d_state_out = cotangents[:2]
     _, _, ckpt, sa = outputs
-    _, backward = _kernels(kernel_backend())
+    _, backward = _kernels()
     B, T, H, N = r.shape
     seq = (B, T, H, N)
     f32, dt = mx.float32, r.dtype
@@ -124,7 +86,7 @@ def wkv7_kernel(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
     no Metal or CUDA backend.
     """
     _check(r, log_w, k, v, a, b, state)
-    if _kernels(kernel_backend()) is None:
+    if _kernels() is None:
         raise RuntimeError(
             "wkv7_kernel needs MLX with a Metal or CUDA device; use wkv7_chunked or wkv7 here"
         )

@@ -4,10 +4,9 @@ with tests/gpu/run.sh."""
 
 import time
 
-from mlx_rwkvx.ops import kernels
-
 import numpy as np
 import pytest
+from common import cuda_launcher, device_ms, error_line
 from kernel_harness import moba as harness
 from oracle.common import rel_err
 
@@ -22,27 +21,7 @@ INSTANCES = [("float32", n) for n in (16, 32, 64, 128)] + [
 
 @pytest.fixture(scope="module")
 def cuda():
-    cp = pytest.importorskip("cupy", reason="CuPy is not installed")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cp.cuda.runtime.CUDARuntimeError as err:
-        pytest.skip(f"no usable CUDA device: {err}")
-    code = kernels.standalone_source("cuda", harness.ENTRIES, INSTANCES)
-    names = [kernels.instance_name(e, d, n) for e in harness.ENTRIES for d, n in INSTANCES]
-    try:
-        module = cp.RawModule(code=code, options=("-std=c++17",))
-        functions = {name: module.get_function(name) for name in names}
-    except cp.cuda.compiler.CompileException:
-        # NVRTC may not find cuda_bf16.h on its include path; nvcc always does
-        module = cp.RawModule(code=code, options=("-std=c++17",), backend="nvcc")
-        functions = {name: module.get_function(name) for name in names}
-
-    def launch(name, groups, threads, arrays):
-        functions[name]((groups,), (threads,), tuple(arrays))
-
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    return cp, launch, props["name"].decode()
+    return cuda_launcher(harness.ENTRIES, INSTANCES)
 
 
 # (B, T, Hq, Hkv, D, chunk_size, top_k, key prefix, dtype)
@@ -71,7 +50,7 @@ def test_cuda_flavour_matches_oracle(cuda, B, T, Hq, Hkv, D, cs, top_k, prefix, 
     errors = harness.compare(launch, x, cs, dtype, xp=cp)
     print(
         f"\n{dtype} B={B} T={T} Hq={Hq} Hkv={Hkv} D={D} cs={cs} top_k={top_k} prefix={prefix}: "
-        + " ".join(f"{k}={v:.1e}" for k, v in errors.items())
+        + error_line(errors)
     )
 
 
@@ -98,17 +77,6 @@ def _rows_reference(x: dict, rows, cs: int, scale: float) -> dict:
         ref["lse"].append(lse)
         ref["dq"].append(scale * ds @ K)
     return {name: np.array(v) for name, v in ref.items()}
-
-
-def _device_ms(cp, fn, reps: int) -> float:
-    fn()  # warm-up
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return cp.cuda.get_elapsed_time(start, stop) / reps
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -141,7 +109,7 @@ def test_cuda_timing(cuda, T, dtype):
     for name in ("dk", "dv"):
         assert bool(cp.isfinite(made[name]).all()) and bool(cp.any(made[name] != 0)), name
 
-    ms = [_device_ms(cp, lambda a=a: launch(*a), reps=10) for a in launches]
+    ms = [device_ms(cp, lambda a=a: launch(*a), reps=10) for a in launches]
     # attended keys over all rows: the work of every kernel is proportional to it
     keys = np.where(x["limit"] >= 0, np.minimum(x["limit"] + 1, T - x["chunk"] * cs), 0).sum()
     flops = [4 * D * keys, 6 * D * keys, 8 * D * keys]  # forward, dq, dk/dv multiply-adds x 2

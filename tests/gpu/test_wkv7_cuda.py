@@ -7,6 +7,7 @@ from mlx_rwkvx.ops import kernels
 
 import numpy as np
 import pytest
+from common import cuda_launcher, device_ms, error_line
 from kernel_harness import wkv7 as harness
 from oracle.wkv7 import random_wkv7_inputs
 
@@ -22,29 +23,7 @@ MIXED = (1e-4, 0.9999)
 
 @pytest.fixture(scope="module")
 def cuda():
-    cp = pytest.importorskip("cupy", reason="CuPy is not installed")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cp.cuda.runtime.CUDARuntimeError as err:
-        pytest.skip(f"no usable CUDA device: {err}")
-    code = kernels.standalone_source("cuda", (harness.FWD, harness.BWD), INSTANCES)
-    names = [
-        kernels.instance_name(e, d, n) for e in (harness.FWD, harness.BWD) for d, n in INSTANCES
-    ]
-    try:
-        module = cp.RawModule(code=code, options=("-std=c++17",))
-        functions = {name: module.get_function(name) for name in names}
-    except cp.cuda.compiler.CompileException:
-        # NVRTC may not find cuda_bf16.h on its include path; nvcc always does
-        module = cp.RawModule(code=code, options=("-std=c++17",), backend="nvcc")
-        functions = {name: module.get_function(name) for name in names}
-
-    def launch(name, groups, threads, arrays):
-        functions[name]((groups,), (threads,), tuple(arrays))
-
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    return cp, launch, props["name"].decode()
+    return cuda_launcher(harness.ENTRIES, INSTANCES)
 
 
 CASES = [
@@ -67,20 +46,7 @@ def test_cuda_flavour_matches_oracle(cuda, B, T, H, N, decays, dtype):
     cp, launch, _ = cuda
     inputs = random_wkv7_inputs(np.random.default_rng(T + N), B, T, H, N, decay_range=decays)
     errors = harness.compare(launch, inputs, dtype, seed=T, xp=cp)
-    print(
-        f"\n{dtype} B={B} T={T} H={H} N={N}: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items())
-    )
-
-
-def _device_ms(cp, fn, reps: int) -> float:
-    fn()  # warm-up
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return cp.cuda.get_elapsed_time(start, stop) / reps
+    print(f"\n{dtype} B={B} T={T} H={H} N={N}: " + error_line(errors))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -122,8 +88,8 @@ def test_cuda_timing(cuda, T, dtype):
     fwd_name = kernels.instance_name(harness.FWD, dtype, N)
     bwd_name = kernels.instance_name(harness.BWD, dtype, N)
     t0 = time.perf_counter()
-    fwd_ms = _device_ms(cp, lambda: launch(fwd_name, B * H, N, fwd_args), reps=20)
-    bwd_ms = _device_ms(cp, lambda: launch(bwd_name, B * H, N, bwd_args), reps=20)
+    fwd_ms = device_ms(cp, lambda: launch(fwd_name, B * H, N, fwd_args), reps=20)
+    bwd_ms = device_ms(cp, lambda: launch(bwd_name, B * H, N, bwd_args), reps=20)
     wall = time.perf_counter() - t0
     # bytes each kernel must move at least: its inputs and outputs (scratch traffic excluded)
     fwd_bytes = sum(a.nbytes for a in fwd_args)

@@ -13,6 +13,7 @@ from pathlib import Path
 from mlx_rwkvx.ops import kernels
 
 import numpy as np
+import pytest
 
 CXX_FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-Wall", "-Wextra", "-Werror")
 
@@ -49,7 +50,7 @@ def build(entries, instances, cache_dir: Path) -> ctypes.CDLL:
 
 
 def launcher(lib: ctypes.CDLL):
-    """A launch (see kernel_harness.wkv7) that runs the library's functions on NumPy arrays."""
+    """A launch (see kernel_harness.common) that runs the library's functions on NumPy arrays."""
 
     def launch(name: str, groups: int, threads: int, arrays: list) -> None:
         del threads  # the CPU function knows N
@@ -61,3 +62,15 @@ def launcher(lib: ctypes.CDLL):
         fn(groups, *(x.ctypes.data for x in arrays))
 
     return launch
+
+
+def fixture_launch(request, tmp_path_factory, entries, sizes):
+    """For a pytest fixture: the launch of the CPU flavour of ``entries`` at every dtype and
+    every N in ``sizes``, built in pytest's cache (a temporary folder without it). Skips without
+    a C++ compiler."""
+    if compiler() is None:
+        pytest.skip("no C++ compiler (g++ or clang++): the CPU flavour cannot be built")
+    instances = [(d, n) for d in kernels.DTYPES for n in sizes]
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    where = cache.mkdir("kernels_cpu") if cache else tmp_path_factory.mktemp("kernels_cpu")
+    return launcher(build(entries, instances, where))

@@ -361,7 +361,8 @@ def bench_moba(args) -> None:
         return moba_attention(q, k, v, chunk_size=cs, top_k=top_k)
 
     # verify first: the sparse path against the dense masked reference, outputs and gradients
-    xs = _attention_inputs(1024, seed=1)
+    # (T=2048: 8 chunks, so top_k=3 leaves chunks out and the sparse path runs)
+    xs = _attention_inputs(2048, seed=1)
     ref = moba_attention_ref(*xs, chunk_size=cs, top_k=top_k)
     err = rel_err(moba(*xs), ref)
 
@@ -413,7 +414,7 @@ def bench_moba(args) -> None:
 
     H, D = MOBA["H"], MOBA["D"]
     lines = [
-        f"Verified first (T=1024): moba_attention vs the dense masked reference: output {err:.1e}"
+        f"Verified first (T=2048): moba_attention vs the dense masked reference: output {err:.1e}"
         f", gradients <= {g_err:.1e}.",
         "",
         f"B=1, {H} heads, D={D}, chunk_size {cs}, top_k {top_k}, float32. dense = "

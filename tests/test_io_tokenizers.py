@@ -99,3 +99,15 @@ def test_tokenizer_choice(tmp_path):
     assert isinstance(load_tokenizer(str(tmp_path), 256), ByteTokenizer)
     with pytest.raises(ValueError, match="no tokenizer.json beside the checkpoint"):
         load_tokenizer(str(tmp_path), 32000)
+
+
+def test_hf_style_surface_for_mlx_lm(world):
+    from mlx_rwkvx.io.tokenizers import HFStyle, for_mlx_lm
+
+    hf = HFStyle(world)
+    assert hf.eos_token_id == 0 and hf.encode("hi", add_special_tokens=False) == world.encode("hi")
+    chat = hf.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    assert chat == "User: Hi\n\nAssistant:"
+    assert hf.get_vocab()[" the"] == world.encode(" the")[0]
+    wrapped = for_mlx_lm(world)
+    assert wrapped.eos_token_ids == {0} and wrapped.decode(world.encode("héllo")) == "héllo"

@@ -213,3 +213,37 @@ def test_generate_step_runs_our_models(name):
     cache = model.make_cache()
     again = [int(t) for t, _ in generate_step(prompt, model, max_tokens=n, prompt_cache=cache)]
     assert again == got
+
+
+@pytest.mark.parametrize("name", ["rwkv-x-tiny", "rfa"])
+def test_stream_generate_with_our_tokenizer(name):
+    # mlx-lm's stream_generate, unchanged, drives our model, cache and byte tokenizer, and
+    # produces exactly what greedy decoding by hand does
+    from mlx_rwkvx.io.tokenizers import ByteTokenizer, for_mlx_lm
+
+    from mlx_lm.generate import stream_generate
+
+    if name == "rfa":
+        cfg = rfa_config(
+            vocab_size=256,
+            hidden_size=64,
+            head_size=16,
+            n_q_heads=4,
+            n_kv_heads=2,
+            intermediate_size=96,
+            block_types=["rwkv7", "qwen2", "rwkv7"],
+        )
+    else:
+        cfg = preset(name)
+    model = Model(cfg, seed=3)
+    tok = ByteTokenizer()
+    prompt = tok.encode("Hello")
+    pieces = [r.token for r in stream_generate(model, for_mlx_lm(tok), prompt, max_tokens=6)]
+    tokens, cache = [], model.make_cache()
+    logits = model(mx.array([prompt]), cache)
+    for _ in range(len(pieces)):
+        tokens.append(int(mx.argmax(logits[0, -1]).item()))
+        if tokens[-1] in tok.eos_token_ids:
+            break
+        logits = model(mx.array([tokens[-1:]]), cache)
+    assert pieces == tokens

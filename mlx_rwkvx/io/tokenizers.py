@@ -160,3 +160,49 @@ def load_tokenizer(path: str, vocab_size: int):
         f"{path}: no tokenizer.json beside the checkpoint, and vocab_size {vocab_size} is "
         "neither RWKV World's (65536) nor bytes' (<= 256)"
     )
+
+
+class HFStyle:
+    """One of our tokenizers with the Hugging Face surface mlx-lm's ``TokenizerWrapper`` reads
+    (``encode(text, add_special_tokens=...)``, ``decode``, ``eos_token_id``, ``get_vocab``), so
+    that ``mlx_lm.generate.stream_generate`` runs our models with our tokenizers."""
+
+    bos_token = None
+    chat_template = None
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        eos = sorted(tokenizer.eos_token_ids)
+        self.eos_token_id = eos[0] if eos else None
+        self.eos_token_ids = eos
+        self._vocab = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids, **_) -> str:
+        return self.tokenizer.decode(ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **_):
+        """RWKV's plain chat format: ``User: ...\n\nAssistant: ...``, one turn a paragraph."""
+        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages)
+        if add_generation_prompt:
+            text += "Assistant:"
+        return self.encode(text) if tokenize else text
+
+    def get_vocab(self) -> dict[str, int]:
+        if self._vocab is None:
+            by_id = getattr(self.tokenizer, "id_to_bytes", None)
+            if by_id is None and hasattr(self.tokenizer, "_tok"):
+                self._vocab = self.tokenizer._tok.get_vocab()
+            else:
+                by_id = by_id or {i: bytes([i]) for i in range(256)}
+                self._vocab = {b.decode("utf-8", errors="replace"): i for i, b in by_id.items()}
+        return self._vocab
+
+
+def for_mlx_lm(tokenizer):
+    """mlx-lm's ``TokenizerWrapper`` around one of our tokenizers (for its generate functions)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return TokenizerWrapper(HFStyle(tokenizer), eos_token_ids=sorted(tokenizer.eos_token_ids))

@@ -27,13 +27,19 @@ def configure() -> None:
         return
     wanted = os.environ.get("MLX_RWKVX_CACHE_LIMIT")
     if wanted is not None:
-        if int(wanted) > 0:
-            mx.set_cache_limit(int(wanted))
+        try:
+            limit = int(wanted)
+        except ValueError:
+            raise ValueError(
+                f"MLX_RWKVX_CACHE_LIMIT={wanted!r}: expected a number of bytes (0: MLX's default)"
+            ) from None
+        if limit > 0:
+            mx.set_cache_limit(limit)
         return
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         ram = 8 << 30
     previous = mx.set_cache_limit(ram // 4)
-    if previous > _DEFAULT_CPU_CACHE:
+    if previous != _DEFAULT_CPU_CACHE:  # someone chose a limit already: keep theirs
         mx.set_cache_limit(previous)

@@ -12,9 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mlx_rwkvx.io.formats import CheckpointError, to_blinkdl, write_hf, write_native
+from mlx_rwkvx.io.formats import (
+    CheckpointError,
+    atomic_safetensors,
+    to_blinkdl,
+    write_hf,
+    write_native,
+)
 from mlx_rwkvx.io.load import load_model
-from mlx_rwkvx.models.config import RFA_SWITCHES, rfa_config
+from mlx_rwkvx.models.config import RFA_SWITCHES, default_qwen_layers, rfa_config
 from mlx_rwkvx.models.model import Model
 
 import mlx.core as mx
@@ -23,11 +29,12 @@ from mlx.utils import tree_flatten
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-def qwen2_to_rfa(model: Model, qwen_layers: list[int], seed: int = 0) -> Model:
+def qwen2_to_rfa(model: Model, qwen_layers: list[int], head_size: int = 64, seed: int = 0) -> Model:
     """An RFA model from a model of Qwen2 blocks: layers not in ``qwen_layers`` get an ARWKV
     time-mix with receptance from q_proj, key and value from k_proj and v_proj repeated over the
     KV groups, output from o_proj, the rest the default init; MLP and norms are kept. The q, k, v
-    biases of replaced layers have no place in a time-mix and are dropped."""
+    biases of replaced layers have no place in a time-mix and are dropped. ``head_size``: the
+    WKV head size (the 1.5B reference: 24 heads of 64)."""
     cfg = model.config
     if set(cfg.block_types) != {"qwen2"}:
         raise ValueError("--to-rfa needs a Qwen2 checkpoint (a model of Qwen2 blocks only)")
@@ -41,7 +48,7 @@ def qwen2_to_rfa(model: Model, qwen_layers: list[int], seed: int = 0) -> Model:
     fields.update(
         RFA_SWITCHES,
         block_types=["qwen2" if i in qwen_layers else "rwkv7" for i in range(n)],
-        head_size=cfg.attn_head_dim if cfg.attn_head_dim in (16, 32, 64, 128) else 64,
+        head_size=head_size,
     )
     new = Model(rfa_config(**fields), seed=seed)
     groups = cfg.n_q_heads // cfg.n_kv_heads
@@ -80,6 +87,7 @@ def convert(
     dtype=None,
     to_rfa: bool = False,
     qwen_layers=None,
+    head_size: int = 64,
 ) -> Model:
     """Read ``src``, transform, write ``dst``; returns the written model."""
     if quantize and to != "native":
@@ -87,8 +95,8 @@ def convert(
     model = load_model(src, dtype=DTYPES[dtype] if dtype else None)
     if to_rfa:
         n = len(model.config.block_types)
-        layers = qwen_layers if qwen_layers is not None else list(range(3, n, 4))
-        model = qwen2_to_rfa(model, layers)
+        layers = qwen_layers if qwen_layers is not None else default_qwen_layers(n)
+        model = qwen2_to_rfa(model, layers, head_size=head_size)
     if quantize:
         model.quantize(bits=8)
         mx.eval(model.parameters())
@@ -100,7 +108,7 @@ def convert(
     else:
         if not dst.endswith(".safetensors"):
             raise ValueError("--to blinkdl writes one .safetensors file: give DST that name")
-        mx.save_safetensors(dst, to_blinkdl(model.config, tensors))
+        atomic_safetensors(dst, to_blinkdl(model.config, tensors))
     return model
 
 
@@ -121,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         help="cast floating weights (default: as stored)",
     )
     parser.add_argument("--to-rfa", action="store_true", help="Qwen2 -> RFA (see above)")
+    parser.add_argument("--head-size", type=int, default=64, help="--to-rfa: WKV head size")
     parser.add_argument(
         "--qwen-layers",
         default=None,
@@ -139,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
             dtype=args.dtype,
             to_rfa=args.to_rfa,
             qwen_layers=layers,
+            head_size=args.head_size,
         )
     except (CheckpointError, ValueError, OSError) as e:
         print(f"mlx_rwkvx.convert: error: {e}", file=sys.stderr)

@@ -17,7 +17,7 @@ from mlx_rwkvx import info
 
 def wkv7_smoke(T: int = 512, H: int = 4, N: int = 64) -> list[str]:
     """Run ``wkv7`` and ``wkv7_ref`` on the same inputs; report agreement and times."""
-    from mlx_rwkvx.ops.wkv7 import wkv7, wkv7_ref
+    from mlx_rwkvx.ops.wkv import wkv7, wkv7_ref
 
     import mlx.core as mx
 

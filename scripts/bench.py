@@ -161,9 +161,9 @@ def mlx_lm_wkv7(r, log_w, k, v, a, b, state):
 
 
 def chunked_flops(T: int, H: int, N: int) -> float:
-    """Matmul FLOPs of the chunked forward (ops/wkv7.py), B = 1, counted from its shapes."""
-    from mlx_rwkvx.ops.wkv7 import CHUNK as L
-    from mlx_rwkvx.ops.wkv7 import SUB as S
+    """Matmul FLOPs of the chunked forward (ops/wkv.py), B = 1, counted from its shapes."""
+    from mlx_rwkvx.ops.wkv import CHUNK as L
+    from mlx_rwkvx.ops.wkv import SUB as S
 
     nq = L // S
     per_chunk = (
@@ -207,7 +207,7 @@ def _measure(run, repeats):
 
 
 def bench_wkv7(args) -> None:
-    from mlx_rwkvx.ops.wkv7 import wkv7, wkv7_ref
+    from mlx_rwkvx.ops.wkv import wkv7, wkv7_ref
 
     # verify first: the dispatcher's path against the step loop, outputs and gradients
     xs = wkv7_inputs(300, 4)

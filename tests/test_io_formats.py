@@ -321,6 +321,46 @@ def test_quantize_by_row_blocks_equals_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(load_module, "ROW_BLOCK_BYTES", 100 * 128 * 4)  # 100 rows a block
     blocks = load_module.load_model(str(tmp_path / "fp"), quantize="int8")
     assert same_model(blocks, whole)
-    monkeypatch.setattr(init_module, "ROW_BLOCK", 100 * 128)  # the random init by blocks too
+    monkeypatch.setattr(init_module, "ROW_BLOCK_BYTES", 100 * 128 * 4)  # the init by blocks too
     built = load_module.build(cfg, quantize="int8", seed=9)
     assert same_model(built, Model(cfg, seed=9).quantize(bits=8))
+
+
+def test_state_tuned_model_round_trip(tmp_path):
+    model = Model(rwkv7_cfg(), seed=3)
+    model.layers[1].tmix.enable_state_tuning()
+    model.layers[1].tmix.state0 = mx.full(model.layers[1].tmix.state0.shape, 0.25)
+    mlx_rwkvx.save(model, str(tmp_path / "tuned"))
+    loaded, _ = mlx_rwkvx.load(str(tmp_path / "tuned"))
+    assert same_model(loaded, model) and mx.array_equal(loaded(TOKENS), model(TOKENS))
+    with pytest.raises(CheckpointError, match="no place for trained initial states"):
+        write_hf(str(tmp_path / "hf"), model.config, params(model))
+
+
+def test_quantized_or_hybrid_models_do_not_export_to_other_formats(tmp_path):
+    q = Model(ModelConfig(vocab_size=256, hidden_size=128, head_size=32, block_types=["rwkv7"]))
+    q.quantize(bits=8)
+    with pytest.raises(CheckpointError, match="this model is quantized: use native"):
+        write_hf(str(tmp_path / "hf"), q.config, params(q))
+    arwkv = rfa_config(vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"] * 2)
+    with pytest.raises(CheckpointError, match="only plain RWKV-7 models"):
+        to_blinkdl(arwkv, params(Model(arwkv)))
+
+
+def test_interrupted_save_leftovers_are_ignored(tmp_path):
+    model = Model(rwkv7_cfg(), seed=1)
+    write_hf(str(tmp_path), model.config, params(model))
+    (tmp_path / "model.safetensors.tmp-123.safetensors").write_bytes(b"half written")
+    loaded, _ = mlx_rwkvx.load(str(tmp_path))
+    assert same_model(loaded, model)
+
+
+def test_pth_view_outside_its_storage_is_refused():
+    from mlx_rwkvx.io.pth import PthError, _rebuild_tensor
+
+    storage = (np.arange(6, dtype=np.float32), False)
+    assert _rebuild_tensor(storage, 2, (2, 2), (2, 1)).array.tolist() == [[2, 3], [4, 5]]
+    with pytest.raises(PthError, match="reaches past its storage"):
+        _rebuild_tensor(storage, 3, (2, 2), (2, 1))
+    with pytest.raises(PthError, match="malformed"):
+        _rebuild_tensor(storage, 0, (2,), (-1,))

@@ -5,7 +5,7 @@ The kernel's CPU flavour passes the same checks in tests/test_kernels_wkv7.py.
 
 import warnings
 
-from mlx_rwkvx.ops import wkv7 as W
+from mlx_rwkvx.ops import wkv as W
 
 import mlx.core as mx
 import numpy as np
@@ -256,3 +256,15 @@ def test_bad_input_names_the_argument(impl, case):
     bad = change(args)
     with pytest.raises(ValueError, match=message):
         IMPLS[impl](*(bad[n] for n in (*WKV7_INPUTS, "state")))
+
+
+def test_public_names():
+    # the contract of DESIGN.md: mlx_rwkvx.ops.wkv7 and mlx_rwkvx.ops.moba_attention are the ops
+    import mlx_rwkvx.ops as ops
+
+    inputs = random_wkv7_inputs(np.random.default_rng(0), 1, 5, 2, 16)
+    y, s = ops.wkv7(*to_mx(inputs))
+    assert y.shape == (1, 5, 2, 16) and s.shape == (1, 2, 16, 16)
+    assert ops.wkv7_step is W.wkv7_step
+    q = mx.zeros((1, 9, 2, 16))
+    assert ops.moba_attention(q, q, q, chunk_size=4, top_k=1).shape == q.shape

@@ -1,5 +1,6 @@
 """Packaging: the wheel carries the kernel bodies and the console scripts; the CLIs run."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -67,3 +68,11 @@ def test_info_report_names_device_and_blas(capsys):
     out = capsys.readouterr().out
     for field in ("mlx_rwkvx", "mlx ", "mlx-lm", "device", "blas"):
         assert field in out
+
+
+def test_bad_cache_limit_is_one_clear_error():
+    code = "import mlx_rwkvx.ops.wkv"
+    env = dict(os.environ) | {"MLX_RWKVX_CACHE_LIMIT": "lots"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "MLX_RWKVX_CACHE_LIMIT='lots': expected a number of bytes" in out.stderr

@@ -33,9 +33,6 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: the message names the file and the tensor."""
 
 
-# --------------------------------------------------------------------------- reading tensors
-
-
 def read_safetensors(path: str) -> tuple[dict[str, mx.array], dict[str, str]]:
     """Tensors and metadata of one ``.safetensors`` file (lazy: read when evaluated)."""
     try:
@@ -78,8 +75,10 @@ def read_folder_safetensors(folder: str) -> tuple[dict[str, mx.array], dict[str,
     """Every ``*.safetensors`` in a folder (a sharded checkpoint), adapters excluded; and the
     file of each tensor."""
     names = sorted(
-        n for n in os.listdir(folder) if n.endswith(".safetensors") and n != ADAPTERS_FILE
-    )
+        n
+        for n in os.listdir(folder)
+        if n.endswith(".safetensors") and n != ADAPTERS_FILE and ".tmp-" not in n
+    )  # a .tmp- file is an interrupted save (see _atomic_safetensors): never part of it
     if not names:
         raise CheckpointError(f"{folder}: no .safetensors weights in the folder")
     tensors: dict[str, mx.array] = {}
@@ -101,9 +100,6 @@ def _from_pth(path: str) -> dict[str, mx.array]:
         x = mx.array(t.array)
         out[name] = x.view(mx.bfloat16) if t.bfloat16 else x
     return out
-
-
-# --------------------------------------------------------------------------- detection
 
 
 def _read_json(path: str) -> dict:
@@ -149,7 +145,6 @@ def detect(path: str) -> str:
     )
 
 
-# --------------------------------------------------------------------------- name mappings
 # Each mapping turns a format's tensor dict into native names. A rule is
 # (pattern on the format's name, native template, transform).
 
@@ -318,9 +313,6 @@ def _rename(path: str, tensors: dict, rule) -> tuple[dict[str, mx.array], dict[s
     return out, kept
 
 
-# --------------------------------------------------------------------------- configs
-
-
 def _need(path: str, tensors: dict, name: str) -> mx.array:
     if name not in tensors:
         raise CheckpointError(f"{path}: missing tensor {name!r}")
@@ -427,7 +419,7 @@ def _qwen2_config(path: str, hf: dict) -> ModelConfig:
             n_q_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads", n_heads),
             attn_head_dim=hf["hidden_size"] // n_heads,
-            rope_theta=hf.get("rope_theta", 1e6),
+            rope_theta=hf.get("rope_theta", 10000.0),  # Hugging Face's Qwen2Config default
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_embeddings=hf.get("tie_word_embeddings", False),
             head_size=64 if hf["hidden_size"] % 64 == 0 else 32,
@@ -436,17 +428,28 @@ def _qwen2_config(path: str, hf: dict) -> ModelConfig:
         raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)}: missing field {e}") from e
 
 
-# --------------------------------------------------------------------------- writing other formats
-
-
-def _rwkv7_only(cfg: ModelConfig, fmt: str) -> None:
-    if set(cfg.block_types) != {"rwkv7"} or cfg.rwkv_ffn != "channel_mix" or not cfg.use_gate:
+def _exportable(cfg: ModelConfig, tensors: dict, fmt: str, rwkv7: bool = True) -> None:
+    """One CheckpointError unless the model fits ``fmt``: float weights, no trainable state,
+    and (``rwkv7``) plain RWKV-7 blocks: LayerNorms, channel-mix, gate and ln_x."""
+    plain = (
+        set(cfg.block_types) == {"rwkv7"}
+        and cfg.rwkv_ffn == "channel_mix"
+        and cfg.use_gate
+        and cfg.use_ln_x
+        and cfg.rwkv_norm == cfg.final_norm == "layer"
+    )
+    if rwkv7 and not plain:
         raise CheckpointError(f"only plain RWKV-7 models can be written as {fmt}; use native")
+    if cfg.quantization:
+        raise CheckpointError(f"{fmt} holds float weights; this model is quantized: use native")
+    tuned = [n for n in tensors if n.endswith(".state0")]
+    if tuned:
+        raise CheckpointError(f"{fmt} has no place for trained initial states {tuned[:3]}")
 
 
 def to_blinkdl(cfg: ModelConfig, tensors: dict[str, mx.array]) -> dict[str, mx.array]:
     """Native tensors of a plain RWKV-7 model in BlinkDL's names and shapes (``.pth`` layout)."""
-    _rwkv7_only(cfg, "BlinkDL")
+    _exportable(cfg, tensors, "BlinkDL")
     return BLINKDL.write(tensors)
 
 
@@ -454,6 +457,7 @@ def to_hf(cfg: ModelConfig, tensors: dict[str, mx.array]) -> tuple[dict, dict[st
     """(config.json, tensors) in Hugging Face form: RWKV-7 as flash-linear-attention names it,
     or Qwen2 for a model of Qwen2 blocks only. Hybrids have no Hugging Face form."""
     if set(cfg.block_types) == {"qwen2"}:
+        _exportable(cfg, tensors, "Hugging Face", rwkv7=False)
         hf = {
             "model_type": "qwen2",
             "architectures": ["Qwen2ForCausalLM"],
@@ -470,7 +474,7 @@ def to_hf(cfg: ModelConfig, tensors: dict[str, mx.array]) -> tuple[dict, dict[st
         out = {("model." + n if n != "lm_head.weight" else n): x for n, x in tensors.items()}
         out["model.embed_tokens.weight"] = out.pop("model.embed.weight")
         return hf, out
-    _rwkv7_only(cfg, "Hugging Face")
+    _exportable(cfg, tensors, "Hugging Face")
     hf = {
         "model_type": "rwkv7",
         "architectures": ["RWKV7ForCausalLM"],
@@ -500,9 +504,6 @@ def write_hf(path: str, cfg: ModelConfig, tensors: dict[str, mx.array]) -> None:
     _atomic_text(os.path.join(path, CONFIG_FILE), json.dumps(hf, indent=2))
 
 
-# --------------------------------------------------------------------------- writing native
-
-
 def write_native(path: str, cfg: ModelConfig, tensors: dict[str, mx.array]) -> None:
     """A native folder (``config.json`` + ``model.safetensors``) or, for a path ending in
     ``.safetensors``, one file with the config in its metadata. Written atomically: to a
@@ -521,6 +522,11 @@ def write_native(path: str, cfg: ModelConfig, tensors: dict[str, mx.array]) -> N
         os.path.join(path, CONFIG_FILE),
         json.dumps({"format": FORMAT_TAG, **cfg.to_dict()}, indent=2),
     )
+
+
+def atomic_safetensors(path: str, tensors: dict, metadata: dict | None = None) -> None:
+    """Write to ``<path>.tmp-<pid>.safetensors``, then rename over ``path``."""
+    _atomic_safetensors(path, tensors, metadata or {})
 
 
 def _atomic_safetensors(path: str, tensors: dict, metadata: dict) -> None:

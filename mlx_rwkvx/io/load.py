@@ -11,7 +11,7 @@ from __future__ import annotations
 from mlx_rwkvx.io.formats import CheckpointError, read_checkpoint, read_rows, write_native
 from mlx_rwkvx.io.tokenizers import load_tokenizer
 from mlx_rwkvx.models.config import ModelConfig
-from mlx_rwkvx.models.init import seeds_scale, uniform_row_blocks
+from mlx_rwkvx.models.init import ROW_BLOCK_BYTES, seeds_scale, uniform_row_blocks
 from mlx_rwkvx.models.model import GROUP_SIZE, Model, quantizable
 
 import mlx.core as mx
@@ -53,7 +53,8 @@ def _check_tensors(path: str, expected: dict, tensors: dict) -> None:
 
 
 def _quantized_paths(model: nn.Module) -> set[str]:
-    return {p for p, m in model.named_modules() if quantizable(p, m)}
+    predicate = quantizable(GROUP_SIZE)
+    return {p for p, m in model.named_modules() if predicate(p, m)}
 
 
 def build(cfg: ModelConfig, *, quantize=None, init: str | None = "seeds", seed: int = 0) -> Model:
@@ -108,10 +109,6 @@ def _shape(module: nn.Module) -> tuple[int, int]:
     return rows, packed * 32 // module.bits
 
 
-# quantize tensors larger than this a block of rows at a time, read from disk block by block
-ROW_BLOCK_BYTES = 64 << 20
-
-
 def _quantize_weight(ckpt, name: str, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     """``mx.quantize`` of one weight; a big one stored as is in a safetensors file is read and
     quantized a block of rows at a time (quantization groups lie within rows: same result)."""
@@ -143,9 +140,13 @@ def load_model(path: str, *, quantize=None, dtype=None) -> Model:
     bits = _bits(quantize)
     stored = cfg.quantization
     model = Model(cfg, init=None)  # lazy: its own initial values are never computed
+    for name in tensors:  # a state-tuned model: its blocks carry a trainable initial state
+        if name.endswith(".tmix.state0"):
+            model.layers[int(name.split(".")[1])].tmix.enable_state_tuning()
     expected = {n: p.shape for n, p in tree_flatten(model.parameters())}
     if stored:  # a checkpoint saved quantized: its tensors are already (weight, scales, biases)
-        nn.quantize(model, stored["group_size"], stored["bits"], class_predicate=quantizable)
+        group, bits_ = stored["group_size"], stored["bits"]
+        nn.quantize(model, group, bits_, class_predicate=quantizable(group))
         expected = {n: p.shape for n, p in tree_flatten(model.parameters())}
         bits = None
     _check_tensors(path, expected, tensors)

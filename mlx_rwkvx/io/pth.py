@@ -50,6 +50,14 @@ class Tensor:
 def _rebuild_tensor(storage, offset, size, stride, *_):
     data, bf16 = storage
     itemsize = data.itemsize
+    size, stride = tuple(size), tuple(stride)
+    # as_strided does no bounds check: refuse any view reaching outside the storage
+    if offset < 0 or len(size) != len(stride) or any(s < 0 for s in (*size, *stride)):
+        raise PthError(f"tensor with offset {offset}, size {size}, stride {stride} is malformed")
+    if all(size) and offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) >= len(
+        data
+    ):
+        raise PthError(f"tensor of size {size} reaches past its storage (truncated file?)")
     view = np.lib.stride_tricks.as_strided(
         data[offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
     )

@@ -129,6 +129,11 @@ def rwkv_x_block_types(n_rwkv: int, n_attn: int) -> list[str]:
     return types + ["rwkv7"] * (n_rwkv - interval * n_attn)
 
 
+def default_qwen_layers(n_layers: int) -> list[int]:
+    """Where RFA keeps Qwen2 blocks unless told otherwise: after every three ARWKV blocks."""
+    return list(range(3, n_layers, 4))
+
+
 def rfa_block_types(n_layers: int, qwen_layers: list[int]) -> list[str]:
     """RFA layout: Qwen2 blocks at the given layer indices, RWKV-7 (ARWKV) blocks elsewhere."""
     bad = [i for i in qwen_layers if not 0 <= i < n_layers]
@@ -153,7 +158,7 @@ def rfa_config(**overrides) -> ModelConfig:
 RFA_1P5B = dict(
     vocab_size=151936,
     hidden_size=1536,
-    block_types=rfa_block_types(28, [3, 7, 11, 15, 19, 23, 27]),
+    block_types=rfa_block_types(28, default_qwen_layers(28)),
     head_size=64,
     intermediate_size=8960,
     n_q_heads=12,

@@ -16,7 +16,8 @@ import mlx.nn as nn
 INIT_SCHEMES = ("seeds", "pretrain")
 
 
-ROW_BLOCK = 1 << 22  # elements: large matrices are drawn this many at a time, by rows
+# Large matrices are drawn, read and quantized this many bytes (of float32) of rows at a time.
+ROW_BLOCK_BYTES = 64 << 20
 
 
 def _key(seed: int, name: str) -> mx.array:
@@ -27,9 +28,9 @@ def _key(seed: int, name: str) -> mx.array:
 def uniform_row_blocks(seed: int, name: str, shape, scale: float, offset: float = 0.0):
     """The seeded ``offset + scale * U(-0.5, 0.5)`` of one parameter as blocks of rows (all of
     it for small ones): a big embedding can be quantized block by block, never whole in float."""
-    if len(shape) != 2 or shape[0] * shape[1] <= ROW_BLOCK:
+    rows = max(1, ROW_BLOCK_BYTES // (4 * shape[-1]))
+    if len(shape) != 2 or shape[0] <= rows:
         return [offset + scale * (mx.random.uniform(shape=shape, key=_key(seed, name)) - 0.5)]
-    rows = max(1, ROW_BLOCK // shape[1])
     keys = mx.random.split(_key(seed, name), -(-shape[0] // rows))
     return [
         offset + scale * (mx.random.uniform(shape=(min(rows, shape[0] - s), shape[1]), key=k) - 0.5)

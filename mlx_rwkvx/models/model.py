@@ -22,11 +22,19 @@ GROUP_SIZE = 64
 _LOW_RANK = (".decay.", ".iclr.", ".value_mix.", ".gate.")
 
 
-def quantizable(path: str, module: nn.Module) -> bool:
-    """Every large projection, the head and the embedding; not RWKV-7's low-rank matrices."""
-    if not isinstance(module, (nn.Linear, nn.Embedding)) or any(s in path for s in _LOW_RANK):
-        return False
-    return module.weight.shape[-1] % GROUP_SIZE == 0
+def quantizable(group_size: int = GROUP_SIZE):
+    """The predicate ``(path, module) -> bool`` of what is quantized: every large projection,
+    the head and the embedding whose input width is a multiple of ``group_size``; not RWKV-7's
+    low-rank matrices."""
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            return False
+        if any(s in path for s in _LOW_RANK):
+            return False
+        return module.weight.shape[-1] % group_size == 0
+
+    return predicate
 
 
 class Model(nn.Module):
@@ -61,7 +69,7 @@ class Model(nn.Module):
     def quantize(self, bits: int = 8, group_size: int = GROUP_SIZE) -> Model:
         """Quantize the large projections, head and embedding in place (``nn.QuantizedLinear``,
         ``nn.QuantizedEmbedding``); RWKV-7's low-rank projections and the norms stay float."""
-        nn.quantize(self, group_size, bits, class_predicate=quantizable)
+        nn.quantize(self, group_size, bits, class_predicate=quantizable(group_size))
         self.config.quantization = {"group_size": group_size, "bits": bits}
         return self
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from mlx_rwkvx.models.config import ModelConfig
-from mlx_rwkvx.ops.wkv7 import wkv7
+from mlx_rwkvx.ops.wkv import wkv7
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -216,7 +216,8 @@ def _tiles(chunk, limit, Hkv: int, n_chunks: int, cs: int) -> _Tiles:
     slot_rows[slot] = rows
     slot_limit = mx.full((n_tiles * TILE,), -1, dtype=mx.int32)
     slot_limit[slot] = limit
-    tile_mats = mx.zeros((n_tiles,), dtype=mx.int32).at[slot // TILE].maximum(mats)
+    # unused tail tiles get the last matrix, so the tile list stays sorted (gather_mm's hint)
+    tile_mats = mx.full((n_tiles,), n_mats - 1, dtype=mx.int32).at[slot // TILE].minimum(mats)
     keep = mx.arange(cs, dtype=mx.int32) <= slot_limit[:, None]
     start = first_tile * TILE
     return _Tiles(

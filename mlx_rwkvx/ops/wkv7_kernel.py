@@ -10,7 +10,7 @@ tests (tests/test_kernels_wkv7.py); see ``mlx_rwkvx/metal/wkv7.h`` for the layou
 from __future__ import annotations
 
 from mlx_rwkvx.ops.mlx_kernels import kernel_backend, make_kernels
-from mlx_rwkvx.ops.wkv7 import _check, _zero_state
+from mlx_rwkvx.ops.wkv import _check, _zero_state
 
 import mlx.core as mx
 

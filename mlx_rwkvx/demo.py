@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
 from mlx_rwkvx import info
 
+GRAD_TOL = 1e-5  # DESIGN.md, float32 ops: gradients within 1e-5 of the reference
+DECODE_TOL = 1e-5  # a whole tiny model: decode and prefill agree within 1e-5
 
-def wkv7_smoke(T: int = 512, H: int = 4, N: int = 64) -> list[str]:
+
+def wkv7_smoke(T: int = 512, H: int = 4, N: int = 64) -> tuple[list[str], bool]:
     """Run ``wkv7`` and ``wkv7_ref`` on the same inputs; report agreement and times."""
     from mlx_rwkvx.ops.wkv import wkv7, wkv7_ref
 
@@ -50,10 +54,10 @@ def wkv7_smoke(T: int = 512, H: int = 4, N: int = 64) -> list[str]:
         f"wkv7       T={T} H={H} N={N}: loss {fast.item():.6f} (step loop {ref.item():.6f}), "
         f"gradients within {grad_err:.1e} of the step loop",
         f"           forward+backward {t_fast * 1e3:.0f} ms, step loop {t_ref * 1e3:.0f} ms",
-    ]
+    ], grad_err <= GRAD_TOL
 
 
-def model_smoke(tmp: str) -> list[str]:
+def model_smoke(tmp: str) -> tuple[list[str], bool]:
     """Build, save, load and decode a tiny random RWKV-X model; check decode against prefill."""
     import mlx_rwkvx
     from mlx_rwkvx.models import Model, preset
@@ -77,16 +81,22 @@ def model_smoke(tmp: str) -> list[str]:
         f"model      rwkv-x-tiny [{layout}], saved and loaded from {tmp}",
         f"           greedy bytes after the prompt: {tokenizer.decode_bytes(tokens)!r}",
         f"           last decode step vs full prefill: max relative difference {err:.1e}",
-    ]
+    ], err <= DECODE_TOL
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_rwkvx.demo", description=__doc__)
     parser.parse_args(argv)
     print("\n".join(info.report(timing=True)))
-    print("\n".join(wkv7_smoke()))
+    lines, ok_wkv = wkv7_smoke()
+    print("\n".join(lines))
     with tempfile.TemporaryDirectory() as tmp:
-        print("\n".join(model_smoke(os.path.join(tmp, "rwkv-x-tiny"))))
+        lines, ok_model = model_smoke(os.path.join(tmp, "rwkv-x-tiny"))
+    print("\n".join(lines))
+    if not (ok_wkv and ok_model):
+        print("demo: a check FAILED (see above)", file=sys.stderr)
+        sys.exit(1)
+    print("demo: all checks passed")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""``python -m mlx_rwkvx.info``: versions, the MLX device, the BLAS in use, and matmul speed."""
+"""``python -m mlx_rwkvx.info``: versions, the MLX device, the BLAS in use, and matmul speed;
+``--selfcheck`` runs each kernel against the MLX ops path on this device."""
 
 from __future__ import annotations
 
@@ -41,11 +42,40 @@ def report(timing: bool = True) -> list[str]:
     return lines
 
 
+def selfcheck() -> list[str]:
+    """Run every kernel's on-device self-check (against the MLX ops path) and report it."""
+    from mlx_rwkvx.ops import moba, wkv
+    from mlx_rwkvx.ops.mlx_kernels import kernel_backend
+
+    import mlx.core as mx
+
+    backend = kernel_backend()
+    if backend is None:
+        return [f"kernels    none on {mx.default_device()}: the ops run their MLX paths"]
+    lines = []
+    for dtype in (mx.float32, mx.bfloat16):
+        for size in (64, 128):
+            ok_wkv = wkv._kernel_passes_self_check(size, dtype)
+            ok_moba = moba._kernel_passes_self_check(size, dtype)
+            lines.append(
+                f"kernels    {backend}, {dtype}, size {size}: WKV7 "
+                f"{'ok' if ok_wkv else 'FAILED (chunked path used)'}, MoBA "
+                f"{'ok' if ok_moba else 'FAILED (blockwise path used)'}"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_rwkvx.info", description=__doc__)
     parser.add_argument("--no-timing", action="store_true", help="skip the matmul timing")
+    parser.add_argument(
+        "--selfcheck", action="store_true", help="check each kernel against the ops on this device"
+    )
     args = parser.parse_args(argv)
-    print("\n".join(report(timing=not args.no_timing)))
+    lines = report(timing=not args.no_timing)
+    if args.selfcheck:
+        lines += selfcheck()
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

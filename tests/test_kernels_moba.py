@@ -22,7 +22,7 @@ from mlx_kernel_emulation import (
 )
 from oracle.common import rel_err
 
-HEAD_SIZES = MK.HEAD_DIMS
+HEAD_SIZES = MK.HEAD_SIZES
 
 
 @pytest.fixture(scope="module")

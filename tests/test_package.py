@@ -76,3 +76,9 @@ def test_bad_cache_limit_is_one_clear_error():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0
     assert "MLX_RWKVX_CACHE_LIMIT='lots': expected a number of bytes" in out.stderr
+
+
+def test_info_selfcheck_reports_the_kernels(capsys):
+    info.main(["--no-timing", "--selfcheck"])
+    out = capsys.readouterr().out
+    assert "kernels" in out

@@ -68,14 +68,6 @@ class MobaBlockCache(_BaseCache):
         self.kv.keys, self.kv.values = mx.pad(keys, pad), mx.pad(values, pad)
         self.kv.key_sums, self.kv.offset = sums, n
 
-    @property
-    def meta_state(self):
-        return ""
-
-    @meta_state.setter
-    def meta_state(self, v):
-        pass
-
     def empty(self):
         return self.kv.keys is None
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+from mlx_rwkvx.ops.common import HEAD_SIZES
+
 BLOCK_TYPES = ("rwkv7", "moba", "qwen2")
 
 
@@ -75,8 +77,8 @@ class ModelConfig:
             problems.append(
                 f"hidden_size {self.hidden_size} is not a multiple of head_size {self.head_size}"
             )
-        if self.head_size not in (16, 32, 64, 128):
-            problems.append(f"head_size must be 16, 32, 64 or 128, got {self.head_size}")
+        if self.head_size not in HEAD_SIZES:
+            problems.append(f"head_size must be one of {HEAD_SIZES}, got {self.head_size}")
         if self.n_q_heads % self.n_kv_heads:
             problems.append(
                 f"n_q_heads {self.n_q_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"

@@ -17,13 +17,12 @@ import os
 from dataclasses import dataclass
 
 from mlx_rwkvx import _runtime
+from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES, SELF_CHECK_TOL, fast_exp
 from mlx_rwkvx.ops.dispatch import SelfCheck, agree
 
 import mlx.core as mx
 
 _runtime.configure()
-
-FLOAT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
 def _check(q, k, v, chunk_size, top_k) -> None:
@@ -275,20 +274,12 @@ def _sparse_forward(q, k, v, chunk, limit, cs: int, scale: float):
     slot_max = mx.max(s, axis=-1).reshape(-1)
     row_max = mx.full((R + 1,), -mx.inf).at[tiles.rows].maximum(slot_max)
     row_max = mx.where(row_max == -mx.inf, 0.0, row_max)  # the dummy row of empty slots
-    p = _exp(s - row_max[tiles.rows].reshape(-1, TILE, 1))  # masked keys: 0
+    p = fast_exp(s - row_max[tiles.rows].reshape(-1, TILE, 1))  # masked keys: 0
     row_sum = _per_row(mx.sum(p, axis=-1, keepdims=True), tiles, R)[:, 0]
     pv = mx.gather_mm(p, V, None, tiles.mats, sorted_indices=True)  # [n_tiles, TILE, D]
     out = _per_row(pv, tiles, R) / row_sum[:, None]
     lse = row_max[:R] + mx.log(row_sum)
     return out.reshape(B, T, Hq, D), lse
-
-
-_LOG2E = 1.4426950408889634
-
-
-def _exp(x: mx.array) -> mx.array:
-    # MLX's CPU exp is ~3x slower than power(2, .) at the same ~3e-7 relative accuracy
-    return mx.power(2.0, x * _LOG2E)
 
 
 @functools.cache
@@ -312,7 +303,7 @@ def _sparse_fn(cs: int, scale: float):
         q_slots = _per_slot(q.astype(mx.float32).reshape(R, D), tiles)
         lse = mx.concatenate([outputs[1], mx.zeros((1,))])  # the dummy row: empty slots
         s = _scores(q_slots, K, tiles, scale)
-        p = _exp(s - lse[tiles.rows].reshape(-1, TILE, 1))  # the forward's probabilities
+        p = fast_exp(s - lse[tiles.rows].reshape(-1, TILE, 1))  # the forward's probabilities
         d_slots = _per_slot(cotangents[0].astype(mx.float32).reshape(R, D), tiles)
         dp = mx.gather_mm(d_slots, mx.swapaxes(V, -1, -2), None, tiles.mats, sorted_indices=True)
         # sum_s p dp over a row's keys = <d_out, out>: the softmax's own correction term
@@ -353,8 +344,8 @@ def moba_kernel(q, k, v, *, chunk_size: int, top_k: int, scale=None) -> mx.array
     fn = _kernel_fn(q.shape[-1])
     if fn is None:
         raise RuntimeError(
-            f"moba_kernel needs MLX with a Metal or CUDA device and a head dim in 16, 32, 64, "
-            f"128 (got {q.shape[-1]})"
+            f"moba_kernel needs MLX with a Metal or CUDA device and a head dim in {HEAD_SIZES} "
+            f"(got {q.shape[-1]})"
         )
     return _moba(q, k, v, chunk_size, top_k, scale, fn)
 
@@ -374,9 +365,9 @@ def _moba(q, k, v, chunk_size, top_k, scale, sparse_fn) -> mx.array:
 def _kernel_fn(head_dim: int | None = None):
     """The kernel's sparse function where the device has a kernel (for ``head_dim``)."""
     from mlx_rwkvx.ops.mlx_kernels import kernel_backend
-    from mlx_rwkvx.ops.moba_kernel import HEAD_DIMS, moba_kernel_fn
+    from mlx_rwkvx.ops.moba_kernel import moba_kernel_fn
 
-    if kernel_backend() is None or (head_dim is not None and head_dim not in HEAD_DIMS):
+    if kernel_backend() is None or (head_dim is not None and head_dim not in HEAD_SIZES):
         return None
     return moba_kernel_fn
 
@@ -397,7 +388,7 @@ def _kernel_passes_self_check(D: int, dtype) -> bool:
             grads = mx.grad(lambda *a: f(*a).astype(mx.float32).sum(), argnums=(0, 1, 2))
             return [f(q, k, v), *grads(q, k, v)]
 
-        tol = 1e-4 if dtype == mx.float32 else 5e-2
+        tol = SELF_CHECK_TOL[dtype]
         return agree(run(moba_kernel), run(moba_attention_blockwise), tol)
 
     return _self_check.passes((D, dtype), check)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import functools
 
+from mlx_rwkvx.ops.common import HEAD_SIZES
 from mlx_rwkvx.ops.mlx_kernels import kernel_backend, make_kernels
 
 import mlx.core as mx
 
-HEAD_DIMS = (16, 32, 64, 128)
 _ENTRIES = ("moba_fwd.h", "moba_bwd_dq.h", "moba_bwd_dkv.h")
 # mx.fast.metal_kernel puts an input of fewer elements in the `constant` address space, which the
 # body's `device` pointers cannot take (mlx/fast.cpp, max_constant_array_size): pad such inputs.
@@ -58,9 +58,9 @@ def _pair_index(chunk: mx.array, limit: mx.array, n_kv_heads: int, n_keys: int, 
 
 def _check(q, k, v, chunk, limit) -> None:
     """One ValueError naming the first argument that does not fit the kernels."""
-    if q.ndim != 4 or q.shape[-1] not in HEAD_DIMS:
+    if q.ndim != 4 or q.shape[-1] not in HEAD_SIZES:
         raise ValueError(
-            f"moba_kernel: q must be [B, T, Hq, D] with D in {HEAD_DIMS}, got {tuple(q.shape)}"
+            f"moba_kernel: q must be [B, T, Hq, D] with D in {HEAD_SIZES}, got {tuple(q.shape)}"
         )
     B, T, Hq, D = q.shape
     for name, x in (("k", k), ("v", v)):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from mlx_rwkvx import _runtime
+from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES, SELF_CHECK_TOL, fast_exp
 from mlx_rwkvx.ops.dispatch import SelfCheck, agree
 
 import mlx.core as mx
@@ -25,8 +26,6 @@ LOG_W_MIN = -16.0
 CHUNK = 16  # time steps per chunk of the state scan (measured fastest here: 16 vs 32 vs 64)
 SUB = 8  # time steps per sub-block sharing one exponential reference point
 REF = SUB // 2 - 1  # the reference: the cumulative log-decay after this step of the sub-block
-HEAD_SIZES = (16, 32, 64, 128)
-FLOAT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 _NAMES = ("r", "log_w", "k", "v", "a", "b")
 
 
@@ -126,25 +125,10 @@ def _unit_lower_inverse(A: mx.array) -> mx.array:
     return M[..., 0, :, :]
 
 
-_LOG2E = 1.4426950408889634
-
-
-@mx.custom_function
-def _exp(x: mx.array) -> mx.array:
-    # MLX's CPU exp runs ~3x slower than power(2, .); the rounding of x * log2(e) costs
-    # < 1e-7 relative for the exponents met here (|x| <= 64), as large as mx.exp's own error.
-    return mx.power(2.0, x * _LOG2E)
-
-
-@_exp.vjp
-def _exp_vjp(primals, cotangent, output):
-    return cotangent * output
-
-
 @mx.custom_function
 def _exp_both(x: mx.array) -> tuple[mx.array, mx.array]:
     """``(e^x, e^-x)`` with one exponential; the VJP never squares a factor (e^-64 would vanish)."""
-    e = _exp(x)
+    e = fast_exp(x)
     return e, mx.reciprocal(e)
 
 
@@ -172,15 +156,15 @@ def _chunk_maps(r, log_w, k, v, a, b):
     c_before = mx.concatenate([mx.zeros_like(c_end[..., :1, :]), c_end[..., :-1, :]], axis=-2)
     E, E_inv = _exp_both(cq - m[..., None, :])  # e^(c_t - m_q), in [e^-64, e^48], and 1/it
     E_prev = mx.concatenate(
-        [_exp(c_before - m)[..., None, :], E[..., :-1, :]], axis=-2
+        [fast_exp(c_before - m)[..., None, :], E[..., :-1, :]], axis=-2
     )  # e^(c_{t-1} - m_q), in [e^-64, e^64]
     h = E[..., -1, None, None, :]  # e^(c_end(q) - m_q) <= 1, [..., nq, 1, 1, N]
     c_last = c[..., -1, :]  # [..., N]
-    to_start = _exp(m)[..., None, :]  # e^(m_q): from the reference back to the chunk start
-    to_end = _exp(c_last[..., None, :] - m)[..., None, None, :]  # e^(c_L - m_q) <= 1
+    to_start = fast_exp(m)[..., None, :]  # e^(m_q): from the reference back to the chunk start
+    to_end = fast_exp(c_last[..., None, :] - m)[..., None, None, :]  # e^(c_L - m_q) <= 1
     # e^(m_q - c_end(p)) <= 1 between sub-blocks p < q; zero elsewhere
     later = mx.tril(mx.ones((nq, nq), dtype=mx.bool_), k=-1)[..., None]
-    pair = _exp(mx.where(later, m[..., :, None, :] - c_end[..., None, :, :], -mx.inf))
+    pair = fast_exp(mx.where(later, m[..., :, None, :] - c_end[..., None, :, :], -mx.inf))
     same = mx.eye(nq, dtype=mx.bool_)[:, :, None, None, None]
 
     rq, aq = r.reshape(*pre, nq, SUB, N), a.reshape(*pre, nq, SUB, N)
@@ -215,7 +199,7 @@ def _chunk_maps(r, log_w, k, v, a, b):
     Qm = R0 + A_rb @ Z_S
     VZ = mx.concatenate([v, Z0], axis=-2)  # [..., 2L, N]
     Y0 = mx.concatenate([A_rk, A_rb], axis=-1) @ VZ
-    decay = _exp(c_last)  # [..., N] e^(c_L)
+    decay = fast_exp(c_last)  # [..., N] e^(c_L)
     P = mx.swapaxes(Z_S, -1, -2) @ B_L + decay[..., None, :] * mx.eye(N, dtype=mx.float32)
     U = mx.swapaxes(VZ, -1, -2) @ mx.concatenate([K_L, B_L], axis=-2)
     return P, U, Qm, Y0
@@ -296,7 +280,6 @@ ENV_VAR = "MLX_RWKVX_WKV7"
 # Below this many steps the step loop beats the chunked path (measured here, H=8, N=64:
 # forward 1.6 vs 2.5 ms at T=8, 3.2 vs 1.8 ms at T=16; fwd+bwd likewise).
 REF_MAX_T = 8
-_SELF_CHECK_TOL = 1e-4  # kernel vs chunked, float32: both are ~1e-7 from the oracle
 _self_check = SelfCheck("WKV7", "chunked")
 
 
@@ -334,7 +317,7 @@ def _kernel_passes_self_check(N: int, dtype) -> bool:
 
     def check() -> bool:
         args = _self_check_inputs(N, dtype)
-        tol = _SELF_CHECK_TOL if dtype == mx.float32 else 5e-2
+        tol = SELF_CHECK_TOL[dtype]
         mine = _outputs_and_grads(_kernel_fn(), args)
         return agree(mine, _outputs_and_grads(wkv7_chunked, args), tol)
 

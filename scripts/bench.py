@@ -37,6 +37,16 @@ def rel_err(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
+def goal_lines(goals) -> list[str]:
+    """``- name: value (goal >= bound): met`` for each ``(name, value, bound, at_least)``."""
+    lines = ["", "Goals:", ""]
+    for name, value, bound, at_least in goals:
+        met = value >= bound if at_least else value <= bound
+        sign = ">=" if at_least else "<="
+        lines.append(f"- {name}: {value:.2f} (goal {sign} {bound:g}): {'met' if met else 'MISSED'}")
+    return lines
+
+
 def write_section(title: str, command: str, lines: list[str]) -> None:
     """Append one result section to BENCHMARKS.md and echo it."""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -312,22 +322,19 @@ def bench_wkv7(args) -> None:
         )
     r1, r2, r4 = results[(1024, 8)], results[(2048, 8)], results[(4096, 8)]
     goals = [
-        ("fwd+bwd T=1024 H=8 vs ref autograd", r1["ref_fb"][0] / r1["ours_fb"][0], ">= 100x"),
-        ("fwd T=4096 H=8 vs mlx-lm", r4["lm_fwd"][0] / r4["ours_fwd"][0], ">= 20x"),
+        ("fwd+bwd T=1024 H=8 vs ref autograd", r1["ref_fb"][0] / r1["ours_fb"][0], 100, True),
+        ("fwd T=4096 H=8 vs mlx-lm", r4["lm_fwd"][0] / r4["ours_fwd"][0], 20, True),
         (
             "fwd+bwd peak memory ref / ours at T=2048 (T=4096: the step loop does not fit; "
             "its share only grows with T)",
             r2["ref_fb"][1] / r2["ours_fb"][1],
-            ">= 10x",
+            10,
+            True,
         ),
-        ("T=4096 / T=1024 fwd time", r4["ours_fwd"][0] / r1["ours_fwd"][0], "<= 4.5"),
-        ("T=4096 / T=1024 fwd+bwd time", r4["ours_fb"][0] / r1["ours_fb"][0], "<= 4.5"),
+        ("T=4096 / T=1024 fwd time", r4["ours_fwd"][0] / r1["ours_fwd"][0], 4.5, False),
+        ("T=4096 / T=1024 fwd+bwd time", r4["ours_fb"][0] / r1["ours_fb"][0], 4.5, False),
     ]
-    lines += ["", "Goals:", ""]
-    for name, value, goal in goals:
-        met = value <= 4.5 if goal.startswith("<=") else value >= float(goal[3:-1])
-        lines.append(f"- {name}: {value:.2f} (goal {goal}): {'met' if met else 'MISSED'}")
-    write_section("wkv7", "python scripts/bench.py wkv7", lines)
+    write_section("wkv7", "python scripts/bench.py wkv7", lines + goal_lines(goals))
 
 
 MOBA_TS = (2048, 4096, 8192, 16384)
@@ -461,12 +468,7 @@ def bench_moba(args) -> None:
         ("fwd time T=16384 / T=4096", r16["moba_fwd"][0] / r4["moba_fwd"][0], 5.0, False),
         ("fwd+bwd time T=16384 / T=4096", r16["moba_fb"][0] / r4["moba_fb"][0], 5.0, False),
     ]
-    lines += ["", "Goals:", ""]
-    for name, value, bound, at_least in goals:
-        met = value >= bound if at_least else value <= bound
-        sign = ">=" if at_least else "<="
-        lines.append(f"- {name}: {value:.2f} (goal {sign} {bound:g}): {'met' if met else 'MISSED'}")
-    write_section("moba", "python scripts/bench.py moba", lines)
+    write_section("moba", "python scripts/bench.py moba", lines + goal_lines(goals))
 
 
 def _mlx_lm_twin(model, tmp: str):
@@ -514,7 +516,7 @@ def bench_models(args) -> None:
     import tempfile
 
     from mlx_rwkvx.io.load import build
-    from mlx_rwkvx.models import ModelConfig
+    from mlx_rwkvx.models import ModelConfig, preset
 
     rate = matmul_gflops(2048)
     bandwidth = read_bandwidth_gbs()
@@ -525,7 +527,7 @@ def bench_models(args) -> None:
     ]
     with tempfile.TemporaryDirectory() as tmp:
         # the RWKV-7 0.1B shape, random weights (the seeds' init), ours and mlx-lm's
-        cfg = ModelConfig(vocab_size=65536, hidden_size=768, block_types=["rwkv7"] * 12)
+        cfg = preset("rwkv7-0.1b")
         ours = build(cfg)
         theirs = _mlx_lm_twin(ours, tmp + "/hf")
         tokens = mx.array(np.random.default_rng(0).integers(0, 65536, (1, 1024)))
@@ -607,14 +609,7 @@ def bench_models(args) -> None:
         ("1.5B INT8 peak while building, GB", peak_build / 1e9, 2.3, False),
         ("1.5B INT8 peak while loading, GB", peak_load / 1e9, 2.3, False),
     ]
-    lines += ["", "Goals:", ""]
-    for name, value, bound_, at_least in goals:
-        met = value >= bound_ if at_least else value <= bound_
-        sign = ">=" if at_least else "<="
-        lines.append(
-            f"- {name}: {value:.2f} (goal {sign} {bound_:g}): {'met' if met else 'MISSED'}"
-        )
-    write_section("models", "python scripts/bench.py models", lines)
+    write_section("models", "python scripts/bench.py models", lines + goal_lines(goals))
 
 
 def rfa_int8_worker() -> dict:

@@ -3,7 +3,8 @@
 Loading checks every tensor's name and shape against the model before anything is assigned,
 so a bad checkpoint raises one CheckpointError naming the file and the tensor and leaves no
 half-loaded model. With ``quantize="int8"`` each large projection is quantized as it is read
-(``mx.quantize``, group size 64): no float copy of the base weights exists at any time.
+(``mx.quantize``, group size 64), a big one a block of rows at a time straight from its
+safetensors file: no float copy of the base weights exists (a ``.pth`` is unpickled whole).
 """
 
 from __future__ import annotations

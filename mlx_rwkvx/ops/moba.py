@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 
 from mlx_rwkvx import _runtime
-from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES, SELF_CHECK_TOL, fast_exp
+from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES, SELF_CHECK_TOL, pow2_exp
 from mlx_rwkvx.ops.dispatch import SelfCheck, agree
 
 import mlx.core as mx
@@ -274,7 +274,7 @@ def _sparse_forward(q, k, v, chunk, limit, cs: int, scale: float):
     slot_max = mx.max(s, axis=-1).reshape(-1)
     row_max = mx.full((R + 1,), -mx.inf).at[tiles.rows].maximum(slot_max)
     row_max = mx.where(row_max == -mx.inf, 0.0, row_max)  # the dummy row of empty slots
-    p = fast_exp(s - row_max[tiles.rows].reshape(-1, TILE, 1))  # masked keys: 0
+    p = pow2_exp(s - row_max[tiles.rows].reshape(-1, TILE, 1))  # masked keys: 0
     row_sum = _per_row(mx.sum(p, axis=-1, keepdims=True), tiles, R)[:, 0]
     pv = mx.gather_mm(p, V, None, tiles.mats, sorted_indices=True)  # [n_tiles, TILE, D]
     out = _per_row(pv, tiles, R) / row_sum[:, None]
@@ -303,7 +303,7 @@ def _sparse_fn(cs: int, scale: float):
         q_slots = _per_slot(q.astype(mx.float32).reshape(R, D), tiles)
         lse = mx.concatenate([outputs[1], mx.zeros((1,))])  # the dummy row: empty slots
         s = _scores(q_slots, K, tiles, scale)
-        p = fast_exp(s - lse[tiles.rows].reshape(-1, TILE, 1))  # the forward's probabilities
+        p = pow2_exp(s - lse[tiles.rows].reshape(-1, TILE, 1))  # the forward's probabilities
         d_slots = _per_slot(cotangents[0].astype(mx.float32).reshape(R, D), tiles)
         dp = mx.gather_mm(d_slots, mx.swapaxes(V, -1, -2), None, tiles.mats, sorted_indices=True)
         # sum_s p dp over a row's keys = <d_out, out>: the softmax's own correction term

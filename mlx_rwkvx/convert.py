@@ -12,21 +12,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mlx_rwkvx.io.formats import (
-    CheckpointError,
-    atomic_safetensors,
-    to_blinkdl,
-    write_hf,
-    write_native,
-)
-from mlx_rwkvx.io.load import load_model
+from mlx_rwkvx.io.formats import CheckpointError, write_blinkdl, write_hf, write_native
+from mlx_rwkvx.io.load import DTYPES, load, quantize_bits
+from mlx_rwkvx.io.tokenizers import tokenizer_files
 from mlx_rwkvx.models.config import RFA_SWITCHES, default_qwen_layers, rfa_config
 from mlx_rwkvx.models.model import Model
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+WRITERS = {"native": write_native, "hf": write_hf, "blinkdl": write_blinkdl}
+
+
+class UsageError(ValueError):
+    """Flags that do not fit together or do not fit the checkpoint."""
 
 
 def qwen2_to_rfa(model: Model, qwen_layers: list[int], head_size: int = 64, seed: int = 0) -> Model:
@@ -37,20 +36,24 @@ def qwen2_to_rfa(model: Model, qwen_layers: list[int], head_size: int = 64, seed
     WKV head size (the 1.5B reference: 24 heads of 64)."""
     cfg = model.config
     if set(cfg.block_types) != {"qwen2"}:
-        raise ValueError("--to-rfa needs a Qwen2 checkpoint (a model of Qwen2 blocks only)")
+        raise UsageError("--to-rfa needs a Qwen2 checkpoint (a model of Qwen2 blocks only)")
     n = len(cfg.block_types)
     bad = [i for i in qwen_layers if not 0 <= i < n]
     if bad:
-        raise ValueError(f"--qwen-layers {bad} outside 0..{n - 1}")
+        raise UsageError(f"--qwen-layers {bad} outside 0..{n - 1}")
     if cfg.n_q_heads * cfg.attn_head_dim != cfg.hidden_size:
-        raise ValueError("--to-rfa needs n_q_heads * head_dim == hidden_size")
+        raise UsageError("--to-rfa needs n_q_heads * head_dim == hidden_size")
     fields = {k: v for k, v in cfg.to_dict().items() if k not in ("block_types", "quantization")}
     fields.update(
         RFA_SWITCHES,
         block_types=["qwen2" if i in qwen_layers else "rwkv7" for i in range(n)],
         head_size=head_size,
     )
-    new = Model(rfa_config(**fields), seed=seed)
+    try:
+        new_cfg = rfa_config(**fields)
+    except ValueError as e:
+        raise UsageError(f"--to-rfa: {e}") from e
+    new = Model(new_cfg, seed=seed)
     groups = cfg.n_q_heads // cfg.n_kv_heads
     D = cfg.attn_head_dim
     for old, block in zip(model.layers, new.layers, strict=True):
@@ -79,8 +82,8 @@ def qwen2_to_rfa(model: Model, qwen_layers: list[int], head_size: int = 64, seed
 
 
 def convert(
-    src: str,
-    dst: str,
+    src,
+    dst,
     *,
     to: str = "native",
     quantize=None,
@@ -88,27 +91,33 @@ def convert(
     to_rfa: bool = False,
     qwen_layers=None,
     head_size: int = 64,
+    overwrite: bool = False,
 ) -> Model:
-    """Read ``src``, transform, write ``dst``; returns the written model."""
-    if quantize and to != "native":
-        raise ValueError("--quantize writes INT8 weights, which only the native format holds")
-    model = load_model(src, dtype=DTYPES[dtype] if dtype else None)
+    """Read ``src``, transform, write ``dst`` with the tokenizer files of ``src`` beside the
+    weights; returns the written model. An existing ``dst`` is replaced only with
+    ``overwrite``. Raises CheckpointError or UsageError (both ValueErrors) naming the problem.
+    """
+    if to not in WRITERS:
+        raise UsageError(f"--to must be one of {sorted(WRITERS)}, got {to!r}")
+    bits = quantize_bits(quantize)
+    if bits and to != "native":
+        raise UsageError("--quantize writes INT8 weights, which only the native format holds")
+    model, tokenizer = load(src, dtype=dtype)
     if to_rfa:
         n = len(model.config.block_types)
         layers = qwen_layers if qwen_layers is not None else default_qwen_layers(n)
         model = qwen2_to_rfa(model, layers, head_size=head_size)
-    if quantize:
-        model.quantize(bits=8)
+    if bits:
+        model.quantize(bits=bits)
         mx.eval(model.parameters())
     tensors = dict(tree_flatten(model.parameters()))
-    if to == "native":
-        write_native(dst, model.config, tensors)
-    elif to == "hf":
-        write_hf(dst, model.config, tensors)
-    else:
-        if not dst.endswith(".safetensors"):
-            raise ValueError("--to blinkdl writes one .safetensors file: give DST that name")
-        atomic_safetensors(dst, to_blinkdl(model.config, tensors))
+    WRITERS[to](
+        dst,
+        model.config,
+        tensors,
+        extra_files=tokenizer_files(tokenizer),
+        overwrite=overwrite,
+    )
     return model
 
 
@@ -120,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("src", help="checkpoint to read (folder, .safetensors or .pth)")
     parser.add_argument("dst", help="where to write")
-    parser.add_argument("--to", choices=("native", "hf", "blinkdl"), default="native")
-    parser.add_argument("--quantize", choices=("int8",), default=None)
+    parser.add_argument("--to", choices=sorted(WRITERS), default="native")
+    parser.add_argument("--quantize", choices=("int8", "int4"), default=None)
     parser.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -135,11 +144,19 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="comma-separated layers kept as Qwen2 (default: 3, 7, 11, ...)",
     )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing checkpoint at DST"
+    )
     args = parser.parse_args(argv)
-    try:
-        layers = None
-        if args.qwen_layers is not None:
+    layers = None
+    if args.qwen_layers is not None:
+        try:
             layers = [int(x) for x in args.qwen_layers.split(",") if x.strip()]
+        except ValueError:
+            parser.error(
+                f"--qwen-layers: expected comma-separated integers, got {args.qwen_layers!r}"
+            )
+    try:
         convert(
             args.src,
             args.dst,
@@ -149,8 +166,9 @@ def main(argv: list[str] | None = None) -> None:
             to_rfa=args.to_rfa,
             qwen_layers=layers,
             head_size=args.head_size,
+            overwrite=args.overwrite,
         )
-    except (CheckpointError, ValueError, OSError) as e:
+    except (CheckpointError, UsageError) as e:
         print(f"mlx_rwkvx.convert: error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote {args.dst} ({args.to})")

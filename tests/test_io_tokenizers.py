@@ -101,13 +101,30 @@ def test_tokenizer_choice(tmp_path):
         load_tokenizer(str(tmp_path), 32000)
 
 
-def test_hf_style_surface_for_mlx_lm(world):
-    from mlx_rwkvx.io.tokenizers import HFStyle, for_mlx_lm
+def test_mlx_lm_surface(world):
+    # what mlx-lm's TokenizerWrapper reads, on our tokenizers themselves (no adapter needed)
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    hf = HFStyle(world)
-    assert hf.eos_token_id == 0 and hf.encode("hi", add_special_tokens=False) == world.encode("hi")
-    chat = hf.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    assert world.eos_token_id == 0
+    assert world.encode("hi", add_special_tokens=False) == world.encode("hi")
+    chat = world.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
     assert chat == "User: Hi\n\nAssistant:"
-    assert hf.get_vocab()[" the"] == world.encode(" the")[0]
-    wrapped = for_mlx_lm(world)
+    assert world.get_vocab()[" the"] == world.encode(" the")[0]
+    wrapped = TokenizerWrapper(world)
     assert wrapped.eos_token_ids == {0} and wrapped.decode(world.encode("héllo")) == "héllo"
+
+
+def test_byte_tokenizer_for_a_smaller_vocabulary():
+    # a model with fewer than 256 tokens: bytes it does not have are an error, never an id
+    tok = ByteTokenizer(120)
+    assert tok.vocab_size == 120 and tok.encode("Hi") == [72, 105]
+    with pytest.raises(ValueError, match="not in this model's vocabulary of 120 tokens"):
+        tok.encode("hi ~")  # '~' is byte 126
+    with pytest.raises(ValueError, match="outside 0..119"):
+        tok.decode([120])
+
+
+def test_tokenizer_bigger_than_the_model(tmp_path):
+    _tiny_hf_tokenizer(tmp_path)  # ~400 tokens
+    with pytest.raises(ValueError, match=r"has \d+ tokens, more than the model's 300"):
+        load_tokenizer(str(tmp_path), vocab_size=300)

@@ -219,7 +219,7 @@ def test_generate_step_runs_our_models(name):
 def test_stream_generate_with_our_tokenizer(name):
     # mlx-lm's stream_generate, unchanged, drives our model, cache and byte tokenizer, and
     # produces exactly what greedy decoding by hand does
-    from mlx_rwkvx.io.tokenizers import ByteTokenizer, for_mlx_lm
+    from mlx_rwkvx.io.tokenizers import ByteTokenizer
 
     from mlx_lm.generate import stream_generate
 
@@ -238,7 +238,7 @@ def test_stream_generate_with_our_tokenizer(name):
     model = Model(cfg, seed=3)
     tok = ByteTokenizer()
     prompt = tok.encode("Hello")
-    pieces = [r.token for r in stream_generate(model, for_mlx_lm(tok), prompt, max_tokens=6)]
+    pieces = [r.token for r in stream_generate(model, tok, prompt, max_tokens=6)]
     tokens, cache = [], model.make_cache()
     logits = model(mx.array([prompt]), cache)
     for _ in range(len(pieces)):

@@ -168,7 +168,7 @@ BAD = [
     (dict(chunk_size=0), "chunk_size must be an int >= 1"),
     (dict(chunk_size=2.5), "chunk_size must be an int >= 1"),
     (dict(q=(1, 8, 3, 8)), "q has 3 heads, not a multiple of the 2 heads"),
-    (dict(k=(1, 8, 2, 4)), "k has shape \\(1, 8, 2, 4\\), expected \\[1, S >= 8, Hkv, 8\\]"),
+    (dict(k=(1, 8, 2, 4)), "k has shape \\(1, 8, 2, 4\\), expected \\[1, S >= 8, Hkv >= 1, 8\\]"),
     (dict(v=(1, 8, 1, 8)), "v has shape \\(1, 8, 1, 8\\), expected"),
     (dict(k=(1, 5, 2, 8), v=(1, 5, 2, 8)), "k has shape \\(1, 5, 2, 8\\)"),
     (dict(dtype_k=mx.float16), "k has dtype mlx.core.float16, expected mlx.core.float32"),

@@ -18,6 +18,15 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mlx_rwkvx.io.atomic import (
+    TMP_TAG,
+    CheckpointError,
+    atomic_target,
+    check_target,
+    copy_file,
+    save_safetensors,
+    save_text,
+)
 from mlx_rwkvx.io.pth import PthError, read_pth
 from mlx_rwkvx.models.config import ModelConfig, rfa_config
 
@@ -27,10 +36,9 @@ FORMAT_TAG = "mlx_rwkvx"
 WEIGHTS_FILE = "model.safetensors"
 ADAPTERS_FILE = "adapters.safetensors"
 CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: the message names the file and the tensor."""
+__all__ = ["CheckpointError"]  # defined in io/atomic.py, raised by both reading and writing
 
 
 def read_safetensors(path: str) -> tuple[dict[str, mx.array], dict[str, str]]:
@@ -72,21 +80,46 @@ def read_rows(path: str, name: str, start: int, stop: int) -> mx.array:
 
 
 def read_folder_safetensors(folder: str) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Every ``*.safetensors`` in a folder (a sharded checkpoint), adapters excluded; and the
-    file of each tensor."""
-    names = sorted(
-        n
-        for n in os.listdir(folder)
-        if n.endswith(".safetensors") and n != ADAPTERS_FILE and ".tmp-" not in n
-    )  # a .tmp- file is an interrupted save (see _atomic_safetensors): never part of it
+    """The tensors of a (possibly sharded) Hugging Face folder, and the file of each tensor.
+
+    With ``model.safetensors.index.json`` exactly the files it lists are read, and every
+    tensor must sit in the file the index names (as transformers reads it); without one, every
+    ``*.safetensors`` but adapters and interrupted saves (``.tmp-`` names)."""
+    index_path = os.path.join(folder, INDEX_FILE)
+    weight_map = None
+    if os.path.exists(index_path):
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: no 'weight_map' of tensor names to files")
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not os.path.exists(os.path.join(folder, n))]
+        if missing:
+            raise CheckpointError(f"{index_path}: lists shards that are missing: {missing}")
+    else:
+        names = sorted(
+            n
+            for n in os.listdir(folder)
+            if n.endswith(".safetensors") and n != ADAPTERS_FILE and TMP_TAG not in n
+        )
     if not names:
         raise CheckpointError(f"{folder}: no .safetensors weights in the folder")
     tensors: dict[str, mx.array] = {}
     files: dict[str, str] = {}
     for name in names:
         part, _ = read_safetensors(os.path.join(folder, name))
+        twice = sorted(set(part) & set(tensors))
+        if twice:
+            raise CheckpointError(f"{folder}: tensors {twice[:4]} are in more than one shard")
         tensors.update(part)
         files.update(dict.fromkeys(part, os.path.join(folder, name)))
+    if weight_map is not None:
+        misplaced = sorted(n for n in tensors if weight_map.get(n) != os.path.basename(files[n]))
+        unlisted = sorted(set(weight_map) - set(tensors))
+        if misplaced or unlisted:
+            raise CheckpointError(
+                f"{index_path}: does not match its shards (tensors not where it says: "
+                f"{misplaced[:4]}; listed but absent: {unlisted[:4]})"
+            )
     return tensors, files
 
 
@@ -299,6 +332,14 @@ def _hf_qwen2_rule(name: str) -> tuple[str, Callable | None] | None:
     return None
 
 
+# Several versions of BlinkDL's x070 training script create the value-mix low-rank projection
+# (att.v0, v1, v2) in every layer, layer 0 included, where it is never used (layer 0 produces
+# v_first); their checkpoints carry it. It holds no information: accepted and dropped.
+UNUSED_LAYER0 = tuple(
+    f"layers.0.tmix.value_mix.{n}" for n in ("down.weight", "up.weight", "up.bias")
+)
+
+
 def _rename(path: str, tensors: dict, rule) -> tuple[dict[str, mx.array], dict[str, str]]:
     """Native-named tensors, and the stored name of each one kept as stored (no reshape)."""
     out, kept = {}, {}
@@ -307,6 +348,10 @@ def _rename(path: str, tensors: dict, rule) -> tuple[dict[str, mx.array], dict[s
         if mapped is None:
             raise CheckpointError(f"{path}: unexpected tensor {name!r} for this format")
         target, fn = mapped
+        if target in UNUSED_LAYER0:
+            continue
+        if target in out:
+            raise CheckpointError(f"{path}: tensor {name!r} appears twice (as {target!r})")
         out[target] = x if fn is None else fn(x)
         if fn is None:
             kept[target] = name
@@ -333,7 +378,7 @@ def _rwkv7_config_from_native(path: str, t: dict, **extra) -> ModelConfig:
         if "layers.1.tmix.value_mix.down.weight" in t
         else None
     )
-    return ModelConfig(
+    fields = dict(
         vocab_size=vocab,
         hidden_size=C,
         block_types=["rwkv7"] * (layers[-1] + 1),
@@ -347,8 +392,12 @@ def _rwkv7_config_from_native(path: str, t: dict, **extra) -> ModelConfig:
         use_ln_x=f"{tm}.ln_x.weight" in t,
         ln0="ln0.weight" in t,
         tie_embeddings="lm_head.weight" not in t,
-        **extra,
     )
+    fields.update(extra)
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: tensors describe no valid model ({e})") from e
 
 
 @dataclass
@@ -363,8 +412,9 @@ class Checkpoint:
     sources: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
-def read_checkpoint(path: str) -> Checkpoint:
+def read_checkpoint(path) -> Checkpoint:
     """Any supported checkpoint (see the module docstring), under native names."""
+    path = os.fspath(path)
     fmt = detect(path)
     if fmt == "native":
         cfg = _config_from_dict(path, _read_json(os.path.join(path, CONFIG_FILE)))
@@ -393,39 +443,192 @@ def read_checkpoint(path: str) -> Checkpoint:
     rule = _hf_rwkv7_rule if fmt == "hf_rwkv7" else _hf_qwen2_rule
     tensors, kept = _rename(path, raw, rule)
     sources = {n: (files[stored], stored) for n, stored in kept.items()}
+    config_path = os.path.join(path, CONFIG_FILE)
     if fmt == "hf_rwkv7":
-        cfg = _rwkv7_config_from_native(path, tensors, norm_eps=hf.get("norm_eps", 1e-5))
+        cfg = _hf_rwkv7_config(config_path, hf, tensors)
     else:
-        cfg = _qwen2_config(path, hf)
+        cfg = _qwen2_config(config_path, hf, tensors)
     return Checkpoint(cfg, tensors, fmt, sources)
 
 
 def _config_from_dict(path: str, d: dict) -> ModelConfig:
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: bad config (expected a JSON object)")
     d = {k: v for k, v in d.items() if k != "format"}
     try:
-        return ModelConfig.from_dict(d)
+        return ModelConfig.from_dict(d, complete=True)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: bad config ({e})") from e
 
 
-def _qwen2_config(path: str, hf: dict) -> ModelConfig:
+# Hugging Face config fields that do not change what a model computes: generation defaults,
+# token ids, bookkeeping of transformers 4.x and 5.x (PretrainedConfig's own fields), training
+# switches. Every other field is either honoured below or refused by name.
+_HF_BOOKKEEPING = frozenset(
+    """_name_or_path _attn_implementation_autoset add_cross_attention architectures auto_map
+    bad_words_ids begin_suppress_tokens bos_token_id chunk_size_feed_forward
+    cross_attention_hidden_size decoder_start_token_id diversity_penalty do_sample dtype
+    early_stopping encoder_no_repeat_ngram_size eos_token_id exponential_decay_length_penalty
+    finetuning_task forced_bos_token_id forced_eos_token_id id2label initializer_range
+    is_decoder is_encoder_decoder label2id length_penalty max_length max_position_embeddings
+    min_length model_type no_repeat_ngram_size num_beam_groups num_beams num_return_sequences
+    output_attentions output_hidden_states output_scores pad_token_id prefix problem_type
+    pruned_heads remove_invalid_values repetition_penalty return_dict return_dict_in_generate
+    sep_token_id suppress_tokens task_specific_params temperature tf_legacy_loss
+    tie_encoder_decoder tokenizer_class top_k top_p torch_dtype torchscript
+    transformers_version typical_p use_bfloat16 use_cache""".split()
+)
+
+
+class _HFConfig:
+    """A Hugging Face config.json read field by field: every field read is marked, and
+    ``finish`` refuses those neither read nor known to be bookkeeping."""
+
+    def __init__(self, path: str, d: dict, harmless: frozenset = frozenset()):
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{path}: expected a JSON object")
+        self.path, self.d, self.seen = path, d, set(_HF_BOOKKEEPING | harmless)
+
+    def get(self, key: str, default=None, *, required: bool = False):
+        self.seen.add(key)
+        if key not in self.d or self.d[key] is None:
+            if required:
+                raise CheckpointError(f"{self.path}: missing field {key!r}")
+            return default
+        return self.d[key]
+
+    def refuse(self, key: str, why: str):
+        raise CheckpointError(f"{self.path}: {key} = {self.d.get(key)!r}: {why}")
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.d) - self.seen)
+        if unknown:
+            raise CheckpointError(
+                f"{self.path}: fields {unknown} are not understood by mlx_rwkvx and may change "
+                "what the model computes; remove them from config.json if they do not"
+            )
+
+
+def _build_config(path: str, build, **fields) -> ModelConfig:
     try:
-        n_heads = hf["num_attention_heads"]
-        return rfa_config(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            block_types=["qwen2"] * hf["num_hidden_layers"],
-            intermediate_size=hf["intermediate_size"],
-            n_q_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads", n_heads),
-            attn_head_dim=hf["hidden_size"] // n_heads,
-            rope_theta=hf.get("rope_theta", 10000.0),  # Hugging Face's Qwen2Config default
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_embeddings=hf.get("tie_word_embeddings", False),
-            head_size=64 if hf["hidden_size"] % 64 == 0 else 32,
+        return build(**fields)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+
+
+def _agree(cfg: _HFConfig, key: str, value, from_tensors) -> None:
+    """A config field that the tensors also tell must agree with them."""
+    if value is not None and value != from_tensors:
+        raise CheckpointError(
+            f"{cfg.path}: {key} = {value!r}, but the tensors say {from_tensors!r}"
         )
-    except KeyError as e:
-        raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)}: missing field {e}") from e
+
+
+def _hf_rwkv7_config(path: str, hf: dict, tensors: dict) -> ModelConfig:
+    """flash-linear-attention's RWKV7Config (as mlx-lm reads it), checked against the
+    tensors the sizes are read from."""
+    c = _HFConfig(path, hf, frozenset(
+        "attn_mode fuse_norm fuse_cross_entropy fuse_linear_cross_entropy use_l2warp".split()
+    ))  # fmt: skip
+    inferred = _rwkv7_config_from_native(path, tensors)
+    C = inferred.hidden_size
+    if c.get("hidden_act", "sqrelu") != "sqrelu":
+        c.refuse("hidden_act", "RWKV-7's channel-mix is squared ReLU ('sqrelu')")
+    if c.get("attn") is not None:
+        c.refuse("attn", "hybrid attention layers of flash-linear-attention are not supported")
+    if not c.get("norm_bias", True):
+        c.refuse("norm_bias", "LayerNorms without bias are not supported")
+    value_dim = c.get("value_dim")
+    if value_dim is not None and set(value_dim if isinstance(value_dim, list) else [value_dim]) != {
+        C
+    }:
+        c.refuse("value_dim", f"only value_dim == hidden_size ({C}) is supported")
+    _agree(c, "vocab_size", c.get("vocab_size"), inferred.vocab_size)
+    _agree(c, "hidden_size", c.get("hidden_size"), C)
+    _agree(c, "num_hidden_layers", c.get("num_hidden_layers"), len(inferred.block_types))
+    _agree(c, "head_dim", c.get("head_dim"), inferred.head_size)
+    _agree(c, "num_heads", c.get("num_heads"), inferred.n_heads)
+    ratio = c.get("hidden_ratio")
+    width = c.get("intermediate_size")
+    if width is None and ratio is not None:
+        width = int(C * ratio)
+    _agree(c, "intermediate_size", width, inferred.intermediate_size)
+    for key, name in (
+        ("decay_low_rank_dim", "decay_low_rank"),
+        ("a_low_rank_dim", "a_low_rank"),
+        ("v_low_rank_dim", "v_low_rank"),
+        ("gate_low_rank_dim", "gate_low_rank"),
+    ):
+        _agree(c, key, c.get(key), getattr(inferred, name))
+    _agree(c, "norm_first", c.get("norm_first"), inferred.ln0)
+    _agree(c, "tie_word_embeddings", c.get("tie_word_embeddings"), inferred.tie_embeddings)
+    norm_eps = c.get("norm_eps", required=True)
+    c.finish()
+    return _build_config(path, ModelConfig, **{**inferred.to_dict(), "norm_eps": norm_eps})
+
+
+def _qwen2_rope_theta(c: _HFConfig) -> float:
+    """The RoPE base: transformers 5 keeps it in ``rope_parameters``, 4.x at the top level
+    (and a scaled variant in ``rope_scaling``). Only unscaled RoPE is supported."""
+    params = c.get("rope_parameters")
+    scaling = c.get("rope_scaling")
+    theta = c.get("rope_theta")
+    for key, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if spec is None:
+            continue
+        if not isinstance(spec, dict):
+            c.refuse(key, "expected an object")
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind != "default":
+            c.refuse(key, f"RoPE type {kind!r} is not supported (only 'default', unscaled)")
+        if "rope_theta" in spec:
+            if theta is not None and spec["rope_theta"] != theta:
+                c.refuse(key, f"its rope_theta disagrees with the top-level {theta!r}")
+            theta = spec["rope_theta"]
+    if theta is None:
+        return 10000.0  # transformers' Qwen2Config default, in 4.x and 5.x alike
+    return theta
+
+
+def _qwen2_config(path: str, hf: dict, tensors: dict) -> ModelConfig:
+    """transformers' Qwen2Config (4.x and 5.x layouts). Sizes are required; fields with a
+    transformers default take that default, as transformers does."""
+    c = _HFConfig(path, hf, frozenset({"attention_dropout", "max_window_layers"}))
+    C = c.get("hidden_size", required=True)
+    n_heads = c.get("num_attention_heads", required=True)
+    if c.get("hidden_act", "silu") != "silu":
+        c.refuse("hidden_act", "Qwen2's MLP is SwiGLU ('silu')")
+    if c.get("use_sliding_window", False):
+        c.refuse("use_sliding_window", "sliding-window attention is not supported")
+    c.get("sliding_window")  # used only with use_sliding_window
+    kinds = set(c.get("layer_types", ["full_attention"]))
+    if kinds != {"full_attention"}:
+        c.refuse("layer_types", "only full attention layers are supported")
+    if c.get("quantization_config") is not None:
+        c.refuse("quantization_config", "quantized Hugging Face checkpoints are not supported")
+    tie = c.get("tie_word_embeddings", False)  # Qwen2Config's default
+    if tie and "lm_head.weight" in tensors:
+        embed = _need(path, tensors, "embed.weight")
+        if tensors["lm_head.weight"].shape != embed.shape or not mx.array_equal(
+            tensors["lm_head.weight"], embed
+        ):
+            c.refuse("tie_word_embeddings", "but lm_head.weight differs from the embedding")
+        del tensors["lm_head.weight"]
+    fields = dict(
+        vocab_size=c.get("vocab_size", required=True),
+        hidden_size=C,
+        block_types=["qwen2"] * c.get("num_hidden_layers", required=True),
+        intermediate_size=c.get("intermediate_size", required=True),
+        n_q_heads=n_heads,
+        n_kv_heads=c.get("num_key_value_heads", n_heads),
+        attn_head_dim=c.get("head_dim", C // n_heads if isinstance(C, int) and n_heads else None),
+        rope_theta=_qwen2_rope_theta(c),
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        tie_embeddings=tie,
+        head_size=64 if isinstance(C, int) and C % 64 == 0 else 32,
+    )
+    c.finish()
+    return _build_config(path, rfa_config, **fields)
 
 
 def _exportable(cfg: ModelConfig, tensors: dict, fmt: str, rwkv7: bool = True) -> None:
@@ -496,49 +699,113 @@ def to_hf(cfg: ModelConfig, tensors: dict[str, mx.array]) -> tuple[dict, dict[st
     return hf, HF_RWKV7.write(tensors)
 
 
-def write_hf(path: str, cfg: ModelConfig, tensors: dict[str, mx.array]) -> None:
-    """A Hugging Face folder (``config.json``, ``model.safetensors``), written atomically."""
+def is_checkpoint(path: str) -> bool:
+    """Whether ``path`` holds a checkpoint we read (what ``overwrite`` may replace)."""
+    try:
+        detect(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _write(path, write, *, folder: bool, overwrite: bool, extra_files: dict | None) -> None:
+    """Check the target, then ``write(tmp)`` and the extra files (name -> source path, copied
+    beside the weights) atomically; see ``io/atomic.py``."""
+    check_target(path, overwrite=overwrite, folder=folder, is_checkpoint=is_checkpoint)
+    extra = dict(extra_files or {})
+    if not folder:
+        _check_beside(path, extra)
+    with atomic_target(path, folder=folder) as tmp:
+        write(tmp)
+        if folder:
+            for name, src in extra.items():
+                copy_file(src, os.path.join(tmp, name))
+    for name, src in extra.items() if not folder else ():
+        _copy_beside(src, os.path.join(os.path.dirname(os.path.abspath(path)), name))
+
+
+def _check_beside(path: str, extra: dict) -> None:
+    """Files to put beside a single-file checkpoint: each absent there or already the same."""
+    folder = os.path.dirname(os.path.abspath(path))
+    for name, src in extra.items():
+        dst = os.path.join(folder, name)
+        if os.path.exists(dst) and not _same_file(src, dst):
+            raise CheckpointError(
+                f"{dst}: a different {name} is already there; save into a folder of its own"
+            )
+
+
+def _copy_beside(src: str, dst: str) -> None:
+    if os.path.exists(dst) and _same_file(src, dst):
+        return
+    with atomic_target(dst, folder=False) as tmp:
+        copy_file(src, tmp)
+
+
+def _same_file(a: str, b: str) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
+def write_hf(
+    path, cfg: ModelConfig, tensors: dict[str, mx.array], *, extra_files=None, overwrite=False
+) -> None:
+    """A Hugging Face folder (``config.json``, ``model.safetensors``, the tokenizer files in
+    ``extra_files``), written atomically."""
+    path = os.fspath(path)
     hf, out = to_hf(cfg, tensors)
-    os.makedirs(path, exist_ok=True)
-    _atomic_safetensors(os.path.join(path, WEIGHTS_FILE), out, {"format": "pt"})
-    _atomic_text(os.path.join(path, CONFIG_FILE), json.dumps(hf, indent=2))
+
+    def write(tmp):
+        save_safetensors(os.path.join(tmp, WEIGHTS_FILE), out, {"format": "pt"})
+        save_text(os.path.join(tmp, CONFIG_FILE), json.dumps(hf, indent=2))
+
+    _write(path, write, folder=True, overwrite=overwrite, extra_files=extra_files)
 
 
-def write_native(path: str, cfg: ModelConfig, tensors: dict[str, mx.array]) -> None:
+def write_blinkdl(
+    path, cfg: ModelConfig, tensors: dict[str, mx.array], *, extra_files=None, overwrite=False
+) -> None:
+    """BlinkDL's names and shapes in one ``.safetensors`` file, written atomically."""
+    path = os.fspath(path)
+    if not path.endswith(".safetensors"):
+        raise CheckpointError(f"{path}: BlinkDL export writes one .safetensors file: name it so")
+    out = to_blinkdl(cfg, tensors)
+    _write(
+        path,
+        lambda tmp: save_safetensors(tmp, out),
+        folder=False,
+        overwrite=overwrite,
+        extra_files=extra_files,
+    )
+
+
+def write_native(
+    path, cfg: ModelConfig, tensors: dict[str, mx.array], *, extra_files=None, overwrite=False
+) -> None:
     """A native folder (``config.json`` + ``model.safetensors``) or, for a path ending in
-    ``.safetensors``, one file with the config in its metadata. Written atomically: to a
-    temporary name, then renamed, so an interrupted save never leaves a damaged checkpoint."""
+    ``.safetensors``, one file with the config in its metadata; ``extra_files`` (name -> source,
+    the tokenizer's files) are copied into the folder, or beside the file. Written atomically:
+    under a temporary name, then renamed, so a failed save never leaves a damaged checkpoint
+    or a temporary file, and replaces an existing checkpoint only with ``overwrite``."""
+    path = os.fspath(path)
     if path.endswith(".safetensors"):
         meta = {
             "format": FORMAT_TAG,
             "config": cfg.to_json(),
             "block_types": json.dumps(cfg.block_types),
         }
-        _atomic_safetensors(path, tensors, meta)
+        _write(
+            path,
+            lambda tmp: save_safetensors(tmp, tensors, meta),
+            folder=False,
+            overwrite=overwrite,
+            extra_files=extra_files,
+        )
         return
-    os.makedirs(path, exist_ok=True)
-    _atomic_safetensors(os.path.join(path, WEIGHTS_FILE), tensors, {"format": FORMAT_TAG})
-    _atomic_text(
-        os.path.join(path, CONFIG_FILE),
-        json.dumps({"format": FORMAT_TAG, **cfg.to_dict()}, indent=2),
-    )
 
+    def write(tmp):
+        save_safetensors(os.path.join(tmp, WEIGHTS_FILE), tensors, {"format": FORMAT_TAG})
+        config = json.dumps({"format": FORMAT_TAG, **cfg.to_dict()}, indent=2)
+        save_text(os.path.join(tmp, CONFIG_FILE), config)
 
-def atomic_safetensors(path: str, tensors: dict, metadata: dict | None = None) -> None:
-    """Write to ``<path>.tmp-<pid>.safetensors``, then rename over ``path``."""
-    _atomic_safetensors(path, tensors, metadata or {})
-
-
-def _atomic_safetensors(path: str, tensors: dict, metadata: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}.safetensors"
-    mx.save_safetensors(tmp, tensors, metadata=metadata)
-    os.replace(tmp, path)
-
-
-def _atomic_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write(path, write, folder=True, overwrite=overwrite, extra_files=extra_files)

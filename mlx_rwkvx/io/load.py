@@ -9,8 +9,10 @@ safetensors file: no float copy of the base weights exists (a ``.pth`` is unpick
 
 from __future__ import annotations
 
+import os
+
 from mlx_rwkvx.io.formats import CheckpointError, read_checkpoint, read_rows, write_native
-from mlx_rwkvx.io.tokenizers import load_tokenizer
+from mlx_rwkvx.io.tokenizers import load_tokenizer, tokenizer_files
 from mlx_rwkvx.models.config import ModelConfig
 from mlx_rwkvx.models.init import ROW_BLOCK_BYTES, seeds_scale, uniform_row_blocks
 from mlx_rwkvx.models.model import GROUP_SIZE, Model, quantizable
@@ -20,25 +22,54 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 QUANTIZE_BITS = {"int8": 8, "int4": 4}
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-def _bits(quantize: str | int | None) -> int | None:
-    if quantize is None or isinstance(quantize, int):
+def quantize_bits(quantize) -> int | None:
+    """``None``, ``"int8"``/``"int4"`` (or 8/4) -> bits. Anything else is a ValueError (a bare
+    ``True`` would otherwise read as 1 bit)."""
+    if quantize is None:
+        return None
+    if isinstance(quantize, str) and quantize in QUANTIZE_BITS:
+        return QUANTIZE_BITS[quantize]
+    if type(quantize) is int and quantize in QUANTIZE_BITS.values():
         return quantize
-    if quantize not in QUANTIZE_BITS:
-        raise ValueError(
-            f"quantize must be one of {sorted(QUANTIZE_BITS)} or None, got {quantize!r}"
-        )
-    return QUANTIZE_BITS[quantize]
+    raise ValueError(
+        f"quantize must be one of {sorted(QUANTIZE_BITS)} (or 8, 4) or None, got {quantize!r}"
+    )
+
+
+def float_dtype(dtype) -> mx.Dtype | None:
+    """None, an MLX floating dtype or its name (``"bfloat16"``) -> the dtype; else ValueError."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, mx.Dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {dtype!r}")
+
+
+def _kind(dtype) -> str:
+    return "floating" if mx.issubdtype(dtype, mx.floating) else str(dtype)
 
 
 def _check_tensors(path: str, expected: dict, tensors: dict) -> None:
+    """Names, shapes and dtypes of ``tensors`` against ``expected`` (name -> parameter): one
+    CheckpointError listing what does not fit. A floating parameter takes any floating dtype
+    (float64 is cast to float32 on loading); a quantized weight must be uint32."""
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
+    common = sorted(set(expected) & set(tensors))
     wrong = [
-        f"{n} has shape {tuple(tensors[n].shape)}, expected {tuple(expected[n])}"
-        for n in sorted(set(expected) & set(tensors))
-        if tuple(tensors[n].shape) != tuple(expected[n])
+        f"{n} has shape {tuple(tensors[n].shape)}, expected {tuple(expected[n].shape)}"
+        for n in common
+        if tuple(tensors[n].shape) != tuple(expected[n].shape)
+    ]
+    wrong += [
+        f"{n} has dtype {tensors[n].dtype}, expected {_kind(expected[n].dtype)}"
+        for n in common
+        if _kind(tensors[n].dtype) != _kind(expected[n].dtype)
     ]
     problems = []
     if missing:
@@ -63,7 +94,7 @@ def build(cfg: ModelConfig, *, quantize=None, init: str | None = "seeds", seed: 
     seeds' init a big matrix is even drawn and quantized a block of rows at a time, so a
     quantized random model never holds its float weights (the 1.5B preset fits in ~2 GB)."""
     model = Model(cfg, init=init, seed=seed)  # lazy: nothing is computed yet
-    bits = _bits(quantize)
+    bits = quantize_bits(quantize)
     if not bits:
         mx.eval(model.parameters())
         return model
@@ -134,29 +165,33 @@ class _RowBlock:
         return read_rows(*self.args)
 
 
-def load_model(path: str, *, quantize=None, dtype=None) -> Model:
+def load_model(path, *, quantize=None, dtype=None) -> Model:
     """The model of any supported checkpoint (see ``mlx_rwkvx.io.formats``)."""
-    ckpt = read_checkpoint(path)
+    bits = quantize_bits(quantize)
+    dtype = float_dtype(dtype)
+    ckpt = read_checkpoint(os.fspath(path))
+    path = os.fspath(path)
     cfg, tensors = ckpt.config, ckpt.tensors
-    bits = _bits(quantize)
     stored = cfg.quantization
+    if stored and bits and bits != stored["bits"]:
+        raise CheckpointError(
+            f"{path}: the checkpoint is stored in {stored['bits']}-bit; it cannot be loaded "
+            f"as {quantize!r} (load it without quantize, or convert its float original)"
+        )
     model = Model(cfg, init=None)  # lazy: its own initial values are never computed
     for name in tensors:  # a state-tuned model: its blocks carry a trainable initial state
         if name.endswith(".tmix.state0"):
             model.layers[int(name.split(".")[1])].tmix.enable_state_tuning()
-    expected = {n: p.shape for n, p in tree_flatten(model.parameters())}
     if stored:  # a checkpoint saved quantized: its tensors are already (weight, scales, biases)
         group, bits_ = stored["group_size"], stored["bits"]
         nn.quantize(model, group, bits_, class_predicate=quantizable(group))
-        expected = {n: p.shape for n, p in tree_flatten(model.parameters())}
         bits = None
-    _check_tensors(path, expected, tensors)
-    if dtype is not None:
-        ckpt.sources = {}  # cast tensors are no longer as stored
-        tensors = ckpt.tensors = {
-            n: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x
-            for n, x in tensors.items()
-        }
+    _check_tensors(path, dict(tree_flatten(model.parameters())), tensors)
+    cast = {n for n, x in tensors.items() if x.dtype == mx.float64 or (dtype and _floating(x))}
+    if cast:
+        for n in cast:
+            ckpt.sources.pop(n, None)  # cast tensors are no longer as stored
+            tensors[n] = tensors[n].astype(dtype or mx.float32)
     if not bits:
         model.load_weights(list(tensors.items()), strict=True)
         mx.eval(model.parameters())
@@ -178,17 +213,35 @@ def load_model(path: str, *, quantize=None, dtype=None) -> Model:
     return model
 
 
-def load(path: str, *, quantize=None, dtype=None):
+def _floating(x: mx.array) -> bool:
+    return mx.issubdtype(x.dtype, mx.floating)
+
+
+def load(path, *, quantize=None, dtype=None):
     """``(model, tokenizer)`` of a checkpoint in any supported format, detected from the path.
 
     ``quantize``: None, ``"int8"`` (or ``"int4"``) quantizes the large projections, head and
-    embedding as they are read. ``dtype``: cast floating tensors (e.g. ``mx.bfloat16``).
+    embedding as they are read (a checkpoint stored quantized loads as it is; asking for other
+    bits is an error). ``dtype``: cast floating tensors (``mx.bfloat16`` or ``"bfloat16"``).
+    Raises CheckpointError (a ValueError) naming the file and the problem.
     """
     model = load_model(path, quantize=quantize, dtype=dtype)
-    return model, load_tokenizer(path, model.config.vocab_size)
+    try:
+        tokenizer = load_tokenizer(os.fspath(path), model.config.vocab_size)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    return model, tokenizer
 
 
-def save(model: Model, path: str) -> None:
+def save(model: Model, path, *, tokenizer=None, overwrite: bool = False) -> None:
     """Save in the native format: a folder, or one ``.safetensors`` file with the config in its
-    metadata when ``path`` ends in ``.safetensors``. Atomic (temporary file, then rename)."""
-    write_native(path, model.config, dict(tree_flatten(model.parameters())))
+    metadata when ``path`` ends in ``.safetensors``; ``tokenizer``'s files (``load`` returns
+    it) are copied beside the weights. Atomic (temporary name, then rename); an existing
+    checkpoint at ``path`` is replaced only with ``overwrite=True``."""
+    write_native(
+        path,
+        model.config,
+        dict(tree_flatten(model.parameters())),
+        extra_files=tokenizer_files(tokenizer),
+        overwrite=overwrite,
+    )

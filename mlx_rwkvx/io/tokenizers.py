@@ -1,8 +1,10 @@
 """Tokenizers: RWKV World (greedy longest match over the shipped vocabulary), Hugging Face
 ``tokenizer.json`` (through ``tokenizers``), and plain bytes for tiny models.
 
-Each has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size`` and
-``eos_token_ids``; the World and byte tokenizers also ``encode_bytes``/``decode_bytes``, which
+Each has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``,
+``eos_token_ids`` and ``files`` (what ``save`` copies beside the weights), and the part of the
+Hugging Face tokenizer surface that mlx-lm reads, so ``mlx_lm.generate.stream_generate`` takes
+them as they are. The World and byte tokenizers also ``encode_bytes``/``decode_bytes``, which
 round-trip any byte string, invalid UTF-8 included.
 """
 
@@ -14,9 +16,52 @@ import os
 from importlib import resources
 
 WORLD_VOCAB = "rwkv_vocab_v20230424.txt"
+# what a Hugging Face tokenizer folder may hold beside tokenizer.json (transformers 5 writes the
+# chat template to its own file)
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 
-class WorldTokenizer:
+class _MlxLmSurface:
+    """What mlx-lm's ``TokenizerWrapper`` reads of a Hugging Face tokenizer: ``encode`` with
+    ``add_special_tokens`` (we add none), ``decode``, ``eos_token_id``, ``bos_token``,
+    ``chat_template``, ``apply_chat_template`` and ``get_vocab``."""
+
+    bos_token = None
+    chat_template = None
+    eos_token_ids: set[int] = set()
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return min(self.eos_token_ids) if self.eos_token_ids else None
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **_):
+        """RWKV's plain chat format: ``User: ...\n\nAssistant: ...``, one turn a paragraph."""
+        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages)
+        if add_generation_prompt:
+            text += "Assistant:"
+        return self.encode(text) if tokenize else text
+
+    def get_vocab(self) -> dict[str, int]:
+        if getattr(self, "_vocab", None) is None:
+            self._vocab = self._make_vocab()
+        return self._vocab
+
+    def _make_vocab(self) -> dict[str, int]:
+        by_id = self.id_to_bytes
+        return {b.decode("utf-8", errors="replace"): i for i, b in by_id.items()}
+
+
+class WorldTokenizer(_MlxLmSurface):
     """RWKV World: 65529 byte strings (ids 1..65529), id 0 ends a text. Encoding takes, at each
     position, the longest vocabulary entry that matches (a byte trie), as BlinkDL's does."""
 
@@ -25,26 +70,34 @@ class WorldTokenizer:
 
     def __init__(self, vocab_path: str | None = None):
         if vocab_path is None:
-            text = resources.files("mlx_rwkvx.io").joinpath("data", WORLD_VOCAB).read_text("utf-8")
-        else:
+            vocab_path = str(resources.files("mlx_rwkvx.io").joinpath("data", WORLD_VOCAB))
+        try:
             with open(vocab_path, encoding="utf-8") as f:
                 text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{vocab_path}: cannot read the World vocabulary ({e})") from e
+        self.files = {WORLD_VOCAB: vocab_path}
         self.id_to_bytes: dict[int, bytes] = {}
         self._trie: dict = {}
         for line_no, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
-            first, last = line.index(" "), line.rindex(" ")
-            token = ast.literal_eval(line[first:last].strip())  # a str or bytes literal only
-            token = token.encode("utf-8") if isinstance(token, str) else token
-            if not isinstance(token, bytes) or len(token) != int(line[last:]):
-                raise ValueError(f"{vocab_path or WORLD_VOCAB}:{line_no}: malformed entry")
-            idx = int(line[:first])
+            try:
+                first, last = line.index(" "), line.rindex(" ")
+                token = ast.literal_eval(line[first:last].strip())  # a str or bytes literal only
+                token = token.encode("utf-8") if isinstance(token, str) else token
+                idx, length = int(line[:first]), int(line[last:])
+            except (ValueError, SyntaxError, UnicodeEncodeError):
+                token, idx, length = None, None, None
+            if not isinstance(token, bytes) or len(token) != length or not 0 < idx < 1 << 20:
+                raise ValueError(f"{vocab_path}:{line_no}: malformed entry {line[:60]!r}")
             self.id_to_bytes[idx] = token
             node = self._trie
             for byte in token:
                 node = node.setdefault(byte, {})
             node[None] = idx
+        if not self.id_to_bytes:
+            raise ValueError(f"{vocab_path}: the World vocabulary is empty")
         self.vocab_size = max(self.id_to_bytes) + 1
 
     def encode_bytes(self, data: bytes) -> list[int]:
@@ -62,8 +115,8 @@ class WorldTokenizer:
             i = best_end
         return ids
 
-    def encode(self, text: str) -> list[int]:
-        return self.encode_bytes(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.encode_bytes(_utf8(text))
 
     def decode_bytes(self, ids) -> bytes:
         try:
@@ -71,35 +124,60 @@ class WorldTokenizer:
         except KeyError as e:
             raise ValueError(f"World tokenizer: unknown token id {e.args[0]}") from e
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, **_) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
 
-class ByteTokenizer:
-    """Bytes as tokens (ids 0..255; id 0, NUL, ends a text): for tiny test models."""
+def _utf8(text) -> bytes:
+    if not isinstance(text, str):
+        raise TypeError(f"tokenizer: expected a str to encode, got {type(text).__name__}")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"tokenizer: the text is not valid Unicode ({e.reason} at {e.start})"
+        ) from e
+
+
+class ByteTokenizer(_MlxLmSurface):
+    """Bytes as tokens (id 0, NUL, ends a text): for tiny test models. A model with fewer than
+    256 tokens gets the bytes below its ``vocab_size``; encoding any other byte is an error."""
 
     name = "bytes"
-    vocab_size = 256
     eos_token_ids = {0}
+    files: dict[str, str] = {}
+
+    def __init__(self, vocab_size: int = 256):
+        self.vocab_size = min(vocab_size, 256)
+        self.id_to_bytes = {i: bytes([i]) for i in range(self.vocab_size)}
 
     def encode_bytes(self, data: bytes) -> list[int]:
-        return list(data)
+        ids = list(data)
+        bad = sorted({i for i in ids if i >= self.vocab_size})
+        if bad:
+            raise ValueError(
+                f"byte tokenizer: bytes {[hex(b) for b in bad[:5]]} are not in this model's "
+                f"vocabulary of {self.vocab_size} tokens"
+            )
+        return ids
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.encode_bytes(_utf8(text))
 
     def decode_bytes(self, ids) -> bytes:
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < 256]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise ValueError(f"byte tokenizer: token ids {bad[:5]} outside 0..255")
+            raise ValueError(
+                f"byte tokenizer: token ids {bad[:5]} outside 0..{self.vocab_size - 1}"
+            )
         return bytes(ids)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, **_) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
 
-class HFTokenizer:
+class HFTokenizer(_MlxLmSurface):
     """A Hugging Face ``tokenizer.json`` (e.g. Qwen2's) through the ``tokenizers`` library."""
 
     name = "hf"
@@ -110,10 +188,15 @@ class HFTokenizer:
         path = os.path.join(folder, "tokenizer.json")
         try:
             self._tok = Tokenizer.from_file(path)
-        except Exception as e:
+        except Exception as e:  # the library raises its own Exception subclass for any problem
             raise ValueError(f"{path}: cannot load tokenizer ({e})") from e
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = self._eos_ids(folder)
+        self.files = {
+            name: os.path.join(folder, name)
+            for name in HF_TOKENIZER_FILES
+            if os.path.isfile(os.path.join(folder, name))
+        }
 
     def _eos_ids(self, folder: str) -> set[int]:
         names = []
@@ -124,8 +207,11 @@ class HFTokenizer:
         ):
             path = os.path.join(folder, fname)
             if os.path.exists(path):
-                with open(path) as f:
-                    value = json.load(f).get(key)
+                try:
+                    with open(path) as f:
+                        value = json.load(f).get(key)
+                except (OSError, ValueError, AttributeError) as e:
+                    raise ValueError(f"{path}: cannot read {key} ({e})") from e
                 if value is not None:
                     names.extend(value if isinstance(value, list) else [value])
         ids = set()
@@ -137,72 +223,48 @@ class HFTokenizer:
                 ids.add(tid)
         return ids
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        _utf8(text)
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids, **_) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"tokenizer: token ids {bad[:5]} outside 0..{self.vocab_size - 1}")
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def _make_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab()
 
 
 def load_tokenizer(path: str, vocab_size: int):
-    """The tokenizer of a checkpoint: its ``tokenizer.json`` when it has one, else World for a
-    65536-token vocabulary, else bytes for <= 256 tokens. Raises ValueError otherwise."""
+    """The tokenizer of a checkpoint: its ``tokenizer.json`` when it has one, else its World
+    vocabulary file, else World for a 65536-token model, else bytes for <= 256 tokens. Raises
+    ValueError when none fits, or when the tokenizer has more tokens than the model."""
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     if os.path.exists(os.path.join(folder, "tokenizer.json")):
-        return HFTokenizer(folder)
-    if os.path.exists(os.path.join(folder, WORLD_VOCAB)):
-        return WorldTokenizer(os.path.join(folder, WORLD_VOCAB))
-    if vocab_size == 65536:
-        return WorldTokenizer()
-    if vocab_size <= 256:
-        return ByteTokenizer()
-    raise ValueError(
-        f"{path}: no tokenizer.json beside the checkpoint, and vocab_size {vocab_size} is "
-        "neither RWKV World's (65536) nor bytes' (<= 256)"
-    )
+        tokenizer = HFTokenizer(folder)
+    elif os.path.exists(os.path.join(folder, WORLD_VOCAB)):
+        tokenizer = WorldTokenizer(os.path.join(folder, WORLD_VOCAB))
+    elif vocab_size == 65536:
+        tokenizer = WorldTokenizer()
+    elif vocab_size <= 256:
+        return ByteTokenizer(vocab_size)
+    else:
+        raise ValueError(
+            f"{path}: no tokenizer.json beside the checkpoint, and vocab_size {vocab_size} is "
+            "neither RWKV World's (65536) nor bytes' (<= 256)"
+        )
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+            f"{vocab_size}: it belongs to another model"
+        )
+    return tokenizer
 
 
-class HFStyle:
-    """One of our tokenizers with the Hugging Face surface mlx-lm's ``TokenizerWrapper`` reads
-    (``encode(text, add_special_tokens=...)``, ``decode``, ``eos_token_id``, ``get_vocab``), so
-    that ``mlx_lm.generate.stream_generate`` runs our models with our tokenizers."""
-
-    bos_token = None
-    chat_template = None
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        eos = sorted(tokenizer.eos_token_ids)
-        self.eos_token_id = eos[0] if eos else None
-        self.eos_token_ids = eos
-        self._vocab = None
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, ids, **_) -> str:
-        return self.tokenizer.decode(ids)
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **_):
-        """RWKV's plain chat format: ``User: ...\n\nAssistant: ...``, one turn a paragraph."""
-        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages)
-        if add_generation_prompt:
-            text += "Assistant:"
-        return self.encode(text) if tokenize else text
-
-    def get_vocab(self) -> dict[str, int]:
-        if self._vocab is None:
-            by_id = getattr(self.tokenizer, "id_to_bytes", None)
-            if by_id is None and hasattr(self.tokenizer, "_tok"):
-                self._vocab = self.tokenizer._tok.get_vocab()
-            else:
-                by_id = by_id or {i: bytes([i]) for i in range(256)}
-                self._vocab = {b.decode("utf-8", errors="replace"): i for i, b in by_id.items()}
-        return self._vocab
-
-
-def for_mlx_lm(tokenizer):
-    """mlx-lm's ``TokenizerWrapper`` around one of our tokenizers (for its generate functions)."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    return TokenizerWrapper(HFStyle(tokenizer), eos_token_ids=sorted(tokenizer.eos_token_ids))
+def tokenizer_files(tokenizer) -> dict[str, str]:
+    """What to copy beside a saved checkpoint so that it loads with ``tokenizer``: name ->
+    source path (empty for bytes, and for None)."""
+    return dict(getattr(tokenizer, "files", None) or {})

@@ -122,6 +122,18 @@ class MobaBlock(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ffn = ChannelMix(cfg)
 
+    def cache_problem(self, cache, batch: int) -> str | None:
+        """Why ``cache`` cannot continue this block for ``batch`` rows (None if it can)."""
+        if not isinstance(cache, MobaBlockCache):
+            return f"expected a MobaBlockCache, got {type(cache).__name__}"
+        if cache.kv.chunk_size != self.attn.chunk_size:
+            return f"chunk size {cache.kv.chunk_size}, expected {self.attn.chunk_size}"
+        C = self.attn.n_heads * self.attn.head_dim
+        problem = _kv_problem(cache.kv.keys, batch, self.attn.n_heads, self.attn.head_dim)
+        if problem is None and cache.shift is not None and cache.shift.shape != (batch, 1, C):
+            problem = f"token shift of shape {tuple(cache.shift.shape)}, expected {(batch, 1, C)}"
+        return problem
+
     def __call__(self, h, v_first, cache=None):
         h = h + self.attn(self.ln1(h), cache)
         return h + self.ffn(self.ln2(h), cache), v_first
@@ -155,6 +167,19 @@ class Qwen2Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
+def _kv_problem(keys, batch: int, heads: int, head_dim: int) -> str | None:
+    """Keys cached head-major ``[B, heads, n, D]`` that do not fit: why (None if they do)."""
+    if keys is None:
+        return None
+    B, H, _, D = keys.shape
+    if (B, H, D) != (batch, heads, head_dim):
+        return (
+            f"keys for batch {B}, {H} heads of {D}; expected batch {batch}, {heads} heads of "
+            f"{head_dim} (a cache from another model or batch size?)"
+        )
+    return None
+
+
 def _causal_mask(T: int, S: int):
     # the queries are the last T of S positions
     if T == S:
@@ -173,6 +198,13 @@ class Qwen2Block(nn.Module):
         self.self_attn = Qwen2Attention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def cache_problem(self, cache, batch: int) -> str | None:
+        """Why ``cache`` cannot continue this block for ``batch`` rows (None if it can)."""
+        if not isinstance(cache, KVCache):
+            return f"expected a KVCache, got {type(cache).__name__}"
+        attn = self.self_attn
+        return _kv_problem(cache.keys, batch, attn.n_kv, attn.head_dim)
 
     def __call__(self, h, v_first, cache=None):
         h = h + self.self_attn(self.input_layernorm(h), cache)

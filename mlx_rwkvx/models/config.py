@@ -7,16 +7,55 @@ RFA are ARWKV-style (RMSNorm, SwiGLU FFN, no output gate, no group norm): four s
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 from mlx_rwkvx.ops.common import HEAD_SIZES
 
 BLOCK_TYPES = ("rwkv7", "moba", "qwen2")
+QUANT_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes
+QUANT_GROUP_SIZES = (32, 64, 128)
 
 
 def _low_rank(c: int, factor: float, power: float) -> int:
     # BlinkDL's RWKV-7 sizes: max(32, round(factor * C^power / 32) * 32); C=768 gives 64/64/32/128
     return max(32, int(round(factor * c**power / 32)) * 32)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+_LOW_RANK_SIZES = (
+    ("decay_low_rank", 1.8, 0.5),
+    ("a_low_rank", 1.8, 0.5),
+    ("v_low_rank", 1.3, 0.5),
+    ("gate_low_rank", 0.6, 0.8),
+)
+# the type of each field, checked before anything is derived from it
+_FIELD_KINDS = {
+    **dict.fromkeys(
+        ("vocab_size", "hidden_size", "head_size", "intermediate_size", "moba_chunk_size"),
+        "size",
+    ),
+    **dict.fromkeys([name for name, _, _ in _LOW_RANK_SIZES], "size"),
+    **dict.fromkeys(("n_q_heads", "n_kv_heads", "attn_head_dim"), "size"),
+    "moba_top_k": "int",
+    **dict.fromkeys(("norm_eps", "rope_theta", "rms_norm_eps"), "positive"),
+    **dict.fromkeys(("use_gate", "use_ln_x", "ln0", "tie_embeddings"), "bool"),
+    **dict.fromkeys(("rwkv_norm", "rwkv_ffn", "final_norm"), "str"),
+}
+_OPTIONAL = {
+    "intermediate_size",
+    "n_q_heads",
+    "n_kv_heads",
+    "attn_head_dim",
+    *[name for name, _, _ in _LOW_RANK_SIZES],
+}
 
 
 @dataclass
@@ -50,16 +89,22 @@ class ModelConfig:
     quantization: dict | None = None  # {"group_size": 64, "bits": 8} once quantized
 
     def __post_init__(self):
-        self.block_types = list(self.block_types)
+        if isinstance(self.block_types, (list, tuple)):
+            self.block_types = list(self.block_types)
+        self._check_types()
         c = self.hidden_size
-        self.intermediate_size = self.intermediate_size or 4 * c
-        self.decay_low_rank = self.decay_low_rank or _low_rank(c, 1.8, 0.5)
-        self.a_low_rank = self.a_low_rank or _low_rank(c, 1.8, 0.5)
-        self.v_low_rank = self.v_low_rank or _low_rank(c, 1.3, 0.5)
-        self.gate_low_rank = self.gate_low_rank or _low_rank(c, 0.6, 0.8)
-        self.n_q_heads = self.n_q_heads or c // self.head_size
-        self.n_kv_heads = self.n_kv_heads or self.n_q_heads
-        self.attn_head_dim = self.attn_head_dim or c // self.n_q_heads
+        # None means "derive from hidden_size"; 0 or a negative size is an error (validate)
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * c
+        for name, factor, power in _LOW_RANK_SIZES:
+            if getattr(self, name) is None:
+                setattr(self, name, _low_rank(c, factor, power))
+        if self.n_q_heads is None:
+            self.n_q_heads = c // self.head_size
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_q_heads
+        if self.attn_head_dim is None and self.n_q_heads > 0:
+            self.attn_head_dim = c // self.n_q_heads
         self.validate()
 
     @property
@@ -67,8 +112,50 @@ class ModelConfig:
         """WKV heads."""
         return self.hidden_size // self.head_size
 
+    def _check_types(self) -> None:
+        """One ValueError naming every field whose value has the wrong type or is not a
+        positive size (before anything is derived from them)."""
+        problems = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind = _FIELD_KINDS.get(f.name)
+            if value is None and f.name in _OPTIONAL:
+                continue
+            if kind == "size":
+                if not _is_int(value) or value < 1:
+                    problems.append(f"{f.name} must be an int >= 1, got {value!r}")
+            elif kind == "int":
+                if not _is_int(value):
+                    problems.append(f"{f.name} must be an int, got {value!r}")
+            elif kind == "positive":
+                if not _is_number(value) or not 0 < value < math.inf:
+                    problems.append(f"{f.name} must be a finite number > 0, got {value!r}")
+            elif kind == "bool":
+                if not isinstance(value, bool):
+                    problems.append(f"{f.name} must be true or false, got {value!r}")
+            elif kind == "str":
+                if not isinstance(value, str):
+                    problems.append(f"{f.name} must be a string, got {value!r}")
+        if not isinstance(self.block_types, list) or not all(
+            isinstance(t, str) for t in self.block_types
+        ):
+            problems.append(f"block_types must be a list of strings, got {self.block_types!r}")
+        q = self.quantization
+        if q is not None and (
+            not isinstance(q, dict)
+            or set(q) != {"group_size", "bits"}
+            or q["group_size"] not in QUANT_GROUP_SIZES
+            or q["bits"] not in QUANT_BITS
+        ):
+            problems.append(
+                "quantization must be null or {'group_size': one of "
+                f"{QUANT_GROUP_SIZES}, 'bits': one of {QUANT_BITS}}}, got {q!r}"
+            )
+        if problems:
+            raise ValueError("ModelConfig: " + "; ".join(problems))
+
     def validate(self) -> None:
-        """One ValueError naming the first field that does not fit."""
+        """One ValueError naming the fields that do not fit together."""
         problems = []
         bad = [t for t in self.block_types if t not in BLOCK_TYPES]
         if not self.block_types or bad:
@@ -79,11 +166,19 @@ class ModelConfig:
             )
         if self.head_size not in HEAD_SIZES:
             problems.append(f"head_size must be one of {HEAD_SIZES}, got {self.head_size}")
-        if self.n_q_heads % self.n_kv_heads:
+        for name in ("n_q_heads", "n_kv_heads", "attn_head_dim"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                problems.append(f"{name} must be an int >= 1, got {value!r}")
+        if not problems and self.n_q_heads % self.n_kv_heads:
             problems.append(
                 f"n_q_heads {self.n_q_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
             )
-        if "moba" in self.block_types and self.n_q_heads * self.attn_head_dim != self.hidden_size:
+        if (
+            not problems
+            and "moba" in self.block_types
+            and self.n_q_heads * self.attn_head_dim != self.hidden_size
+        ):
             problems.append("moba blocks need n_q_heads * attn_head_dim == hidden_size")
         for name, allowed in (
             ("rwkv_norm", ("layer", "rms")),
@@ -92,8 +187,6 @@ class ModelConfig:
         ):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.moba_chunk_size < 1:
-            problems.append(f"moba_chunk_size must be >= 1, got {self.moba_chunk_size}")
         if problems:
             raise ValueError("ModelConfig: " + "; ".join(problems))
 
@@ -101,11 +194,17 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> ModelConfig:
+    def from_dict(cls, d: dict, *, complete: bool = False) -> ModelConfig:
+        """A config from a dict. ``complete``: every field must be present (a checkpoint's
+        config: a missing field is an error, not a default its weights were not trained with).
+        """
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"ModelConfig: unknown fields {unknown}")
+        missing = sorted(known - set(d)) if complete else []
+        if missing:
+            raise ValueError(f"ModelConfig: missing fields {missing}")
         return cls(**d)
 
     def to_json(self) -> str:

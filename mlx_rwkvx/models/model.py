@@ -46,6 +46,7 @@ class Model(nn.Module):
         super().__init__()
         self.config = cfg
         self.model_type = "mlx_rwkvx"
+        self.check_token_ids = True  # see check_tokens
         C = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, C)
         if cfg.ln0:
@@ -85,11 +86,57 @@ class Model(nn.Module):
                 caches.append(KVCache())
         return caches
 
+    def check_tokens(self, tokens) -> None:
+        """Raise a ValueError (TypeError for a non-array) unless ``tokens`` is an integer
+        ``[B, T]`` array of ids in ``0 .. vocab_size - 1``. The range check reads the ids back
+        from the device (a host sync): ``model.check_token_ids = False`` turns it off where the
+        caller checked them already; an id out of range then gives NaN logits, never a crash.
+        """
+        if not isinstance(tokens, mx.array):
+            raise TypeError(
+                f"model: tokens must be an mx.array of integer ids [B, T], got "
+                f"{type(tokens).__name__}"
+            )
+        if tokens.ndim != 2 or tokens.size == 0:
+            raise ValueError(f"model: tokens must be [B, T] with B, T >= 1, got {tokens.shape}")
+        if not mx.issubdtype(tokens.dtype, mx.integer):
+            raise ValueError(f"model: tokens must be integer ids, got dtype {tokens.dtype}")
+        if self.check_token_ids:
+            lo, hi = mx.min(tokens).item(), mx.max(tokens).item()
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(
+                    f"model: token id {bad} is outside the vocabulary (0 .. "
+                    f"{self.config.vocab_size - 1})"
+                )
+
+    def check_cache(self, cache: list, batch: int) -> None:
+        """One ValueError if ``cache`` does not belong to this model and batch size."""
+        if not isinstance(cache, (list, tuple)) or len(cache) != len(self.layers):
+            n = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
+            raise ValueError(
+                f"model: the cache has {n} entries for {len(self.layers)} layers "
+                "(use model.make_cache())"
+            )
+        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
+            problem = layer.cache_problem(c, batch)
+            if problem:
+                raise ValueError(f"model: cache[{i}] ({layer.kind} block): {problem}")
+
+    def _embed(self, tokens: mx.array) -> mx.array:
+        if self.check_token_ids:
+            return self.embed(tokens)
+        # ids not checked: a bad one must not read outside the table (a crash); it gives NaN
+        valid = (tokens >= 0) & (tokens < self.config.vocab_size)
+        h = self.embed(mx.where(valid, tokens, 0))
+        return mx.where(valid[..., None], h, mx.array(mx.nan, h.dtype))
+
     def hidden(self, tokens: mx.array, cache: list | None = None) -> mx.array:
         """``tokens [B, T]`` -> final normalised hidden states ``[B, T, C]`` (before the head)."""
-        if tokens.ndim != 2:
-            raise ValueError(f"model: tokens must be [B, T], got shape {tuple(tokens.shape)}")
-        h = self.embed(tokens)
+        self.check_tokens(tokens)
+        if cache is not None:
+            self.check_cache(cache, tokens.shape[0])
+        h = self._embed(tokens)
         if "ln0" in self:
             h = self.ln0(h)
         caches = cache if cache is not None else [None] * len(self.layers)

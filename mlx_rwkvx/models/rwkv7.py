@@ -15,6 +15,7 @@ from mlx_rwkvx.ops.wkv import wkv7
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
 
 # log of the decay: -exp(-0.5) * sigmoid(z), so the decay exp(log_w) lies in (exp(-e^-0.5), 1) =
 # (0.545, 1). Other code writes -0.606531 for -exp(-0.5).
@@ -196,6 +197,21 @@ class RWKV7Block(nn.Module):
             self.ffn = ChannelMix(cfg)
         else:
             self.ffn = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def cache_problem(self, cache, batch: int) -> str | None:
+        """Why ``cache`` cannot continue this block for ``batch`` rows (None if it can)."""
+        if not isinstance(cache, ArraysCache) or len(cache.cache) != 3:
+            return f"expected an ArraysCache of 3 arrays, got {type(cache).__name__}"
+        tm = self.tmix
+        state_shape = (batch, tm.n_heads, tm.head_size, tm.head_size)
+        shift_shape = (batch, 1, tm.n_heads * tm.head_size)
+        for slot, want in ((0, shift_shape), (1, state_shape), (2, shift_shape)):
+            if cache[slot] is not None and tuple(cache[slot].shape) != want:
+                return (
+                    f"holds an array of shape {tuple(cache[slot].shape)} where {want} belongs "
+                    "(a cache from another model or batch size?)"
+                )
+        return None
 
     def __call__(self, h, v_first, cache=None):
         dh, v_first = self.tmix(self.ln1(h), v_first, cache)

@@ -13,6 +13,14 @@ SELF_CHECK_TOL = {mx.float32: 1e-4, mx.bfloat16: 5e-2, mx.float16: 5e-2}
 _LOG2E = 1.4426950408889634
 
 
+def require_arrays(op: str, arrays: dict, **optional) -> None:
+    """A TypeError naming the first argument that is not an ``mx.array`` (lists and NumPy
+    arrays included: convert them with ``mx.array`` first); ``optional`` ones may be None."""
+    for name, x in {**arrays, **{n: x for n, x in optional.items() if x is not None}}.items():
+        if not isinstance(x, mx.array):
+            raise TypeError(f"{op}: {name} must be an mx.array, got {type(x).__name__}")
+
+
 def pow2_exp(x: mx.array) -> mx.array:
     """``e^x`` as ``2^(x log2 e)``: MLX's CPU exp runs ~3x slower at the same ~3e-7 relative
     accuracy over the exponents the ops use (|x| <= 64)."""

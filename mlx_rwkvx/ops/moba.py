@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 
 from mlx_rwkvx import _runtime
-from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES, SELF_CHECK_TOL, pow2_exp
+from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES, SELF_CHECK_TOL, pow2_exp, require_arrays
 from mlx_rwkvx.ops.dispatch import SelfCheck, agree
 
 import mlx.core as mx
@@ -26,19 +26,23 @@ _runtime.configure()
 
 
 def _check(q, k, v, chunk_size, top_k) -> None:
-    """One ValueError naming the first argument that does not fit."""
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    """One ValueError naming the first argument that does not fit (TypeError for one that is
+    not an mx.array)."""
+    require_arrays("moba_attention", {"q": q, "k": k, "v": v})
+    if type(chunk_size) is not int or chunk_size < 1:
         raise ValueError(f"moba_attention: chunk_size must be an int >= 1, got {chunk_size!r}")
-    if not isinstance(top_k, int):
+    if type(top_k) is not int:
         raise ValueError(f"moba_attention: top_k must be an int, got {top_k!r}")
-    if q.ndim != 4:
-        raise ValueError(f"moba_attention: q must be [B, T, Hq, D], got shape {tuple(q.shape)}")
+    if q.ndim != 4 or 0 in q.shape:
+        raise ValueError(
+            f"moba_attention: q must be [B, T, Hq, D], none of them 0, got shape {tuple(q.shape)}"
+        )
     B, T, Hq, D = q.shape
     for name, x in (("k", k), ("v", v)):
-        if x.ndim != 4 or x.shape[0] != B or x.shape[1] < T or x.shape[3] != D:
+        if x.ndim != 4 or x.shape[0] != B or x.shape[1] < T or x.shape[3] != D or not x.shape[2]:
             raise ValueError(
                 f"moba_attention: {name} has shape {tuple(x.shape)}, expected "
-                f"[{B}, S >= {T}, Hkv, {D}] (batch and head dim of q, at least its length)"
+                f"[{B}, S >= {T}, Hkv >= 1, {D}] (batch and head dim of q, at least its length)"
             )
     if k.shape != v.shape:
         raise ValueError(f"moba_attention: v has shape {tuple(v.shape)}, expected {k.shape}")

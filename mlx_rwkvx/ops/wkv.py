@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from mlx_rwkvx import _runtime
-from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES, SELF_CHECK_TOL, fast_exp
+from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES, SELF_CHECK_TOL, fast_exp, require_arrays
 from mlx_rwkvx.ops.dispatch import SelfCheck, agree
 
 import mlx.core as mx
@@ -30,7 +30,9 @@ _NAMES = ("r", "log_w", "k", "v", "a", "b")
 
 
 def _check(r, log_w, k, v, a, b, state) -> None:
-    """One ValueError naming the first argument whose shape or dtype does not fit."""
+    """One ValueError naming the first argument whose shape or dtype does not fit (TypeError
+    for one that is not an mx.array)."""
+    require_arrays("wkv7", dict(zip(_NAMES, (r, log_w, k, v, a, b), strict=True)), state=state)
     if r.ndim != 4:
         raise ValueError(f"wkv7: r must be [B, T, H, N], got shape {tuple(r.shape)}")
     B, T, H, N = r.shape
@@ -43,12 +45,18 @@ def _check(r, log_w, k, v, a, b, state) -> None:
             raise ValueError(
                 f"wkv7: {name} has shape {tuple(x.shape)}, expected {(B, T, H, N)} (that of r)"
             )
-        want = mx.float32 if name == "log_w" else r.dtype
-        if x.dtype != want or x.dtype not in FLOAT_DTYPES:
+        if name == "log_w":
+            if x.dtype != mx.float32:
+                raise ValueError(
+                    f"wkv7: log_w has dtype {x.dtype}, expected float32 (the log-decay is "
+                    "always float32)"
+                )
+        elif x.dtype not in FLOAT_DTYPES:
             raise ValueError(
-                f"wkv7: {name} has dtype {x.dtype}, expected {want}"
-                + (" (the log-decay is always float32)" if name == "log_w" else " (that of r)")
+                f"wkv7: {name} has dtype {x.dtype}, expected one of float32, bfloat16, float16"
             )
+        elif x.dtype != r.dtype:
+            raise ValueError(f"wkv7: {name} has dtype {x.dtype}, expected {r.dtype} (that of r)")
     if state is not None:
         if tuple(state.shape) != (B, H, N, N):
             raise ValueError(f"wkv7: state has shape {tuple(state.shape)}, expected {(B, H, N, N)}")

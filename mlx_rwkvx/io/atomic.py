@@ -1,0 +1,154 @@
+"""Writing checkpoints so that nothing is ever half-written or silently replaced.
+
+Everything is written under a temporary name beside the target, flushed to disk, then renamed
+over it in one step: an interrupted or failed write (a full disk, a read-only folder) leaves
+the target as it was and no temporary file behind, and raises one ``CheckpointError`` naming
+the path and the reason. An existing target is replaced only when asked (``overwrite``), and
+a folder only when it holds a checkpoint (never a folder of other files).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+TMP_TAG = ".tmp-"  # in every temporary name: readers skip such files, and tests look for them
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or written: the message names the file and the problem
+    (and, for a bad tensor, the tensor)."""
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or type(e).__name__
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root)
+
+
+def _make_parents(path: str) -> list[str]:
+    """Create the missing folders above ``path``; return them, outermost first."""
+    made = []
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    for folder in reversed(made):
+        os.mkdir(folder)
+    return list(reversed(made))
+
+
+def check_target(path: str, *, overwrite: bool, folder: bool, is_checkpoint=None) -> None:
+    """Raise CheckpointError unless ``path`` may be written: it does not exist, is an empty
+    folder, or (``overwrite``) is a file, or a folder that ``is_checkpoint`` accepts."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path):
+        if not folder:
+            raise CheckpointError(f"{path}: is a folder; expected a file name")
+        if not os.listdir(path):
+            return
+        if not overwrite:
+            raise CheckpointError(
+                f"{path}: already exists and is not empty (overwrite=True or --overwrite "
+                "replaces it)"
+            )
+        if is_checkpoint is not None and not is_checkpoint(path):
+            raise CheckpointError(
+                f"{path}: holds files that are not a checkpoint; refusing to replace the folder"
+            )
+        return
+    if folder:
+        raise CheckpointError(f"{path}: is a file; expected a folder")
+    if not overwrite:
+        raise CheckpointError(f"{path}: already exists (overwrite=True or --overwrite replaces it)")
+
+
+@contextmanager
+def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
+    """Yield a temporary path beside ``path`` (an empty folder when ``folder``) to write into;
+    on success it takes ``path``'s place (fsync, rename); on any failure it is removed, missing
+    parent folders created for it are removed too, ``path`` is unchanged, and an I/O error
+    becomes one CheckpointError. Call ``check_target`` first."""
+    path = os.path.abspath(path)
+    try:
+        made = _make_parents(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot create its folder ({_reason(e)})") from e
+    name = os.path.basename(path)
+    tmp = os.path.join(os.path.dirname(path), f".{name}{TMP_TAG}{os.getpid()}")
+    if not folder and name.endswith(".safetensors"):
+        tmp += ".safetensors"  # MLX's writer insists on the extension
+    old = None
+    try:
+        if folder:
+            os.mkdir(tmp)
+        yield tmp
+        if folder:
+            _fsync_tree(tmp)
+        else:
+            _fsync(tmp)
+        if folder and os.path.isdir(path):
+            old = os.path.join(os.path.dirname(path), f".{name}.old{TMP_TAG}{os.getpid()}")
+            os.rename(path, old)
+        os.replace(tmp, path)
+        _fsync(os.path.dirname(path))
+    except BaseException as e:
+        _remove(tmp)
+        if old is not None and not os.path.exists(path):
+            os.rename(old, path)  # put the previous checkpoint back
+            old = None
+        for parent in reversed(made):
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break
+        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, CheckpointError):
+            # RuntimeError: MLX's safetensors writer reports a failed write so
+            raise CheckpointError(f"{path}: cannot write ({_reason(e)})") from e
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def save_safetensors(path: str, tensors: dict, metadata: dict | None = None) -> None:
+    """``mx.save_safetensors`` to exactly ``path`` (which must end in ``.safetensors``)."""
+    mx.save_safetensors(path, tensors, metadata=metadata or {})
+
+
+def save_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def copy_file(src: str, dst: str) -> None:
+    shutil.copyfile(src, dst)

@@ -1,8 +1,9 @@
 """``python -m mlx_rwkvx.demo``: the built-in default run.
 
-Until the models land (issue 6) this is an end-to-end smoke run of what exists: the environment
-report with its matmul timing, then the WKV7 recurrence forward and backward on a random
-RWKV-7-like problem through the dispatcher, checked against the plain step loop.
+For now a smoke run of what the toolkit has: the environment report with its matmul timing;
+the WKV7 recurrence forward and backward on a random RWKV-7-like problem, checked against the
+plain step loop; and a tiny random RWKV-X model saved, loaded and decoded greedily, each decode
+step checked against a full prefill. Exits 1 if a check fails.
 """
 
 from __future__ import annotations

@@ -372,3 +372,145 @@ def test_pth_view_outside_its_storage_is_refused():
         _rebuild_tensor(storage, 3, (2, 2), (2, 1))
     with pytest.raises(PthError, match="malformed"):
         _rebuild_tensor(storage, 0, (2,), (-1,))
+
+
+def _rewrite_config(folder, **changes):
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("layout", ["transformers5", "transformers4"])
+def test_qwen2_rope_base_in_both_config_layouts(tmp_path, layout):
+    # transformers 5 keeps rope_theta inside rope_parameters; 4.x at the top level. Either
+    # way a base of 1e6 must be read, never the 10000 default (positions after the first
+    # would be wrong without a word)
+    cfg = qwen2_cfg()
+    cfg.rope_theta = 1e6
+    model = Model(cfg, seed=8)
+    folder = tmp_path / "qwen"
+    write_hf(str(folder), cfg, params(model))
+    if layout == "transformers5":
+        _rewrite_config(
+            folder, rope_theta=None, rope_parameters={"rope_theta": 1e6, "rope_type": "default"}
+        )
+    else:
+        _rewrite_config(folder, rope_theta=1e6, rope_scaling=None)
+    loaded, _ = mlx_rwkvx.load(folder)
+    assert loaded.config.rope_theta == 1e6
+    assert mx.array_equal(loaded(TOKENS), model(TOKENS))
+
+
+def _qwen2_with_tokenizer(folder):
+    from test_io_tokenizers import _tiny_hf_tokenizer
+
+    cfg = qwen2_cfg()
+    cfg.vocab_size = 512  # room for the tokenizer's ~400 tokens
+    qwen = Model(cfg, seed=3)
+    write_hf(str(folder), qwen.config, params(qwen))
+    _tiny_hf_tokenizer(folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    )
+    return qwen
+
+
+def test_tokenizer_files_travel_with_the_checkpoint(tmp_path):
+    # a Qwen2 -> RFA conversion keeps the tokenizer and its chat template: the result loads
+    # with its own tokenizer (before, it lost tokenizer.json and could not be loaded)
+    _qwen2_with_tokenizer(tmp_path / "qwen")
+    _, tok = mlx_rwkvx.load(tmp_path / "qwen")
+    convert(tmp_path / "qwen", tmp_path / "rfa", to_rfa=True, qwen_layers=[1, 3])
+    copied = sorted(os.listdir(tmp_path / "rfa"))
+    assert copied == [
+        "chat_template.jinja",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    model, tok2 = mlx_rwkvx.load(tmp_path / "rfa")
+    text = "hello world"
+    assert tok2.encode(text) == tok.encode(text) and tok2.vocab_size == tok.vocab_size
+    chat = tok2.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert chat == "<user>hi\n"
+    # and save() with the tokenizer does the same, into a folder or beside one file
+    mlx_rwkvx.save(model, tmp_path / "again", tokenizer=tok2)
+    assert "tokenizer.json" in os.listdir(tmp_path / "again")
+    mlx_rwkvx.save(model, tmp_path / "one" / "rfa.safetensors", tokenizer=tok2)
+    _, tok3 = mlx_rwkvx.load(tmp_path / "one" / "rfa.safetensors")
+    assert tok3.encode(text) == tok.encode(text)
+
+
+def test_world_vocabulary_travels(tmp_path):
+    cfg = ModelConfig(vocab_size=65536, hidden_size=32, head_size=16, block_types=["rwkv7"])
+    model = Model(cfg)
+    _, world = mlx_rwkvx.load(_saved(model, tmp_path / "a"))
+    mlx_rwkvx.save(model, tmp_path / "b", tokenizer=world)
+    assert "rwkv_vocab_v20230424.txt" in os.listdir(tmp_path / "b")
+
+
+def _saved(model, path):
+    mlx_rwkvx.save(model, path)
+    return path
+
+
+def test_overwrite_replaces_a_checkpoint_whole(tmp_path):
+    # --to hf into a folder holding another checkpoint's shards: with overwrite the folder is
+    # replaced as a whole (no stale shard survives to break loading); without, refused
+    old = Model(rwkv7_cfg(), seed=1)
+    write_hf(str(tmp_path / "hf"), old.config, params(old))
+    (tmp_path / "hf" / "model-00002-of-00002.safetensors").write_bytes(
+        (tmp_path / "hf" / "model.safetensors").read_bytes()
+    )
+    new = Model(rwkv7_cfg(), seed=2)
+    with pytest.raises(CheckpointError, match="already exists"):
+        write_hf(str(tmp_path / "hf"), new.config, params(new))
+    write_hf(str(tmp_path / "hf"), new.config, params(new), overwrite=True)
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    assert same_model(mlx_rwkvx.load(tmp_path / "hf")[0], new)
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n or ".old" in n]
+
+
+def test_a_failed_write_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    old = Model(rwkv7_cfg(), seed=1)
+    for path in (tmp_path / "folder", tmp_path / "one.safetensors"):
+        mlx_rwkvx.save(old, path)
+        before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+        def full_disk(file, tensors, metadata=None):
+            with open(file, "wb") as f:
+                f.write(b"partial")
+            raise RuntimeError("[write] Unable to write 4096 bytes to file.")
+
+        monkeypatch.setattr(mx, "save_safetensors", full_disk)
+        with pytest.raises(CheckpointError, match="cannot write .*disk full"):
+            mlx_rwkvx.save(Model(rwkv7_cfg(), seed=2), path, overwrite=True)
+        monkeypatch.undo()
+        after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+        assert after == before  # no temporary file left, the old checkpoint untouched
+        assert same_model(mlx_rwkvx.load(path)[0], old)
+
+
+def test_model_checks_token_ids_without_crashing():
+    # id 1,000,000 on a 256-token model crashed the interpreter (exit 139) before
+    code = (
+        "import mlx_rwkvx, mlx.core as mx\n"
+        "from mlx_rwkvx.models import Model, ModelConfig\n"
+        "m = Model(ModelConfig(vocab_size=256, hidden_size=32, head_size=16, "
+        "block_types=['rwkv7']))\n"
+        "try:\n    m(mx.array([[1, 1000000]]))\nexcept ValueError as e:\n    print(e)\n"
+        "m.check_token_ids = False\n"
+        "out = m(mx.array([[1, 1000000, -3]]))\n"
+        "print(mx.isnan(out[0, 1]).all().item(), mx.isnan(out[0, 0]).any().item())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "model: token id 1000000 is outside the vocabulary (0 .. 255)"
+    assert lines[1] == "True False"  # unchecked: the bad position is NaN, the others are not

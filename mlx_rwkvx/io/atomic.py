@@ -27,7 +27,10 @@ class CheckpointError(ValueError):
 def _reason(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
-    return str(e) or type(e).__name__
+    text = str(e) or type(e).__name__
+    if "Unable to write" in text:  # how MLX's safetensors writer reports a short write
+        text += "; is the disk full?"
+    return text
 
 
 def _fsync(path: str) -> None:

@@ -143,8 +143,16 @@ def _read_json(path: str) -> dict:
         raise CheckpointError(f"{path}: cannot read JSON ({e})") from e
 
 
+def checkpoint_path(path) -> str:
+    """``path`` as a str: a str or an ``os.PathLike`` (``pathlib.Path``), else a TypeError."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"checkpoint path must be a str or a pathlib.Path, got {path!r}")
+    return os.fspath(path)
+
+
 def detect(path: str) -> str:
     """The format of ``path`` (see the module docstring). Raises CheckpointError if unknown."""
+    path = checkpoint_path(path)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or folder")
     if os.path.isdir(path):
@@ -364,8 +372,14 @@ def _need(path: str, tensors: dict, name: str) -> mx.array:
     return tensors[name]
 
 
-def _rwkv7_config_from_native(path: str, t: dict, **extra) -> ModelConfig:
-    """An RWKV-7 config inferred from native-named tensors (formats without a config)."""
+# What BlinkDL's and flash-linear-attention's RWKV-7 always have: a missing gate, group norm,
+# ln0 or head is a damaged file (a missing-tensor error), not a different model
+RWKV7_FIXED = dict(use_gate=True, use_ln_x=True, ln0=True, tie_embeddings=False)
+
+
+def _rwkv7_config_from_native(path: str, t: dict, **fixed) -> ModelConfig:
+    """An RWKV-7 config whose sizes are read from native-named tensors (formats without a
+    config); ``fixed`` fields are not inferred."""
     vocab, C = _need(path, t, "embed.weight").shape
     layers = sorted({int(n.split(".")[1]) for n in t if n.startswith("layers.")})
     if not layers:
@@ -393,7 +407,7 @@ def _rwkv7_config_from_native(path: str, t: dict, **extra) -> ModelConfig:
         ln0="ln0.weight" in t,
         tie_embeddings="lm_head.weight" not in t,
     )
-    fields.update(extra)
+    fields.update(fixed)
     try:
         return ModelConfig(**fields)
     except ValueError as e:
@@ -414,7 +428,7 @@ class Checkpoint:
 
 def read_checkpoint(path) -> Checkpoint:
     """Any supported checkpoint (see the module docstring), under native names."""
-    path = os.fspath(path)
+    path = checkpoint_path(path)
     fmt = detect(path)
     if fmt == "native":
         cfg = _config_from_dict(path, _read_json(os.path.join(path, CONFIG_FILE)))
@@ -437,7 +451,8 @@ def read_checkpoint(path) -> Checkpoint:
         raw = _from_pth(path) if from_pth else read_safetensors(path)[0]
         tensors, kept = _rename(path, raw, _blinkdl_rule)
         sources = {} if from_pth else {n: (path, stored) for n, stored in kept.items()}
-        return Checkpoint(_rwkv7_config_from_native(path, tensors), tensors, fmt, sources)
+        cfg = _rwkv7_config_from_native(path, tensors, **RWKV7_FIXED)
+        return Checkpoint(cfg, tensors, fmt, sources)
     hf = _read_json(os.path.join(path, CONFIG_FILE))
     raw, files = read_folder_safetensors(path)
     rule = _hf_rwkv7_rule if fmt == "hf_rwkv7" else _hf_qwen2_rule
@@ -530,7 +545,15 @@ def _hf_rwkv7_config(path: str, hf: dict, tensors: dict) -> ModelConfig:
     c = _HFConfig(path, hf, frozenset(
         "attn_mode fuse_norm fuse_cross_entropy fuse_linear_cross_entropy use_l2warp".split()
     ))  # fmt: skip
-    inferred = _rwkv7_config_from_native(path, tensors)
+    inferred = _rwkv7_config_from_native(
+        path,
+        tensors,
+        **{
+            **RWKV7_FIXED,
+            "ln0": c.get("norm_first", True),  # RWKV7Config's defaults
+            "tie_embeddings": c.get("tie_word_embeddings", False),
+        },
+    )
     C = inferred.hidden_size
     if c.get("hidden_act", "sqrelu") != "sqrelu":
         c.refuse("hidden_act", "RWKV-7's channel-mix is squared ReLU ('sqrelu')")
@@ -560,8 +583,6 @@ def _hf_rwkv7_config(path: str, hf: dict, tensors: dict) -> ModelConfig:
         ("gate_low_rank_dim", "gate_low_rank"),
     ):
         _agree(c, key, c.get(key), getattr(inferred, name))
-    _agree(c, "norm_first", c.get("norm_first"), inferred.ln0)
-    _agree(c, "tie_word_embeddings", c.get("tie_word_embeddings"), inferred.tie_embeddings)
     norm_eps = c.get("norm_eps", required=True)
     c.finish()
     return _build_config(path, ModelConfig, **{**inferred.to_dict(), "norm_eps": norm_eps})
@@ -752,7 +773,7 @@ def write_hf(
 ) -> None:
     """A Hugging Face folder (``config.json``, ``model.safetensors``, the tokenizer files in
     ``extra_files``), written atomically."""
-    path = os.fspath(path)
+    path = checkpoint_path(path)
     hf, out = to_hf(cfg, tensors)
 
     def write(tmp):
@@ -766,7 +787,7 @@ def write_blinkdl(
     path, cfg: ModelConfig, tensors: dict[str, mx.array], *, extra_files=None, overwrite=False
 ) -> None:
     """BlinkDL's names and shapes in one ``.safetensors`` file, written atomically."""
-    path = os.fspath(path)
+    path = checkpoint_path(path)
     if not path.endswith(".safetensors"):
         raise CheckpointError(f"{path}: BlinkDL export writes one .safetensors file: name it so")
     out = to_blinkdl(cfg, tensors)
@@ -787,7 +808,7 @@ def write_native(
     the tokenizer's files) are copied into the folder, or beside the file. Written atomically:
     under a temporary name, then renamed, so a failed save never leaves a damaged checkpoint
     or a temporary file, and replaces an existing checkpoint only with ``overwrite``."""
-    path = os.fspath(path)
+    path = checkpoint_path(path)
     if path.endswith(".safetensors"):
         meta = {
             "format": FORMAT_TAG,

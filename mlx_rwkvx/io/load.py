@@ -9,9 +9,13 @@ safetensors file: no float copy of the base weights exists (a ``.pth`` is unpick
 
 from __future__ import annotations
 
-import os
-
-from mlx_rwkvx.io.formats import CheckpointError, read_checkpoint, read_rows, write_native
+from mlx_rwkvx.io.formats import (
+    CheckpointError,
+    checkpoint_path,
+    read_checkpoint,
+    read_rows,
+    write_native,
+)
 from mlx_rwkvx.io.tokenizers import load_tokenizer, tokenizer_files
 from mlx_rwkvx.models.config import ModelConfig
 from mlx_rwkvx.models.init import ROW_BLOCK_BYTES, seeds_scale, uniform_row_blocks
@@ -169,8 +173,8 @@ def load_model(path, *, quantize=None, dtype=None) -> Model:
     """The model of any supported checkpoint (see ``mlx_rwkvx.io.formats``)."""
     bits = quantize_bits(quantize)
     dtype = float_dtype(dtype)
-    ckpt = read_checkpoint(os.fspath(path))
-    path = os.fspath(path)
+    path = checkpoint_path(path)
+    ckpt = read_checkpoint(path)
     cfg, tensors = ckpt.config, ckpt.tensors
     stored = cfg.quantization
     if stored and bits and bits != stored["bits"]:
@@ -227,7 +231,7 @@ def load(path, *, quantize=None, dtype=None):
     """
     model = load_model(path, quantize=quantize, dtype=dtype)
     try:
-        tokenizer = load_tokenizer(os.fspath(path), model.config.vocab_size)
+        tokenizer = load_tokenizer(checkpoint_path(path), model.config.vocab_size)
     except ValueError as e:
         raise CheckpointError(str(e)) from e
     return model, tokenizer
@@ -238,6 +242,8 @@ def save(model: Model, path, *, tokenizer=None, overwrite: bool = False) -> None
     metadata when ``path`` ends in ``.safetensors``; ``tokenizer``'s files (``load`` returns
     it) are copied beside the weights. Atomic (temporary name, then rename); an existing
     checkpoint at ``path`` is replaced only with ``overwrite=True``."""
+    if not isinstance(model, Model):
+        raise TypeError(f"save: expected an mlx_rwkvx Model, got {type(model).__name__}")
     write_native(
         path,
         model.config,

@@ -190,6 +190,7 @@ class HFTokenizer(_MlxLmSurface):
             self._tok = Tokenizer.from_file(path)
         except Exception as e:  # the library raises its own Exception subclass for any problem
             raise ValueError(f"{path}: cannot load tokenizer ({e})") from e
+        self.folder, self._hf = folder, None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = self._eos_ids(folder)
         self.files = {
@@ -236,6 +237,37 @@ class HFTokenizer(_MlxLmSurface):
 
     def _make_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab()
+
+    @property
+    def chat_template(self) -> str | None:
+        """The folder's chat template (``chat_template.jinja`` or ``tokenizer_config.json``)."""
+        path = os.path.join(self.folder, "chat_template.jinja")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        config = os.path.join(self.folder, "tokenizer_config.json")
+        if os.path.isfile(config):
+            with open(config, encoding="utf-8") as f:
+                template = json.load(f).get("chat_template")
+            return template if isinstance(template, str) else None
+        return None
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **kw):
+        """The tokenizer's own chat template through transformers (which mlx-lm brings), or
+        RWKV's plain format when it has none."""
+        if self.chat_template is None:
+            return super().apply_chat_template(messages, add_generation_prompt, tokenize)
+        if self._hf is None:
+            from transformers import PreTrainedTokenizerFast
+
+            self._hf = PreTrainedTokenizerFast(
+                tokenizer_file=os.path.join(self.folder, "tokenizer.json")
+            )
+            self._hf.chat_template = self.chat_template
+        text = self._hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw
+        )
+        return self.encode(text) if tokenize else text
 
 
 def load_tokenizer(path: str, vocab_size: int):

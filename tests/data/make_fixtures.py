@@ -3,7 +3,8 @@
     python tests/data/make_fixtures.py export   # with mlx_rwkvx: writes tiny_rwkv7.npz
     python tests/data/make_fixtures.py pth      # with torch: tiny_rwkv7{,_bf16}.pth from it
 
-The model is ``FIXTURE_CONFIG`` with the seeds' init, seed ``FIXTURE_SEED``, in BlinkDL's names;
+The model is ``FIXTURE_CONFIG`` with the seeds' init, seed ``FIXTURE_SEED``, in BlinkDL's names,
+with the unused layer-0 ``att.v0/v1/v2`` that several versions of BlinkDL's script write;
 tests/test_io_formats.py rebuilds the same model and compares.
 """
 
@@ -25,6 +26,12 @@ def export() -> None:
     cfg = ModelConfig(**FIXTURE_CONFIG)
     model = Model(cfg, seed=FIXTURE_SEED)
     tensors = to_blinkdl(cfg, dict(tree_flatten(model.parameters())))
+    # as several versions of BlinkDL's x070 train script save them: the value-mix projection
+    # also in layer 0, where it is unused
+    rng = np.random.default_rng(FIXTURE_SEED)
+    for name in ("v0", "v1", "v2"):
+        like = tensors[f"blocks.1.att.{name}"]
+        tensors[f"blocks.0.att.{name}"] = rng.uniform(-0.1, 0.1, like.shape).astype(np.float32)
     np.savez(HERE / "tiny_rwkv7.npz", **{k: np.array(v) for k, v in tensors.items()})
 
 

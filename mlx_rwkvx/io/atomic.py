@@ -93,6 +93,11 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
     parent folders created for it are removed too, ``path`` is unchanged, and an I/O error
     becomes one CheckpointError. Call ``check_target`` first."""
     path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"{path}: {parent} is a file, not a folder")
     try:
         made = _make_parents(path)
     except OSError as e:

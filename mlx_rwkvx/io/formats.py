@@ -160,6 +160,8 @@ def detect(path: str) -> str:
         if not os.path.exists(cfg_path):
             raise CheckpointError(f"{path}: a checkpoint folder needs {CONFIG_FILE}")
         cfg = _read_json(cfg_path)
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{cfg_path}: expected a JSON object")
         if cfg.get("format") == FORMAT_TAG:
             return "native"
         kind = cfg.get("model_type")

@@ -419,6 +419,7 @@ def moba_attention(q, k, v, *, chunk_size: int, top_k: int, scale=None) -> mx.ar
     where the device has one and it passed its self-check, else the blockwise path;
     ``MLX_RWKVX_MOBA=ref|blockwise|kernel`` forces one.
     """
+    require_arrays("moba_attention", {"q": q, "k": k, "v": v})
     choice = os.environ.get(ENV_VAR, "")
     impls = {"ref": moba_attention_ref, "blockwise": moba_attention_blockwise,
              "kernel": moba_kernel}  # fmt: skip

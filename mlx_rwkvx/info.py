@@ -36,6 +36,8 @@ def report(timing: bool = True) -> list[str]:
     ]
     if _blas.status.reason:
         lines.append(f"           (OpenBLAS not loaded by mlx_rwkvx: {_blas.status.reason})")
+    if _blas.status.core_note:
+        lines.append(f"           (core type: {_blas.status.core_note})")
     if timing:
         n = 1024
         lines.append(f"matmul     {matmul_gflops(n):.1f} GFLOP/s (fp32, {n}x{n}x{n}, best of 3)")

@@ -10,11 +10,16 @@ _blas.setup()
 
 __version__ = "0.1.0.dev0"
 
-_LAZY = {"load": "mlx_rwkvx.io.load", "save": "mlx_rwkvx.io.load"}
+_LAZY = {
+    "load": "mlx_rwkvx.io.load",
+    "load_model": "mlx_rwkvx.io.load",
+    "save": "mlx_rwkvx.io.load",
+    "configure": "mlx_rwkvx._runtime",
+}
 
 
 def __getattr__(name: str):
-    # load/save import mlx: only when asked for, so that importing the package stays light
+    # these import mlx: only when asked for, so that importing the package stays light
     if name in _LAZY:
         import importlib
 

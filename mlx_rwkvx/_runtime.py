@@ -1,4 +1,6 @@
-"""Process-wide MLX settings that the CPU backend needs to run the ops at speed."""
+"""Process-wide MLX settings that the CPU backend needs to run the ops at speed:
+``mlx_rwkvx.configure()``, which the CLIs, the benchmarks and the tests call (importing an op
+changes nothing)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import mlx.core as mx
 
 # MLX's CPU allocator keeps only 32 MB of freed buffers by default. Larger arrays are then
 # fresh mmaps whose pages fault in on first touch: measured here, that doubled the time of the
-# chunked WKV7 path (T=4096, H=8: 298 -> 130 ms for its chunk maps).
+# chunked WKV7 path (BENCHMARKS.md, wkv7 section).
 _DEFAULT_CPU_CACHE = 32 << 20
 _done = False
 

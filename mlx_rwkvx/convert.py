@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+import mlx_rwkvx
 from mlx_rwkvx.io.formats import CheckpointError, write_blinkdl, write_hf, write_native
-from mlx_rwkvx.io.load import DTYPES, load, quantize_bits
+from mlx_rwkvx.io.load import DTYPES, load
 from mlx_rwkvx.io.tokenizers import tokenizer_files
 from mlx_rwkvx.models.config import RFA_SWITCHES, default_qwen_layers, rfa_config
 from mlx_rwkvx.models.model import Model
+from mlx_rwkvx.models.quantize import quantize_bits
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -43,7 +45,7 @@ def qwen2_to_rfa(model: Model, qwen_layers: list[int], head_size: int = 64, seed
         raise UsageError(f"--qwen-layers {bad} outside 0..{n - 1}")
     if cfg.n_q_heads * cfg.attn_head_dim != cfg.hidden_size:
         raise UsageError("--to-rfa needs n_q_heads * head_dim == hidden_size")
-    fields = {k: v for k, v in cfg.to_dict().items() if k not in ("block_types", "quantization")}
+    fields = {k: v for k, v in cfg.to_dict().items() if k != "block_types"}
     fields.update(
         RFA_SWITCHES,
         block_types=["qwen2" if i in qwen_layers else "rwkv7" for i in range(n)],
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         "--overwrite", action="store_true", help="replace an existing checkpoint at DST"
     )
     args = parser.parse_args(argv)
+    mlx_rwkvx.configure()
     layers = None
     if args.qwen_layers is not None:
         try:

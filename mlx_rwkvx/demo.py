@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 
+import mlx_rwkvx
 from mlx_rwkvx import info
 
 GRAD_TOL = 1e-5  # DESIGN.md, float32 ops: gradients within 1e-5 of the reference
@@ -22,7 +23,7 @@ DECODE_TOL = 1e-5  # a whole tiny model: decode and prefill agree within 1e-5
 
 def wkv7_smoke(T: int = 512, H: int = 4, N: int = 64) -> tuple[list[str], bool]:
     """Run ``wkv7`` and ``wkv7_ref`` on the same inputs; report agreement and times."""
-    from mlx_rwkvx.ops.wkv import wkv7, wkv7_ref
+    from mlx_rwkvx.ops.wkv7 import wkv7, wkv7_ref
 
     import mlx.core as mx
 
@@ -88,6 +89,7 @@ def model_smoke(tmp: str) -> tuple[list[str], bool]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_rwkvx.demo", description=__doc__)
     parser.parse_args(argv)
+    mlx_rwkvx.configure()
     print("\n".join(info.report(timing=True)))
     lines, ok_wkv = wkv7_smoke()
     print("\n".join(lines))

@@ -45,8 +45,9 @@ def report(timing: bool = True) -> list[str]:
 
 
 def selfcheck() -> list[str]:
-    """Run every kernel's on-device self-check (against the MLX ops path) and report it."""
-    from mlx_rwkvx.ops import moba, wkv
+    """Run every kernel's on-device self-check (against the MLX ops path) and report it:
+    ``mlx_rwkvx.ops.prepare()``, as the CLIs run it before compiling."""
+    from mlx_rwkvx.ops import prepare
     from mlx_rwkvx.ops.mlx_kernels import kernel_backend
 
     import mlx.core as mx
@@ -54,17 +55,12 @@ def selfcheck() -> list[str]:
     backend = kernel_backend()
     if backend is None:
         return [f"kernels    none on {mx.default_device()}: the ops run their MLX paths"]
-    lines = []
-    for dtype in (mx.float32, mx.bfloat16):
-        for size in (64, 128):
-            ok_wkv = wkv._kernel_passes_self_check(size, dtype)
-            ok_moba = moba._kernel_passes_self_check(size, dtype)
-            lines.append(
-                f"kernels    {backend}, {dtype}, size {size}: WKV7 "
-                f"{'ok' if ok_wkv else 'FAILED (chunked path used)'}, MoBA "
-                f"{'ok' if ok_moba else 'FAILED (blockwise path used)'}"
-            )
-    return lines
+    fallback = {"wkv7": "chunked", "moba": "blockwise"}
+    return [
+        f"kernels    {backend} {op} size {size} {dtype}: "
+        + ("ok" if ok else f"FAILED (the {fallback[op]} path is used)")
+        for op, size, dtype, ok in prepare(dtypes=(mx.float32, mx.bfloat16))
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         "--selfcheck", action="store_true", help="check each kernel against the ops on this device"
     )
     args = parser.parse_args(argv)
+    mlx_rwkvx.configure()
     lines = report(timing=not args.no_timing)
     if args.selfcheck:
         lines += selfcheck()

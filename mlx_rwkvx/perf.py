@@ -10,12 +10,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from mlx_rwkvx import _runtime  # (importing the package loads OpenBLAS before mlx.core)
+import mlx_rwkvx  # noqa: F401  (importing the package loads OpenBLAS before mlx.core)
 
 import mlx.core as mx
 import numpy as np
-
-_runtime.configure()
 
 
 def best_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:

@@ -1,12 +1,15 @@
-"""Benchmarks: each subcommand verifies its fast path against a reference, then times it.
+"""Benchmarks: each section verifies its fast path against a reference, then times it.
 
     python scripts/bench.py blas
-    python scripts/bench.py wkv7
-    python scripts/bench.py moba
-    python scripts/bench.py models
+    python scripts/bench.py wkv7 moba models    # several sections, one after another
 
 Results are appended to BENCHMARKS.md with the machine, the command, the times and every ratio,
-each set beside the physical limits measured in the same run.
+each set beside the physical limits measured in the same run. ``--quick`` runs a section at
+small sizes: a smoke test of the script, whose numbers say nothing about the code's speed.
+
+Each section is ``measure_<section>(quick)``, which verifies and then times and returns plain
+data (JSON-serialisable), and ``render_<section>(results)``, which turns that data into the
+markdown lines, goals and ratios included, without measuring anything.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlx_rwkvx  # noqa: F401  (loads OpenBLAS before mlx.core)
+import mlx_rwkvx  # first: it loads OpenBLAS before mlx.core
 from mlx_rwkvx import _blas
 from mlx_rwkvx.perf import best_time, machine_description, matmul_gflops, read_bandwidth_gbs
 
@@ -28,8 +31,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "BENCHMARKS.md"
-MATMUL_SIZES = (512, 1024, 2048)
-BLAS_ROUNDS = 3
+
+
+class VerificationFailed(RuntimeError):
+    """A fast path disagrees with its reference; nothing has been timed."""
 
 
 def rel_err(x, ref) -> float:
@@ -71,6 +76,31 @@ def write_section(title: str, command: str, lines: list[str]) -> None:
     print(text)
 
 
+def _sizes(table: dict, quick: bool) -> dict:
+    return table["quick" if quick else "full"]
+
+
+def _stream_size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:g} MiB"
+
+
+def _measure(run, repeats) -> dict:
+    """Best time in seconds and peak memory in bytes above what was allocated before."""
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    run()
+    peak = mx.get_peak_memory() - base
+    t = best_time(run, repeats=repeats, warmup=0)
+    return {"time": t, "peak": peak}
+
+
+BLAS = {
+    "full": dict(sizes=(512, 1024, 2048), rounds=3, stream_bytes=1 << 30),
+    "quick": dict(sizes=(64, 128, 256), rounds=2, stream_bytes=1 << 26),
+}
+
+
 def numpy_matmul_gflops(n: int) -> float:
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
@@ -110,37 +140,59 @@ def verify_matmul() -> float:
     b = rng.standard_normal((257, 129)).astype(np.float32)
     err = rel_err(mx.array(a) @ mx.array(b), a.astype(np.float64) @ b.astype(np.float64))
     if not err <= 1e-5:
-        raise SystemExit(f"verify failed: MLX fp32 matmul error {err:.2e} > 1e-5")
+        raise VerificationFailed(f"MLX fp32 matmul error {err:.2e} > 1e-5")
     return err
 
 
-def bench_blas(args) -> None:
+def measure_blas(quick: bool = False) -> dict:
+    """MLX matmul with OpenBLAS, with its Prescott kernels, with MLX's own BLAS, and NumPy's."""
+    cfg = _sizes(BLAS, quick)
+    sizes, rounds = cfg["sizes"], cfg["rounds"]
     err = verify_matmul()
-    ours = matmul_worker(MATMUL_SIZES)
-    numpy_rates = {str(n): numpy_matmul_gflops(n) for n in MATMUL_SIZES}
+    ours = matmul_worker(sizes)
+    numpy_rates = {str(n): numpy_matmul_gflops(n) for n in sizes}
     # More rounds, MLX and NumPy in turn, best of each: a burst of other load on the machine
     # then cannot fall on one side of the ratio only.
-    for _ in range(BLAS_ROUNDS - 1):
-        for n in map(str, MATMUL_SIZES):
+    for _ in range(rounds - 1):
+        for n in map(str, sizes):
             ours["gflops"][n] = max(ours["gflops"][n], matmul_gflops(int(n)))
             numpy_rates[n] = max(numpy_rates[n], numpy_matmul_gflops(int(n)))
-    bundled = matmul_in_subprocess(MATMUL_SIZES, MLX_RWKVX_BLAS="0")
+    bundled = matmul_in_subprocess(sizes, MLX_RWKVX_BLAS="0")
     # What a misdetected core costs: OpenBLAS's generic x86-64 kernels, as it falls back to on a
     # CPU it does not know (x86 only; other CPUs have no Prescott core).
     prescott = None
     if ours["core"] and _blas.cpu_flags():
         prescott = matmul_in_subprocess(
-            MATMUL_SIZES, OPENBLAS_CORETYPE="Prescott", MLX_RWKVX_BLAS_CORETYPE="0"
+            sizes, OPENBLAS_CORETYPE="Prescott", MLX_RWKVX_BLAS_CORETYPE="0"
         )
-    bw_all = read_bandwidth_gbs()
-    bw_one = read_bandwidth_gbs(threads=1)
+    nbytes = cfg["stream_bytes"]
+    return {
+        "verify_error": err,
+        "rounds": rounds,
+        "sizes": list(sizes),
+        "ours": ours,
+        "prescott": prescott,
+        "bundled": bundled,
+        "numpy_gflops": numpy_rates,
+        "numpy_blas": numpy_blas(),
+        "threads": os.cpu_count(),
+        "stream_bytes": nbytes,
+        "bandwidth_gbs": read_bandwidth_gbs(nbytes),
+        "bandwidth_one_thread_gbs": read_bandwidth_gbs(nbytes, threads=1),
+    }
+
+
+def render_blas(r: dict) -> list[str]:
+    """The BLAS section: which BLAS each path ran, the GFLOP/s table, goals, physical limits."""
+    ours, bundled, prescott, numpy_rates = r["ours"], r["bundled"], r["prescott"], r["numpy_gflops"]
     lines = [
-        f"Verified first: MLX fp32 matmul vs NumPy float64, relative error {err:.1e}.",
-        f"MLX and NumPy timed in turn: best of {BLAS_ROUNDS} rounds of best-of-3.",
+        "Verified first: MLX fp32 matmul vs NumPy float64, relative error "
+        f"{r['verify_error']:.1e}.",
+        f"MLX and NumPy timed in turn: best of {r['rounds']} rounds of best-of-3.",
         "",
         f"- with mlx_rwkvx: {ours['blas']}",
         f"- core type: {ours['core'] or 'n/a'} ({ours['core_note'] or 'no OpenBLAS loaded'})",
-        f"- NumPy's own: {numpy_blas()}",
+        f"- NumPy's own: {r['numpy_blas']}",
     ]
     if prescott:
         lines.append(f"- Prescott forced (`OPENBLAS_CORETYPE=Prescott`): {prescott['blas']}")
@@ -151,14 +203,14 @@ def bench_blas(args) -> None:
         "| MLX bundled BLAS | NumPy | OpenBLAS / bundled | MLX+OpenBLAS / NumPy |",
         "|---|---|---|---|---|---|---|",
     ]
-    for n in map(str, MATMUL_SIZES):
+    for n in map(str, r["sizes"]):
         o, b, p = ours["gflops"][n], bundled["gflops"][n], numpy_rates[n]
         forced = f"{prescott['gflops'][n]:.1f} GFLOP/s" if prescott else "n/a"
         lines.append(
             f"| {n} | {o:.1f} GFLOP/s | {forced} | {b:.1f} GFLOP/s | {p:.1f} GFLOP/s "
             f"| {o / b:.1f}x | {o / p:.2f}x |"
         )
-    big = str(MATMUL_SIZES[-1])
+    big = str(r["sizes"][-1])
     goals = [
         (
             f"MLX+OpenBLAS / bundled BLAS, fp32 n={big}",
@@ -171,24 +223,49 @@ def bench_blas(args) -> None:
     if prescott:
         cost = ours["gflops"][big] / prescott["gflops"][big]
         lines += ["", f"A misdetected (Prescott) core would be {cost:.1f}x slower at n={big}."]
-    lines += goal_lines(goals) + [
-        "",
-        "Physical limits for later benchmarks:",
-        f"- fp32 matmul: {ours['gflops'][big]:.1f} GFLOP/s (MLX + OpenBLAS, n={big})",
-        f"- memory read bandwidth: {bw_all:.1f} GB/s with {os.cpu_count()} threads "
-        f"({bw_one:.1f} GB/s with one), streaming 1 GiB of fp32",
-    ]
-    write_section("blas", "python scripts/bench.py blas", lines)
+    return (
+        lines
+        + goal_lines(goals)
+        + [
+            "",
+            "Physical limits for later benchmarks:",
+            f"- fp32 matmul: {ours['gflops'][big]:.1f} GFLOP/s (MLX + OpenBLAS, n={big})",
+            f"- memory read bandwidth: {r['bandwidth_gbs']:.1f} GB/s with {r['threads']} threads "
+            f"({r['bandwidth_one_thread_gbs']:.1f} GB/s with one), streaming "
+            f"{_stream_size(r['stream_bytes'])} of fp32",
+        ]
+    )
 
 
-WKV7_SHAPES = [(256, 8), (1024, 8), (2048, 8), (4096, 8), (1024, 24)]  # (T, H); B = 1, N = 64
+# (T, H) of the timed runs, B = 1, N = 64; the goals compare ``base`` with twice and four
+# times its length.
+WKV7 = {
+    "full": dict(
+        shapes=[(256, 8), (1024, 8), (2048, 8), (4096, 8), (1024, 24)],
+        verify=(300, 4),
+        base=(1024, 8),
+        matmul_n=2048,
+        bmm_batch=2048,
+    ),
+    "quick": dict(
+        shapes=[(32, 2), (64, 2), (128, 2), (256, 2), (64, 6)],
+        verify=(100, 2),
+        base=(64, 2),
+        matmul_n=256,
+        bmm_batch=128,
+    ),
+}
+WKV7_N = 64
+# Step loops longer than this many head-steps take seconds a run: they are timed once.
+SLOW_LOOP_HEAD_STEPS = 8 * 1024
 # MLX autograd through a step loop keeps one full [B, T, H, N] cotangent per step (the VJP of
-# each per-step slice): memory grows as (T H)^2, measured 3.3 GB at T H = 8192. Larger runs
-# would not fit in this machine's RAM and are reported as such.
+# each per-step slice): memory grows as (T H)^2. Larger runs did not fit in the RAM of the
+# machine these benchmarks were first run on; the table reports them as such, with their
+# memory extrapolated from the largest run that fitted.
 LOOP_GRAD_MAX_HEAD_STEPS = 16384
 
 
-def wkv7_inputs(T: int, H: int, N: int = 64, seed: int = 0) -> list:
+def wkv7_inputs(T: int, H: int, N: int = WKV7_N, seed: int = 0) -> list:
     """RWKV-7-like inputs: decays in (0.5, 0.999), a = -kk, b = kk * iclr."""
     rng = np.random.default_rng(seed)
     shape = (1, T, H, N)
@@ -220,9 +297,9 @@ def mlx_lm_wkv7(r, log_w, k, v, a, b, state):
 
 
 def chunked_flops(T: int, H: int, N: int) -> float:
-    """Matmul FLOPs of the chunked forward (ops/wkv.py), B = 1, counted from its shapes."""
-    from mlx_rwkvx.ops.wkv import CHUNK as L
-    from mlx_rwkvx.ops.wkv import SUB as S
+    """Matmul FLOPs of the chunked forward (ops/wkv7/chunk.py), B = 1, counted from its shapes."""
+    from mlx_rwkvx.ops.wkv7.chunk import CHUNK as L
+    from mlx_rwkvx.ops.wkv7.chunk import SUB as S
 
     nq = L // S
     per_chunk = (
@@ -241,6 +318,14 @@ def chunked_flops(T: int, H: int, N: int) -> float:
     return H * -(-T // L) * per_chunk
 
 
+def _bmm_gflops(batch: int = 2048) -> float:
+    """GFLOP/s of the batched 16 x 64 x 64 matmuls the chunked WKV7 path is made of."""
+    a = mx.random.normal((batch, 16, 64))
+    b = mx.random.normal((batch, 64, 64))
+    mx.eval(a, b)
+    return 2 * batch * 16 * 64 * 64 / best_time(lambda: mx.eval(a @ b)) / 1e9
+
+
 def _fwd(fn, args):
     return lambda: mx.eval(fn(*args))
 
@@ -254,22 +339,9 @@ def _fwd_bwd(fn, args):
     return lambda: mx.eval(grad(*args))
 
 
-def _measure(run, repeats):
-    """(best time, peak memory in bytes above what was allocated before)."""
-    mx.synchronize()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    run()
-    peak = mx.get_peak_memory() - base
-    t = best_time(run, repeats=repeats, warmup=0)
-    return t, peak
-
-
-def bench_wkv7(args) -> None:
-    from mlx_rwkvx.ops.wkv import wkv7, wkv7_ref
-
-    # verify first: the dispatcher's path against the step loop, outputs and gradients
-    xs = wkv7_inputs(300, 4)
+def _verify_wkv7(wkv7, wkv7_ref, T: int, H: int) -> dict:
+    """The dispatcher's path against the step loop (outputs and gradients), and mlx-lm's loop."""
+    xs = wkv7_inputs(T, H)
     y_ref, s_ref = wkv7_ref(*xs)
     y, s = wkv7(*xs)
     y_lm, s_lm = mlx_lm_wkv7(*xs)
@@ -282,17 +354,24 @@ def bench_wkv7(args) -> None:
     g = mx.grad(lambda *a: sum(o.sum() for o in wkv7(*a)), argnums=list(range(7)))(*xs)
     g_err = max(rel_err(x, r) for x, r in zip(g, g_ref, strict=True))
     if not (max(errs[:2]) <= 2e-6 and g_err <= 1e-5 and errs[2] <= 2e-6):
-        raise SystemExit(f"verify failed: wkv7 vs ref {errs}, gradients {g_err:.1e}")
+        raise VerificationFailed(f"wkv7 vs ref {errs}, gradients {g_err:.1e}")
+    return {"T": T, "H": H, "y": errs[0], "state": errs[1], "grad": g_err, "mlx_lm_y": errs[2]}
 
-    rate = matmul_gflops(2048)
-    small_rate = _bmm_gflops()
-    rows, results = [], {}
-    for T, H in WKV7_SHAPES:
+
+def measure_wkv7(quick: bool = False) -> dict:
+    """WKV7 forward and fwd+bwd: our dispatcher, mlx-lm's loop, autograd through ``wkv7_ref``."""
+    from mlx_rwkvx.ops.wkv7 import wkv7, wkv7_ref
+
+    cfg = _sizes(WKV7, quick)
+    verify = _verify_wkv7(wkv7, wkv7_ref, *cfg["verify"])
+    rate = matmul_gflops(cfg["matmul_n"])
+    bmm_rate = _bmm_gflops(cfg["bmm_batch"])
+    rows = []
+    for T, H in cfg["shapes"]:
         xs = wkv7_inputs(T, H)
-        slow = T * H > 8 * 1024  # step loops of more than ~8k head-steps: one timed run
-        reps = 1 if slow else 3
+        reps = 1 if T * H > SLOW_LOOP_HEAD_STEPS else 3
         fits = T * H <= LOOP_GRAD_MAX_HEAD_STEPS
-        res = {
+        runs = {
             "ours_fwd": _measure(_fwd(wkv7, xs), 3),
             "ours_fb": _measure(_fwd_bwd(wkv7, xs), 3),
             "lm_fwd": _measure(_fwd(mlx_lm_wkv7, xs), reps),
@@ -300,10 +379,36 @@ def bench_wkv7(args) -> None:
             "lm_fb": _measure(_fwd_bwd(mlx_lm_wkv7, xs), reps) if fits else None,
             "ref_fb": _measure(_fwd_bwd(wkv7_ref, xs), 1) if fits else None,
         }
-        results[(T, H)] = res
-        flops = chunked_flops(T, H, 64)
-        rows.append((T, H, res, flops / res["ours_fwd"][0] / 1e9))
-        print(f"T={T} H={H}: " + ", ".join(f"{k} {v[0] * 1e3:.1f} ms" for k, v in res.items() if v))
+        rows.append({"T": T, "H": H, "flops": chunked_flops(T, H, WKV7_N), "runs": runs})
+        print(
+            f"T={T} H={H}: "
+            + ", ".join(f"{k} {v['time'] * 1e3:.1f} ms" for k, v in runs.items() if v)
+        )
+    return {
+        "verify": verify,
+        "N": WKV7_N,
+        "slow_loop_head_steps": SLOW_LOOP_HEAD_STEPS,
+        "matmul_n": cfg["matmul_n"],
+        "matmul_gflops": rate,
+        "bmm_gflops": bmm_rate,
+        "base": list(cfg["base"]),
+        "rows": rows,
+    }
+
+
+def _loop_peak_estimate(rows: list, key: str, T: int, H: int) -> float | None:
+    """Peak bytes a step loop's autograd that was not run would need, from the largest run of
+    the same path that fitted: it grows as (T H)^2. None when no run fitted."""
+    done = [row for row in rows if row["runs"][key] is not None]
+    if not done:
+        return None
+    top = max(done, key=lambda row: row["T"] * row["H"])
+    return top["runs"][key]["peak"] * (T * H / (top["T"] * top["H"])) ** 2
+
+
+def render_wkv7(r: dict) -> list[str]:
+    """The WKV7 section: times, peak memory and the matmul rate reached, then the goals."""
+    rows, v, N = r["rows"], r["verify"], r["N"]
 
     def ms(x):
         return f"{x * 1e3:.1f} ms"
@@ -311,38 +416,43 @@ def bench_wkv7(args) -> None:
     def mib(x):
         return f"{x / 2**20:.0f} MiB"
 
-    def ratio(res, slow, fast, index=0, fmt=".0f"):
-        if res[slow] is None:
+    def ratio(runs, slow, fast, field="time", fmt=".0f"):
+        if runs[slow] is None:
             return "n/a"
-        return f"{res[slow][index] / res[fast][index]:{fmt}}x"
+        return f"{runs[slow][field] / runs[fast][field]:{fmt}}x"
 
-    def cell(res, key, index, show):
-        if res[key] is None:
-            return f"does not fit ({(T * H / 8192) ** 2 * 3.3:.0f} GB)"
-        return show(res[key][index])
+    def cell(row, key, field, show):
+        if row["runs"][key] is not None:
+            return show(row["runs"][key][field])
+        estimate = _loop_peak_estimate(rows, key, row["T"], row["H"])
+        return "does not fit" if estimate is None else f"does not fit ({estimate / 1e9:.0f} GB)"
 
     lines = [
-        f"Verified first (T=300, H=4): wkv7 vs wkv7_ref y {errs[0]:.1e}, state {errs[1]:.1e}, "
-        f"gradients <= {g_err:.1e}; mlx-lm's loop vs wkv7_ref y {errs[2]:.1e}.",
+        f"Verified first (T={v['T']}, H={v['H']}): wkv7 vs wkv7_ref y {v['y']:.1e}, state "
+        f"{v['state']:.1e}, gradients <= {v['grad']:.1e}; mlx-lm's loop vs wkv7_ref y "
+        f"{v['mlx_lm_y']:.1e}.",
         "",
-        "B=1, N=64, float32. `wkv7` = our dispatcher (the chunked path on this CPU); "
+        f"B=1, N={N}, float32. `wkv7` = our dispatcher (the chunked path on this CPU); "
         "`ref autograd` = MLX autograd through our step loop `wkv7_ref`; `mlx-lm` = "
         "`Rwkv7TimeMixing._wkv7`'s CPU loop of its compiled step (given exp(log_w), the exp "
         "not timed), differentiated by MLX autograd. Best of 3 after a warm-up, except runs "
-        "over ~8k head-steps of the two step loops: one run after the memory-measuring one.",
+        f"over ~{r['slow_loop_head_steps'] // 1024}k head-steps of the two step loops: one run "
+        "after the memory-measuring one.",
         "",
         "| T | H | wkv7 fwd | mlx-lm fwd | ref fwd | fwd speed-up vs mlx-lm | wkv7 fwd+bwd "
         "| mlx-lm fwd+bwd | ref autograd fwd+bwd | fwd+bwd speed-up vs ref autograd "
         "| vs mlx-lm |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for T, H, res, _ in rows:
+    for row in rows:
+        T, H, runs = row["T"], row["H"], row["runs"]
         lines.append(
-            f"| {T} | {H} | {ms(res['ours_fwd'][0])} | {ms(res['lm_fwd'][0])} "
-            f"| {ms(res['ref_fwd'][0])} | {res['lm_fwd'][0] / res['ours_fwd'][0]:.1f}x "
-            f"| {ms(res['ours_fb'][0])} | {cell(res, 'lm_fb', 0, ms)} "
-            f"| {cell(res, 'ref_fb', 0, ms)} | {ratio(res, 'ref_fb', 'ours_fb')} "
-            f"| {ratio(res, 'lm_fb', 'ours_fb')} |"
+            f"| {T} | {H} | {ms(runs['ours_fwd']['time'])} | {ms(runs['lm_fwd']['time'])} "
+            f"| {ms(runs['ref_fwd']['time'])} "
+            f"| {runs['lm_fwd']['time'] / runs['ours_fwd']['time']:.1f}x "
+            f"| {ms(runs['ours_fb']['time'])} | {cell(row, 'lm_fb', 'time', ms)} "
+            f"| {cell(row, 'ref_fb', 'time', ms)} | {ratio(runs, 'ref_fb', 'ours_fb')} "
+            f"| {ratio(runs, 'lm_fb', 'ours_fb')} |"
         )
     lines += [
         "",
@@ -351,51 +461,85 @@ def bench_wkv7(args) -> None:
         "| T | H | wkv7 | mlx-lm | ref autograd | ref autograd / wkv7 |",
         "|---|---|---|---|---|---|",
     ]
-    for T, H, res, _ in rows:
+    for row in rows:
+        runs = row["runs"]
         lines.append(
-            f"| {T} | {H} | {mib(res['ours_fb'][1])} | {cell(res, 'lm_fb', 1, mib)} "
-            f"| {cell(res, 'ref_fb', 1, mib)} | {ratio(res, 'ref_fb', 'ours_fb', 1, '.1f')} |"
+            f"| {row['T']} | {row['H']} | {mib(runs['ours_fb']['peak'])} "
+            f"| {cell(row, 'lm_fb', 'peak', mib)} | {cell(row, 'ref_fb', 'peak', mib)} "
+            f"| {ratio(runs, 'ref_fb', 'ours_fb', 'peak', '.1f')} |"
         )
+    n, rate, bmm_rate = r["matmul_n"], r["matmul_gflops"], r["bmm_gflops"]
     lines += [
         "",
-        f"Limits measured in this run: fp32 matmul {rate:.0f} GFLOP/s (2048^3), {small_rate:.0f} "
+        f"Limits measured in this run: fp32 matmul {rate:.0f} GFLOP/s ({n}^3), {bmm_rate:.0f} "
         "GFLOP/s for the batched 16 x 64 x 64 matmuls the chunked path is made of.",
         "",
-        "| T | H | chunked fwd matmul work | achieved | of 2048^3 rate | of batched rate |",
+        f"| T | H | chunked fwd matmul work | achieved | of {n}^3 rate | of batched rate |",
         "|---|---|---|---|---|---|",
     ]
-    for T, H, _res, gf in rows:
+    for row in rows:
+        gf = row["flops"] / row["runs"]["ours_fwd"]["time"] / 1e9
         lines.append(
-            f"| {T} | {H} | {chunked_flops(T, H, 64) / 1e9:.2f} GFLOP | {gf:.0f} GFLOP/s "
-            f"| {gf / rate:.0%} | {gf / small_rate:.0%} |"
+            f"| {row['T']} | {row['H']} | {row['flops'] / 1e9:.2f} GFLOP | {gf:.0f} GFLOP/s "
+            f"| {gf / rate:.0%} | {gf / bmm_rate:.0%} |"
         )
-    r1, r2, r4 = results[(1024, 8)], results[(2048, 8)], results[(4096, 8)]
+    T, H = r["base"]
+    by_shape = {(row["T"], row["H"]): row["runs"] for row in rows}
+    r1, r2, r4 = by_shape[(T, H)], by_shape[(2 * T, H)], by_shape[(4 * T, H)]
+    memory_goal = f"fwd+bwd peak memory ref / ours at T={2 * T}"
+    if r4["ref_fb"] is None:
+        memory_goal += f" (T={4 * T}: the step loop does not fit; its share only grows with T)"
     goals = [
-        ("fwd+bwd T=1024 H=8 vs ref autograd", r1["ref_fb"][0] / r1["ours_fb"][0], 100, True),
-        ("fwd T=4096 H=8 vs mlx-lm", r4["lm_fwd"][0] / r4["ours_fwd"][0], 20, True),
         (
-            "fwd+bwd peak memory ref / ours at T=2048 (T=4096: the step loop does not fit; "
-            "its share only grows with T)",
-            r2["ref_fb"][1] / r2["ours_fb"][1],
-            10,
+            f"fwd+bwd T={T} H={H} vs ref autograd",
+            r1["ref_fb"]["time"] / r1["ours_fb"]["time"],
+            100,
             True,
         ),
-        ("T=4096 / T=1024 fwd time", r4["ours_fwd"][0] / r1["ours_fwd"][0], 4.5, False),
-        ("T=4096 / T=1024 fwd+bwd time", r4["ours_fb"][0] / r1["ours_fb"][0], 4.5, False),
+        (f"fwd T={4 * T} H={H} vs mlx-lm", r4["lm_fwd"]["time"] / r4["ours_fwd"]["time"], 20, True),
+        (memory_goal, r2["ref_fb"]["peak"] / r2["ours_fb"]["peak"], 10, True),
+        (
+            f"T={4 * T} / T={T} fwd time",
+            r4["ours_fwd"]["time"] / r1["ours_fwd"]["time"],
+            4.5,
+            False,
+        ),
+        (
+            f"T={4 * T} / T={T} fwd+bwd time",
+            r4["ours_fb"]["time"] / r1["ours_fb"]["time"],
+            4.5,
+            False,
+        ),
     ]
-    write_section("wkv7", "python scripts/bench.py wkv7", lines + goal_lines(goals))
+    return lines + goal_lines(goals)
 
 
-MOBA_TS = (2048, 4096, 8192, 16384)
-MOBA = dict(H=8, D=64, chunk_size=256, top_k=3)
+# The goals compare MoBA with dense attention at the longest T dense ran at, and MoBA's time at
+# the longest T with a quarter of it. The verifying T has 8 chunks: top_k = 3 leaves chunks out,
+# so the sparse path runs.
+MOBA = {
+    "full": dict(
+        Ts=(2048, 4096, 8192, 16384),
+        H=8,
+        D=64,
+        chunk_size=256,
+        top_k=3,
+        verify_T=2048,
+        matmul_n=2048,
+    ),
+    "quick": dict(
+        Ts=(128, 256, 512, 1024), H=2, D=32, chunk_size=32, top_k=3, verify_T=256, matmul_n=256
+    ),
+}
 # Dense causal attention keeps [H, T, T] float32 scores (and more for its backward): at
-# T = 16384 that is 8.6 GB for the forward alone, beyond this machine with its backward.
+# T = 16384 that is 8.6 GB for the forward alone, which with its backward did not fit in the
+# RAM of the machine these benchmarks were first run on.
 DENSE_MAX_T = 8192
 
 
-def _attention_inputs(T: int, seed: int = 0) -> list:
+def _attention_inputs(T: int, H: int, D: int, seed: int = 0) -> list:
     rng = np.random.default_rng(seed)
-    arrays = [rng.standard_normal((1, T, MOBA["H"], MOBA["D"])) for _ in range(3)]
+    arrays = [rng.standard_normal((1, T, H, D)) for _ in range(3)]
     out = [mx.array(x.astype(np.float32)) for x in arrays]
     mx.eval(out)
     return out
@@ -408,17 +552,18 @@ def _dense_causal(q, k, v):
     return out.transpose(0, 2, 1, 3)
 
 
-def bench_moba(args) -> None:
+def measure_moba(quick: bool = False) -> dict:
+    """MoBA attention forward and fwd+bwd against dense causal SDPA: time and peak memory."""
     from mlx_rwkvx.ops.moba import moba_attention, moba_attention_ref
 
-    cs, top_k = MOBA["chunk_size"], MOBA["top_k"]
+    cfg = _sizes(MOBA, quick)
+    H, D, cs, top_k = cfg["H"], cfg["D"], cfg["chunk_size"], cfg["top_k"]
 
     def moba(q, k, v):
         return moba_attention(q, k, v, chunk_size=cs, top_k=top_k)
 
     # verify first: the sparse path against the dense masked reference, outputs and gradients
-    # (T=2048: 8 chunks, so top_k=3 leaves chunks out and the sparse path runs)
-    xs = _attention_inputs(2048, seed=1)
+    xs = _attention_inputs(cfg["verify_T"], H, D, seed=1)
     ref = moba_attention_ref(*xs, chunk_size=cs, top_k=top_k)
     err = rel_err(moba(*xs), ref)
 
@@ -434,7 +579,7 @@ def bench_moba(args) -> None:
         )
     )
     if not (err <= 2e-6 and g_err <= 1e-5):
-        raise SystemExit(f"verify failed: moba vs dense masked reference {err:.1e}, {g_err:.1e}")
+        raise VerificationFailed(f"moba vs dense masked reference {err:.1e}, {g_err:.1e}")
 
     def fwd(fn, xs):
         return lambda: mx.eval(fn(*xs))
@@ -443,26 +588,41 @@ def bench_moba(args) -> None:
         grad = mx.grad(lambda *a: fn(*a).sum(), argnums=(0, 1, 2))
         return lambda: mx.eval(grad(*xs))
 
-    rate = matmul_gflops(2048)
-    rows = {T: {} for T in MOBA_TS}
+    rate = matmul_gflops(cfg["matmul_n"])
+    runs = {T: {} for T in cfg["Ts"]}
     # every MoBA run first, then dense: dense's gigabytes of freed buffers (kept in MLX's cache)
     # would otherwise slow the long MoBA runs after them
     for name, fn, reps in (("moba", moba, 3), ("dense", _dense_causal, 1)):
-        for T in MOBA_TS:
+        for T in cfg["Ts"]:
             fits = name == "moba" or T <= DENSE_MAX_T
-            inputs = _attention_inputs(T)
-            rows[T][f"{name}_fwd"] = _measure(fwd(fn, inputs), reps) if fits else None
-            rows[T][f"{name}_fb"] = _measure(fwd_bwd(fn, inputs), reps) if fits else None
+            inputs = _attention_inputs(T, H, D)
+            runs[T][f"{name}_fwd"] = _measure(fwd(fn, inputs), reps) if fits else None
+            runs[T][f"{name}_fb"] = _measure(fwd_bwd(fn, inputs), reps) if fits else None
             del inputs
             mx.clear_cache()
-            done = {k: v for k, v in rows[T].items() if v and k.startswith(name)}
-            print(f"T={T}: " + ", ".join(f"{k} {v[0]:.2f} s" for k, v in done.items()))
+            done = {k: v for k, v in runs[T].items() if v and k.startswith(name)}
+            print(f"T={T}: " + ", ".join(f"{k} {v['time']:.2f} s" for k, v in done.items()))
+    return {
+        "verify": {"T": cfg["verify_T"], "output": err, "grad": g_err},
+        "H": H,
+        "D": D,
+        "chunk_size": cs,
+        "top_k": top_k,
+        "matmul_n": cfg["matmul_n"],
+        "matmul_gflops": rate,
+        "rows": [{"T": T, "runs": runs[T]} for T in cfg["Ts"]],
+    }
 
-    def cell(res, key, index, show):
-        return "does not fit" if res[key] is None else show(res[key][index])
 
-    def ratio(res, key, ours, index):
-        return "n/a" if res[key] is None else f"{res[key][index] / res[ours][index]:.1f}x"
+def render_moba(r: dict) -> list[str]:
+    """The MoBA section: times and peak memory against dense attention, rate reached, goals."""
+    H, D, cs, top_k, v = r["H"], r["D"], r["chunk_size"], r["top_k"], r["verify"]
+
+    def cell(runs, key, field, show):
+        return "does not fit" if runs[key] is None else show(runs[key][field])
+
+    def ratio(runs, key, ours, field):
+        return "n/a" if runs[key] is None else f"{runs[key][field] / runs[ours][field]:.1f}x"
 
     def sec(x):
         return f"{x:.2f} s"
@@ -470,10 +630,9 @@ def bench_moba(args) -> None:
     def mib(x):
         return f"{x / 2**20:.0f} MiB"
 
-    H, D = MOBA["H"], MOBA["D"]
     lines = [
-        f"Verified first (T=2048): moba_attention vs the dense masked reference: output {err:.1e}"
-        f", gradients <= {g_err:.1e}.",
+        f"Verified first (T={v['T']}): moba_attention vs the dense masked reference: output "
+        f"{v['output']:.1e}, gradients <= {v['grad']:.1e}.",
         "",
         f"B=1, {H} heads, D={D}, chunk_size {cs}, top_k {top_k}, float32. dense = "
         "`mx.fast.scaled_dot_product_attention` with a causal mask (one run: it takes seconds); "
@@ -484,46 +643,108 @@ def bench_moba(args) -> None:
         "speed-up | moba peak (fwd+bwd) | dense peak (fwd+bwd) | memory ratio |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for T, res in rows.items():
+    for row in r["rows"]:
+        runs = row["runs"]
         lines.append(
-            f"| {T} | {sec(res['moba_fwd'][0])} | {cell(res, 'dense_fwd', 0, sec)} "
-            f"| {ratio(res, 'dense_fwd', 'moba_fwd', 0)} | {sec(res['moba_fb'][0])} "
-            f"| {cell(res, 'dense_fb', 0, sec)} | {ratio(res, 'dense_fb', 'moba_fb', 0)} "
-            f"| {mib(res['moba_fb'][1])} | {cell(res, 'dense_fb', 1, mib)} "
-            f"| {ratio(res, 'dense_fb', 'moba_fb', 1)} |"
+            f"| {row['T']} | {sec(runs['moba_fwd']['time'])} "
+            f"| {cell(runs, 'dense_fwd', 'time', sec)} "
+            f"| {ratio(runs, 'dense_fwd', 'moba_fwd', 'time')} | {sec(runs['moba_fb']['time'])} "
+            f"| {cell(runs, 'dense_fb', 'time', sec)} "
+            f"| {ratio(runs, 'dense_fb', 'moba_fb', 'time')} | {mib(runs['moba_fb']['peak'])} "
+            f"| {cell(runs, 'dense_fb', 'peak', mib)} "
+            f"| {ratio(runs, 'dense_fb', 'moba_fb', 'peak')} |"
         )
+    n, rate = r["matmul_n"], r["matmul_gflops"]
     lines += [
         "",
-        f"Limit measured in this run: fp32 matmul {rate:.0f} GFLOP/s (2048^3).",
+        f"Limit measured in this run: fp32 matmul {rate:.0f} GFLOP/s ({n}^3).",
         "",
         "| T | moba fwd matmul work | achieved | of the matmul rate |",
         "|---|---|---|---|",
     ]
-    for T, res in rows.items():
+    for row in r["rows"]:
+        T = row["T"]
         flops = 2 * 2 * T * H * (top_k + 1) * cs * D  # scores and values, own chunk included
-        achieved = flops / res["moba_fwd"][0] / 1e9
+        achieved = flops / row["runs"]["moba_fwd"]["time"] / 1e9
         lines.append(
             f"| {T} | {flops / 1e9:.1f} GFLOP | {achieved:.0f} GFLOP/s | {achieved / rate:.0%} |"
         )
-    r8, r4, r16 = rows[8192], rows[4096], rows[16384]
+    by_T = {row["T"]: row["runs"] for row in r["rows"]}
+    dense_T = max(T for T, runs in by_T.items() if runs["dense_fb"] is not None)
+    long_T = max(by_T)
+    rd, rq, rl = by_T[dense_T], by_T[long_T // 4], by_T[long_T]
     goals = [
-        ("fwd+bwd T=8192 vs dense", r8["dense_fb"][0] / r8["moba_fb"][0], 3.0, True),
         (
-            "fwd+bwd peak memory T=8192, dense / moba",
-            r8["dense_fb"][1] / r8["moba_fb"][1],
+            f"fwd+bwd T={dense_T} vs dense",
+            rd["dense_fb"]["time"] / rd["moba_fb"]["time"],
+            3.0,
+            True,
+        ),
+        (
+            f"fwd+bwd peak memory T={dense_T}, dense / moba",
+            rd["dense_fb"]["peak"] / rd["moba_fb"]["peak"],
             4.0,
             True,
         ),
-        ("fwd time T=16384 / T=4096", r16["moba_fwd"][0] / r4["moba_fwd"][0], 5.0, False),
-        ("fwd+bwd time T=16384 / T=4096", r16["moba_fb"][0] / r4["moba_fb"][0], 5.0, False),
+        (
+            f"fwd time T={long_T} / T={long_T // 4}",
+            rl["moba_fwd"]["time"] / rq["moba_fwd"]["time"],
+            5.0,
+            False,
+        ),
+        (
+            f"fwd+bwd time T={long_T} / T={long_T // 4}",
+            rl["moba_fb"]["time"] / rq["moba_fb"]["time"],
+            5.0,
+            False,
+        ),
     ]
-    write_section("moba", "python scripts/bench.py moba", lines + goal_lines(goals))
+    return lines + goal_lines(goals)
+
+
+MODELS = {
+    "full": dict(prefill_T=1024, small_T=4096, matmul_n=2048, stream_bytes=1 << 30),
+    "quick": dict(prefill_T=64, small_T=256, matmul_n=256, stream_bytes=1 << 26),
+}
+# The 1.5B RFA INT8 model is to fit in 2.3 GB while it is built and loaded.
+RFA_INT8_PEAK_GOAL_GB = 2.3
+
+
+def _model_configs(quick: bool):
+    """The prefill/decode model (RWKV-7 0.1B's shape) and a recurrence-dominated small one."""
+    from mlx_rwkvx.models import ModelConfig, preset
+
+    if quick:
+        return (
+            ModelConfig(vocab_size=1024, hidden_size=128, block_types=["rwkv7"] * 2),
+            ModelConfig(vocab_size=512, hidden_size=64, block_types=["rwkv7"] * 2),
+        )
+    return (
+        preset("rwkv7-0.1b"),
+        ModelConfig(vocab_size=4096, hidden_size=256, block_types=["rwkv7"] * 4),
+    )
+
+
+def _rfa_config(quick: bool):
+    """The 1.5B RFA preset, or a tiny RFA config with the same block kinds."""
+    from mlx_rwkvx.models import preset, rfa_config
+    from mlx_rwkvx.models.config import default_qwen_layers, rfa_block_types
+
+    if not quick:
+        return preset("rfa-1.5b")
+    return rfa_config(
+        vocab_size=512,
+        hidden_size=128,
+        block_types=rfa_block_types(4, default_qwen_layers(4)),
+        intermediate_size=256,
+        n_q_heads=2,
+        n_kv_heads=1,
+        attn_head_dim=64,
+    )
 
 
 def _mlx_lm_twin(model, tmp: str):
     """mlx-lm's own model with the same weights (through our Hugging Face export)."""
-    from pathlib import Path
-
     from mlx_rwkvx.io.formats import write_hf
 
     from mlx.utils import tree_flatten
@@ -561,119 +782,155 @@ def _decode_rate(model, steps: int = 24) -> float:
     return steps / best_time(run, repeats=2, warmup=1)
 
 
-def bench_models(args) -> None:
+def _verified_twin(ours, tmp: str, T: int, seed: int):
+    """mlx-lm's twin of ``ours``, the tokens of a T-long prefill and the logits' relative error."""
+    theirs = _mlx_lm_twin(ours, tmp)
+    tokens = mx.array(np.random.default_rng(seed).integers(0, ours.config.vocab_size, (1, T)))
+    err = rel_err(ours(tokens), theirs(tokens))
+    if not err <= 1e-4:
+        raise VerificationFailed(f"logits vs mlx-lm {err:.1e}")
+    return theirs, tokens, err
+
+
+def _model_facts(cfg, T: int, err: float) -> dict:
+    return {
+        "layers": len(cfg.block_types),
+        "hidden": cfg.hidden_size,
+        "vocab": cfg.vocab_size,
+        "T": T,
+        "logits_error": err,
+    }
+
+
+def measure_models(quick: bool = False) -> dict:
+    """Prefill and decode against mlx-lm and the physical bounds; the RFA preset in INT8."""
     import tempfile
 
-    from mlx_rwkvx.io.load import build
-    from mlx_rwkvx.models import ModelConfig, preset
+    from mlx_rwkvx.models.build import build
 
-    rate = matmul_gflops(2048)
-    bandwidth = read_bandwidth_gbs()
-    lines = [
-        f"Limits measured in this run: fp32 matmul {rate:.0f} GFLOP/s (2048^3), memory read "
-        f"{bandwidth:.1f} GB/s.",
-        "",
-    ]
+    sizes = _sizes(MODELS, quick)
+    cfg, small_cfg = _model_configs(quick)
     with tempfile.TemporaryDirectory() as tmp:
-        # the RWKV-7 0.1B shape, random weights (the seeds' init), ours and mlx-lm's
-        cfg = preset("rwkv7-0.1b")
+        # random weights (the seeds' init), ours and mlx-lm's, both checked before any timing
         ours = build(cfg)
-        theirs = _mlx_lm_twin(ours, tmp + "/hf")
-        tokens = mx.array(np.random.default_rng(0).integers(0, 65536, (1, 1024)))
-        a, b = ours(tokens), theirs(tokens)
-        err = rel_err(a, b)
-        if not err <= 1e-4:
-            raise SystemExit(f"verify failed: logits vs mlx-lm {err:.1e}")
+        theirs, tokens, err = _verified_twin(ours, tmp + "/hf", sizes["prefill_T"], seed=0)
+        ours_s = build(small_cfg)
+        theirs_s, tokens_s, err_s = _verified_twin(ours_s, tmp + "/hf_small", sizes["small_T"], 1)
+        rate = matmul_gflops(sizes["matmul_n"])
+        bandwidth = read_bandwidth_gbs(sizes["stream_bytes"])
         t_ours = best_time(lambda: mx.eval(ours(tokens)), repeats=3)
         t_lm = best_time(lambda: mx.eval(theirs(tokens)), repeats=2)
-        n_lin = _linear_params(ours)
-        bound = 2 * 1024 * n_lin / (rate * 1e9)
-        lines += [
-            f"Verified first: logits of the 12-layer C=768 vocab-65536 model vs mlx-lm's, T=1024: "
-            f"relative error {err:.1e}.",
-            "",
-            "| prefill T=1024, 12 x C=768, vocab 65536 (all logits) | time | vs matmul bound |",
-            "|---|---|---|",
-            f"| matmul bound: 2 T x {n_lin / 1e6:.0f}M Linear+head params / {rate:.0f} GFLOP/s "
-            f"| {bound:.2f} s | 1.00 |",
-            f"| mlx_rwkvx | {t_ours:.2f} s | {t_ours / bound:.2f} |",
-            f"| mlx-lm | {t_lm:.2f} s | {t_lm / bound:.2f} |",
-            "",
-            f"mlx_rwkvx is {t_lm / t_ours:.1f}x faster than mlx-lm here.",
-            "",
-        ]
-        weight_bytes = n_lin * 4
-        decode_bound = bandwidth * 1e9 / weight_bytes
-        rates = {"fp32": _decode_rate(ours), "mlx-lm fp32": _decode_rate(theirs)}
+        decode = {"fp32": _decode_rate(ours), "mlx-lm fp32": _decode_rate(theirs)}
         bf16 = build(cfg)
         bf16.set_dtype(mx.bfloat16)
-        rates["bf16"] = _decode_rate(bf16)
+        decode["bf16"] = _decode_rate(bf16)
         del bf16
-        rates["int8"] = _decode_rate(build(cfg, quantize="int8"))
-        lines += [
-            f"Decode (one token, cache) of the same model; weight-read bound "
-            f"{weight_bytes / 1e6:.0f} MB fp32 / {bandwidth:.1f} GB/s = {decode_bound:.1f} tok/s.",
-            "",
-            "| decode | tok/s | of the fp32 bound |",
-            "|---|---|---|",
-        ]
-        for name, r in rates.items():
-            lines.append(f"| {name} | {r:.1f} | {r / decode_bound:.0%} |")
-        # recurrence-dominated: 4 layers, C=256, vocab 4096, T=4096
-        small = ModelConfig(vocab_size=4096, hidden_size=256, block_types=["rwkv7"] * 4)
-        ours_s = build(small)
-        theirs_s = _mlx_lm_twin(ours_s, tmp + "/hf_small")
-        tokens = mx.array(np.random.default_rng(1).integers(0, 4096, (1, 4096)))
-        err_s = rel_err(ours_s(tokens), theirs_s(tokens))
-        t_s = best_time(lambda: mx.eval(ours_s(tokens)), repeats=3)
-        t_s_lm = best_time(lambda: mx.eval(theirs_s(tokens)), repeats=1)
-        lines += [
-            "",
-            f"Prefill T=4096 of a 4-layer C=256 vocab-4096 model (logits vs mlx-lm {err_s:.1e}): "
-            f"mlx_rwkvx {t_s:.2f} s, mlx-lm {t_s_lm:.2f} s: {t_s_lm / t_s:.1f}x faster.",
-        ]
-    # the 1.5B RFA preset in INT8, in a fresh process so that nothing else is in memory
-    cmd = [sys.executable, __file__, "_rfa-int8-worker"]
+        decode["int8"] = _decode_rate(build(cfg, quantize="int8"))
+        t_s = best_time(lambda: mx.eval(ours_s(tokens_s)), repeats=3)
+        t_s_lm = best_time(lambda: mx.eval(theirs_s(tokens_s)), repeats=1)
+        n_lin = _linear_params(ours)
+    # the RFA model in INT8, in a fresh process so that nothing else is in memory
+    cmd = [sys.executable, __file__, "_rfa-int8-worker", *(["--quick"] if quick else [])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     rfa = json.loads(out.strip().splitlines()[-1])
-    peak_build, at_rest, peak_load, rest_load = (
-        rfa[k] for k in ("peak_build", "at_rest", "peak_load", "rest_load")
+    rfa["name"], rfa["label"] = (
+        ("tiny RFA config", "tiny RFA") if quick else ("1.5B RFA preset", "1.5B")
     )
-    n_params, rfa_rate = rfa["n_params"], rfa["decode"]
+    return {
+        "matmul_n": sizes["matmul_n"],
+        "matmul_gflops": rate,
+        "bandwidth_gbs": bandwidth,
+        "model": {**_model_facts(cfg, sizes["prefill_T"], err), "linear_params": n_lin},
+        "prefill_s": {"mlx_rwkvx": t_ours, "mlx-lm": t_lm},
+        "decode_tok_s": decode,
+        "small": {
+            **_model_facts(small_cfg, sizes["small_T"], err_s),
+            "prefill_s": {"mlx_rwkvx": t_s, "mlx-lm": t_s_lm},
+        },
+        "rfa": rfa,
+        "rfa_peak_goal_gb": RFA_INT8_PEAK_GOAL_GB,
+    }
+
+
+def render_models(r: dict) -> list[str]:
+    """The models section: prefill and decode against their bounds and mlx-lm, RFA in INT8."""
+    n, rate, bandwidth = r["matmul_n"], r["matmul_gflops"], r["bandwidth_gbs"]
+    m, small, rfa = r["model"], r["small"], r["rfa"]
+    t_ours, t_lm = r["prefill_s"]["mlx_rwkvx"], r["prefill_s"]["mlx-lm"]
+    T, n_lin = m["T"], m["linear_params"]
+    bound = 2 * T * n_lin / (rate * 1e9)
+    lines = [
+        f"Limits measured in this run: fp32 matmul {rate:.0f} GFLOP/s ({n}^3), memory read "
+        f"{bandwidth:.1f} GB/s.",
+        "",
+        f"Verified first: logits of the {m['layers']}-layer C={m['hidden']} vocab-{m['vocab']} "
+        f"model vs mlx-lm's, T={T}: relative error {m['logits_error']:.1e}.",
+        "",
+        f"| prefill T={T}, {m['layers']} x C={m['hidden']}, vocab {m['vocab']} (all logits) "
+        "| time | vs matmul bound |",
+        "|---|---|---|",
+        f"| matmul bound: 2 T x {n_lin / 1e6:.0f}M Linear+head params / {rate:.0f} GFLOP/s "
+        f"| {bound:.2f} s | 1.00 |",
+        f"| mlx_rwkvx | {t_ours:.2f} s | {t_ours / bound:.2f} |",
+        f"| mlx-lm | {t_lm:.2f} s | {t_lm / bound:.2f} |",
+        "",
+        f"mlx_rwkvx is {t_lm / t_ours:.1f}x faster than mlx-lm here.",
+        "",
+    ]
+    weight_bytes = n_lin * 4
+    decode_bound = bandwidth * 1e9 / weight_bytes
+    lines += [
+        f"Decode (one token, cache) of the same model; weight-read bound "
+        f"{weight_bytes / 1e6:.0f} MB fp32 / {bandwidth:.1f} GB/s = {decode_bound:.1f} tok/s.",
+        "",
+        "| decode | tok/s | of the fp32 bound |",
+        "|---|---|---|",
+    ]
+    for name, rate_tok in r["decode_tok_s"].items():
+        lines.append(f"| {name} | {rate_tok:.1f} | {rate_tok / decode_bound:.0%} |")
+    t_s, t_s_lm = small["prefill_s"]["mlx_rwkvx"], small["prefill_s"]["mlx-lm"]
+    goal_gb = r["rfa_peak_goal_gb"]
     lines += [
         "",
-        "The 1.5B RFA preset (random weights) in INT8:",
+        f"Prefill T={small['T']} of a {small['layers']}-layer C={small['hidden']} "
+        f"vocab-{small['vocab']} model (logits vs mlx-lm {small['logits_error']:.1e}): "
+        f"mlx_rwkvx {t_s:.2f} s, mlx-lm {t_s_lm:.2f} s: {t_s_lm / t_s:.1f}x faster.",
         "",
-        f"- {n_params / 1e9:.2f}B parameters (projections, head and embedding in INT8 with "
-        "group-64 scales and biases; norms and low-rank matrices float32)",
-        f"- build: peak {peak_build / 1e9:.2f} GB, at rest {at_rest / 1e9:.2f} GB (goal <= 2.3 GB)",
-        f"- load of the saved INT8 checkpoint: peak {peak_load / 1e9:.2f} GB, at rest "
-        f"{rest_load / 1e9:.2f} GB",
-        f"- decode {rfa_rate:.2f} tok/s (MLX's CPU quantized matmul; see the INT8 row above)",
+        f"The {rfa['name']} (random weights) in INT8:",
+        "",
+        f"- {rfa['n_params'] / 1e9:.2f}B parameters (projections, head and embedding in INT8 "
+        "with group-64 scales and biases; norms and low-rank matrices float32)",
+        f"- build: peak {rfa['peak_build'] / 1e9:.2f} GB, at rest {rfa['at_rest'] / 1e9:.2f} GB "
+        f"(goal <= {goal_gb:g} GB)",
+        f"- load of the saved INT8 checkpoint: peak {rfa['peak_load'] / 1e9:.2f} GB, at rest "
+        f"{rfa['rest_load'] / 1e9:.2f} GB",
+        f"- decode {rfa['decode']:.2f} tok/s (MLX's CPU quantized matmul; see the INT8 row above)",
     ]
     goals = [
-        ("prefill T=1024 / matmul bound", t_ours / bound, 1.3, False),
-        ("prefill T=4096 small model vs mlx-lm", t_s_lm / t_s, 10.0, True),
-        ("fp32 decode / weight-read bound", rates["fp32"] / decode_bound, 0.85, True),
-        ("1.5B INT8 peak while building, GB", peak_build / 1e9, 2.3, False),
-        ("1.5B INT8 peak while loading, GB", peak_load / 1e9, 2.3, False),
+        (f"prefill T={T} / matmul bound", t_ours / bound, 1.3, False),
+        (f"prefill T={small['T']} small model vs mlx-lm", t_s_lm / t_s, 10.0, True),
+        ("fp32 decode / weight-read bound", r["decode_tok_s"]["fp32"] / decode_bound, 0.85, True),
+        (f"{rfa['label']} INT8 peak while building, GB", rfa["peak_build"] / 1e9, goal_gb, False),
+        (f"{rfa['label']} INT8 peak while loading, GB", rfa["peak_load"] / 1e9, goal_gb, False),
     ]
-    write_section("models", "python scripts/bench.py models", lines + goal_lines(goals))
+    return lines + goal_lines(goals)
 
 
-def rfa_int8_worker() -> dict:
-    """Build the 1.5B RFA preset in INT8, save it, load it back: memory and decode rate."""
+def rfa_int8_worker(quick: bool = False) -> dict:
+    """Build the RFA model in INT8, save it, load it back: memory and decode rate."""
     import tempfile
 
-    from mlx_rwkvx.io.load import build, load_model, save
-    from mlx_rwkvx.models import Model, preset
+    from mlx_rwkvx.io.load import load_model, save
+    from mlx_rwkvx.models import Model
+    from mlx_rwkvx.models.build import build
 
     from mlx.utils import tree_flatten
 
+    cfg = _rfa_config(quick)
     mx.reset_peak_memory()
-    big = build(preset("rfa-1.5b"), quantize="int8")
+    big = build(cfg, quantize="int8")
     result = {"peak_build": mx.get_peak_memory(), "at_rest": mx.get_active_memory()}
-    lazy = Model(preset("rfa-1.5b"), init=None)  # shapes only: nothing is computed
+    lazy = Model(cfg, init=None)  # shapes only: nothing is computed
     result["n_params"] = sum(v.size for _, v in tree_flatten(lazy.parameters()))
     result["decode"] = _decode_rate(big, steps=8)
     with tempfile.TemporaryDirectory() as tmp:
@@ -687,35 +944,62 @@ def rfa_int8_worker() -> dict:
     return result
 
 
-def _bmm_gflops() -> float:
-    a = mx.random.normal((2048, 16, 64))
-    b = mx.random.normal((2048, 64, 64))
-    mx.eval(a, b)
-    return 2 * 2048 * 16 * 64 * 64 / best_time(lambda: mx.eval(a @ b)) / 1e9
+SECTIONS = {
+    "blas": (
+        measure_blas,
+        render_blas,
+        "MLX matmul with OpenBLAS (its core and Prescott), without, NumPy, bandwidth",
+    ),
+    "wkv7": (measure_wkv7, render_wkv7, "WKV7 forward and fwd+bwd vs the step loop and mlx-lm"),
+    "moba": (measure_moba, render_moba, "MoBA attention vs dense causal SDPA, time and memory"),
+    "models": (
+        measure_models,
+        render_models,
+        "prefill and decode vs mlx-lm and the physical bounds",
+    ),
+}
+
+
+def run_section(name: str, quick: bool = False) -> dict:
+    """Measure one section, render it, append it to BENCHMARKS.md; returns the measurements."""
+    measure, render, _ = SECTIONS[name]
+    results = measure(quick=quick)
+    command = f"python scripts/bench.py {name}" + (" --quick" if quick else "")
+    write_section(name, command, render(results))
+    return results
 
 
 def main(argv=None) -> None:
     if argv is None:
         argv = sys.argv[1:]
+    mlx_rwkvx.configure()  # MLX's CPU buffer cache, as the CLIs set it
     if argv and argv[0] == "_matmul-worker":
         print(json.dumps(matmul_worker([int(n) for n in argv[1:]])))
         return
     if argv and argv[0] == "_rfa-int8-worker":
-        print(json.dumps(rfa_int8_worker()))
+        print(json.dumps(rfa_int8_worker(quick="--quick" in argv[1:])))
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    sub = parser.add_subparsers(dest="bench", required=True)
-    sub.add_parser(
-        "blas", help="MLX matmul with OpenBLAS (its core and Prescott), without, NumPy, bandwidth"
+    parser.add_argument(
+        "sections",
+        nargs="+",
+        choices=list(SECTIONS),
+        metavar="SECTION",
+        help="\n".join(f"{name}: {help_text}" for name, (_, _, help_text) in SECTIONS.items()),
     )
-    sub.add_parser("wkv7", help="WKV7 forward and fwd+bwd vs the step loop and mlx-lm")
-    sub.add_parser("moba", help="MoBA attention vs dense causal SDPA, time and memory")
-    sub.add_parser("models", help="prefill and decode vs mlx-lm and the physical bounds")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes: a smoke test of the sections; its numbers mean nothing",
+    )
     args = parser.parse_args(argv)
-    benches = {"blas": bench_blas, "wkv7": bench_wkv7, "moba": bench_moba, "models": bench_models}
-    benches[args.bench](args)
+    try:
+        for name in args.sections:
+            run_section(name, quick=args.quick)
+    except VerificationFailed as e:
+        raise SystemExit(f"verify failed: {e}") from None
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlx_rwkvx.ops import kernels
+from mlx_rwkvx.metal import sources
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from kernel_harness import cpu
+from kernel_harness import sources as kernel_sources
 
 # MLX's Metal signature writer (mlx/fast.cpp, write_signature): an input of fewer elements than
 # this goes in the `constant` address space, and the thread-position attributes it declares
@@ -61,10 +62,10 @@ using float16_t = _Float16;
 """
 
 
-def metal_text(e: kernels.Entry, dtype: str, n: int, small: tuple[str, ...] = ()) -> str:
+def metal_text(e: sources.Entry, dtype: str, n: int, small: tuple[str, ...] = ()) -> str:
     """What ``mx.fast.metal_kernel`` compiles for ``e`` at ``InT = dtype``, ``N = n``, with the
     inputs named in ``small`` under MAX_CONSTANT_ARRAY_SIZE elements (so in ``constant``)."""
-    header, source = kernels.mlx_parts("metal", e)
+    header, source = sources.mlx_parts("metal", e)
     name = f"custom_kernel_{e.kernel}_{MLX_METAL_TYPES[dtype]}_{n}"
     params = []
     for i, (pname, ptype) in enumerate(e.inputs):
@@ -85,10 +86,10 @@ def metal_text(e: kernels.Entry, dtype: str, n: int, small: tuple[str, ...] = ()
     )
 
 
-def cuda_text(e: kernels.Entry, dtype: str, n: int) -> str:
+def cuda_text(e: sources.Entry, dtype: str, n: int) -> str:
     """What ``mx.fast.cuda_kernel`` compiles (mlx/backend/cuda/custom_kernel.cpp, build_kernel),
     with its default header's MLX include left out."""
-    header, source = kernels.mlx_parts("cuda", e)
+    header, source = sources.mlx_parts("cuda", e)
     types = MLX_CUDA_TYPES | {"int32": "int32_t"}
     params = [f"    const {types[e.dtype_of(t, dtype)]}* {p}" for p, t in e.inputs]
     params += [f"    {types[e.dtype_of(t, dtype)]}* {p}" for p, t in e.outputs]
@@ -114,7 +115,7 @@ def fake_kernel_maker(backend: str, entries, launch, calls: list):
     def make(*, name, input_names, output_names, source, header):
         entry = next(e for e in entries if e.kernel == name)
         assert input_names == entry.input_names and output_names == entry.output_names
-        assert (header, source) == kernels.mlx_parts(backend, entry)
+        assert (header, source) == sources.mlx_parts(backend, entry)
         return _FakeKernel(entry, launch, calls)
 
     return make
@@ -153,7 +154,7 @@ class _FakeKernel:
             x = x.view(mx.uint16) if x.dtype in (mx.bfloat16, mx.float16) else x
             arrays.append(np.ascontiguousarray(np.array(x)))
         outs = [_garbage(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
-        self.launch(kernels.instance_name(e, dtype, n), grid[0] // n, n, arrays + outs)
+        self.launch(kernel_sources.instance_name(e, dtype, n), grid[0] // n, n, arrays + outs)
         return [
             mx.array(o).view(d) if d in (mx.bfloat16, mx.float16) else mx.array(o)
             for o, d in zip(outs, output_dtypes, strict=True)
@@ -168,8 +169,8 @@ def check_metal_assembly(tmp_path: Path, stem: str, entries, instances, small, e
     as there), followed by ``extra``, syntax-checked as C++ over METAL_STUB. Skips the
     syntax check without a C++ compiler."""
     for e in entries:
-        header, source = kernels.mlx_parts("metal", e)
-        assert kernels.prelude("metal") in header and kernels.kernel_source(e.body) in header
+        header, source = sources.mlx_parts("metal", e)
+        assert sources.prelude("metal") in header and sources.kernel_source(e.body) in header
         for attr in ("thread_position_in_threadgroup", "threadgroup_position_in_grid"):
             assert attr in source, attr
         for pname in e.input_names:
@@ -195,7 +196,7 @@ def check_cuda_compiles(tmp_path: Path, stem: str, entries, instances, as_mlx) -
     if nvcc is None:
         pytest.skip("nvcc is not installed: the CUDA flavour is not compiled here")
     standalone = tmp_path / f"{stem}_standalone.cu"
-    standalone.write_text(kernels.standalone_source("cuda", entries, instances))
+    standalone.write_text(kernel_sources.standalone_source("cuda", entries, instances))
     mlx_text = tmp_path / f"{stem}_as_mlx.cu"
     mlx_text.write_text("".join(cuda_text(e, d, n) for e in entries for d, n in as_mlx))
     jobs = [

@@ -24,7 +24,7 @@ from mlx_rwkvx import convert as convert_cli
 from mlx_rwkvx.io.formats import CheckpointError, to_blinkdl, write_hf
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, HFTokenizer, WorldTokenizer, load_tokenizer
 from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config, rwkv_x_block_types
-from mlx_rwkvx.ops import MobaKVCache, moba_attention, wkv7
+from mlx_rwkvx.ops import empty_kv, moba_attention, moba_decode, wkv7
 
 import mlx.core as mx
 import numpy as np
@@ -285,10 +285,13 @@ def used_cache(model, batch):
 
 
 def other_chunk_cache():
-    cache = RWKV_X.make_cache()
-    from mlx_rwkvx.models.attention import MobaBlockCache
-
-    return [MobaBlockCache(3) if isinstance(c, MobaBlockCache) else c for c in cache]
+    """The cache of an RWKV-X model with chunks of 3 (this one has 8), after 10 tokens."""
+    cfg = preset("rwkv-x-tiny")
+    cfg.moba_chunk_size = 3
+    other = Model(cfg)
+    cache = other.make_cache()
+    other(mx.zeros((1, 10), dtype=mx.int32), cache)
+    return cache
 
 
 # ----- the table ------------------------------------------------------------------------------
@@ -1055,7 +1058,16 @@ def _cases():
     add("ops", "moba int inputs", None, lambda t: moba(kind="q_int"), V, "q has dtype")
     add("ops", "moba q 3-D", None, lambda t: moba(q=(8, 4, 8)), V, r"q must be \[B, T, Hq, D\]")
     add("ops", "moba zero queries", None, lambda t: moba(q=(1, 0, 4, 8)), V, "none of them 0")
-    add("ops", "MobaKVCache chunk 0", None, lambda t: MobaKVCache(0), V, "chunk_size must be")
+    add(
+        "ops",
+        "moba_decode of two tokens",
+        None,
+        lambda t: moba_decode(
+            mx.zeros((1, 2, 2, 8)), *empty_kv(1, 2, 8, mx.float32), chunk_size=4, top_k=1
+        ),
+        V,
+        r"q must be \[B, 1, Hq, D\] matching a non-empty cache",
+    )
 
     # the model call
     tokens = mx.array([[1, 2, 3]])
@@ -1108,9 +1120,9 @@ def _cases():
         "model",
         "cache of another kind",
         None,
-        lambda t: call_with_cache(RFA, TINY.make_cache()),
+        lambda t: call_with_cache(RFA, used_cache(TINY, 1)),
         V,
-        r"cache\[1\] \(qwen2 block\): expected a KVCache, got ArraysCache",
+        r"state of layer 0 \(rwkv7 block\): expected a state with \['tmix_shift', 'wkv'\], got",
     )
     add(
         "model",
@@ -1118,7 +1130,7 @@ def _cases():
         None,
         lambda t: call_with_cache(TINY, used_cache(TINY, 2)),
         V,
-        r"cache\[0\] \(rwkv7 block\): holds an array of shape \(2, 1, 32\)",
+        r"state of layer 0 \(rwkv7 block\): tmix_shift has shape \(2, 1, 32\) where \(1, 1, 32\)",
     )
     add(
         "model",
@@ -1126,7 +1138,7 @@ def _cases():
         None,
         lambda t: call_with_cache(RFA, [RFA.make_cache()[0], used_cache(RFA, 2)[1]]),
         V,
-        "keys for batch 2, 2 heads of 8; expected batch 1",
+        r"state of layer 1 \(qwen2 block\): keys has shape \(2, 2, 3, 8\) where \(1, 2, 3, 8\)",
     )
     add(
         "model",
@@ -1134,7 +1146,8 @@ def _cases():
         None,
         lambda t: call_with_cache(RWKV_X, other_chunk_cache()),
         V,
-        "chunk size 3, expected 8",
+        r"state of layer 2 \(moba block\): key_sums has shape \(1, 4, 4, 16\) where "
+        r"\(1, 4, 2, 16\)",
     )
     add(
         "model",
@@ -1187,8 +1200,8 @@ def _cases():
         (dict(use_gate="yes"), "use_gate must be true or false"),
         (dict(tie_embeddings=None), "tie_embeddings must be true or false"),
         (dict(rwkv_norm="batch"), "rwkv_norm must be one of"),
-        (dict(quantization={"bits": 1, "group_size": 64}), "quantization must be null"),
-        (dict(quantization=True), "quantization must be null"),
+        (dict(n_q_heads=0), "n_q_heads must be an int >= 1"),
+        (dict(attn_head_dim=-8), "attn_head_dim must be an int >= 1"),
     ):
         args = dict(vocab_size=256, hidden_size=64, head_size=16) | kw
         add("config", f"ModelConfig({kw})", None, lambda t, a=args: ModelConfig(**a), V, match)

@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from oracle.common import rel_err
 
 DATA = Path(__file__).parent / "data"
 sys.path.insert(0, str(DATA))
@@ -214,7 +215,7 @@ def test_int8_load_and_round_trip(tmp_path):
     assert err <= 2e-2
     mlx_rwkvx.save(q, str(tmp_path / "q8"))
     q2, _ = mlx_rwkvx.load(str(tmp_path / "q8"))
-    assert same_model(q2, q) and q2.config.quantization == {"group_size": 64, "bits": 8}
+    assert same_model(q2, q) and q2.quantization == {"group_size": 64, "bits": 8}
 
 
 def test_model_quantize_in_place():
@@ -315,13 +316,19 @@ def test_qwen2_to_rfa_rejects_other_models():
 def test_loaded_bf16_stays_bf16():
     model, _ = mlx_rwkvx.load(str(DATA / "tiny_rwkv7_bf16.pth"))
     assert params(model)["embed.weight"].dtype == mx.bfloat16
-    assert np.isfinite(np.array(model(TOKENS).astype(mx.float32))).all()
+    logits = model(TOKENS)
+    assert logits.dtype == mx.bfloat16
+    # the bf16 weights' model against the float32 original: the whole-model bf16 bound of the
+    # model tests (DESIGN.md's 2e-2 for ops; a whole model compounds it: 3e-2)
+    ref = np.array(Model(ModelConfig(**FIXTURE_CONFIG), seed=FIXTURE_SEED)(TOKENS))
+    assert rel_err(np.array(logits.astype(mx.float32)), ref) <= 3e-2
 
 
 def test_quantize_by_row_blocks_equals_whole(tmp_path, monkeypatch):
     # big tensors are read from disk and quantized a block of rows at a time: same result
     from mlx_rwkvx.io import load as load_module
     from mlx_rwkvx.models import init as init_module
+    from mlx_rwkvx.models.build import build
 
     cfg = ModelConfig(vocab_size=512, hidden_size=128, head_size=32, block_types=["rwkv7"] * 2)
     mlx_rwkvx.save(Model(cfg, seed=9), str(tmp_path / "fp"))
@@ -330,7 +337,7 @@ def test_quantize_by_row_blocks_equals_whole(tmp_path, monkeypatch):
     blocks = load_module.load_model(str(tmp_path / "fp"), quantize="int8")
     assert same_model(blocks, whole)
     monkeypatch.setattr(init_module, "ROW_BLOCK_BYTES", 100 * 128 * 4)  # the init by blocks too
-    built = load_module.build(cfg, quantize="int8", seed=9)
+    built = build(cfg, quantize="int8", seed=9)
     assert same_model(built, Model(cfg, seed=9).quantize(bits=8))
 
 

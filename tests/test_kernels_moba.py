@@ -4,9 +4,11 @@ assemble them, and the MLX wrapper (moba_kernel_fn and its VJP) driven through t
 
 import re
 
-from mlx_rwkvx.ops import kernels, mlx_kernels
+from mlx_rwkvx.metal import sources
+from mlx_rwkvx.ops import mlx_kernels
 from mlx_rwkvx.ops import moba as M
-from mlx_rwkvx.ops import moba_kernel as MK
+from mlx_rwkvx.ops.moba import blockwise, selection
+from mlx_rwkvx.ops.moba import kernel as MK
 
 import mlx.core as mx
 import numpy as np
@@ -103,7 +105,7 @@ DIMS = ("T", "Tk", "Hq", "Hkv", "S", "cs")  # the dims input, as the wrapper and
 
 
 def test_entries_pass_each_argument_to_the_parameter_of_its_name():
-    body = kernels.kernel_source("moba.h")
+    body = sources.kernel_source("moba.h")
     renamed = {"scale[0]": "scale", "moba_smem": "smem", "moba_ismem": "ismem"}
     renamed |= {f"dims[{i}]": name for i, name in enumerate(DIMS)}
     for e in harness.ENTRIES:
@@ -161,17 +163,17 @@ def test_shape_checks_name_the_argument():
     x = harness.random_inputs(np.random.default_rng(0), 1, 9, 2, 1, 16, 4, 1)
     q, k, v = (_mx(x[n], "float32") for n in ("q", "k", "v"))
     chunk, limit = mx.array(x["chunk"]), mx.array(x["limit"])
-    MK._check(q, k, v, chunk, limit)
+    MK.check_slots(q, k, v, chunk, limit)
     with pytest.raises(ValueError, match="q must be"):
-        MK._check(q[..., :8], k[..., :8], v[..., :8], chunk, limit)
+        MK.check_slots(q[..., :8], k[..., :8], v[..., :8], chunk, limit)
     with pytest.raises(ValueError, match="k has shape"):
-        MK._check(q, k[:, :5], v, chunk, limit)
+        MK.check_slots(q, k[:, :5], v, chunk, limit)
     with pytest.raises(ValueError, match="v has dtype"):
-        MK._check(q, k, v.astype(mx.float16), chunk, limit)
+        MK.check_slots(q, k, v.astype(mx.float16), chunk, limit)
     with pytest.raises(ValueError, match="limit has shape"):
-        MK._check(q, k, v, chunk, limit[..., :1])
+        MK.check_slots(q, k, v, chunk, limit[..., :1])
     with pytest.raises(ValueError, match="chunk has shape"):
-        MK._check(q, k, v, chunk.astype(mx.int64), limit)
+        MK.check_slots(q, k, v, chunk.astype(mx.int64), limit)
 
 
 def test_pair_index_agrees_with_numpy():
@@ -230,7 +232,7 @@ def test_mlx_wrapper_and_vjp_through_cpu_flavour(launch, monkeypatch, backend, d
     x = harness.rounded(x, dtype)
     q, k = _mx(x["q"], dtype), _mx(x["k"], dtype)
     sel = M.moba_selection(q, k, chunk_size=cs, top_k=top_k)
-    chunk, limit = M._slots(q, k, sel, cs)
+    chunk, limit = selection.slots(q, k, sel, cs)
     x["chunk"], x["limit"] = np.array(chunk), np.array(limit)
     mask = harness.mask_np(x["chunk"], x["limit"], cs, T + prefix)
     assert np.array_equal(mask, np.array(M.selection_mask(sel, T, T + prefix, cs)))
@@ -246,7 +248,7 @@ def test_mlx_wrapper_and_vjp_through_cpu_flavour(launch, monkeypatch, backend, d
         assert rel_err(_as_np(g), ref[name]) <= tol["grad"], name
     # and it is a drop-in for the blockwise path's custom function
     v = _mx(x["v"], dtype)
-    out_b, lse_b = M._sparse_fn(cs, float(scale))(q, k, v, chunk, limit)
+    out_b, lse_b = blockwise.sparse_fn(cs, float(scale))(q, k, v, chunk, limit)
     assert rel_err(_as_np(out), _as_np(out_b)) <= tol["out"]
     assert rel_err(np.array(lse), np.array(lse_b)) <= tol["out"]
 

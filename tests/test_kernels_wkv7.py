@@ -4,8 +4,9 @@ the MLX wrapper (wkv7_kernel and its VJP) driven through the CPU flavour."""
 
 import re
 
-from mlx_rwkvx.ops import kernels, mlx_kernels
-from mlx_rwkvx.ops import wkv7_kernel as WK
+from mlx_rwkvx.metal import sources
+from mlx_rwkvx.ops import mlx_kernels
+from mlx_rwkvx.ops.wkv7 import kernel as WK
 
 import mlx.core as mx
 import numpy as np
@@ -92,7 +93,7 @@ def test_segment_length_agrees():
 
 
 def test_entries_declare_what_their_bodies_take():
-    fwd, bwd = (kernels.entry(name) for name in ("wkv7_fwd.h", "wkv7_bwd.h"))
+    fwd, bwd = (sources.entry(name) for name in ("wkv7_fwd.h", "wkv7_bwd.h"))
     assert fwd.input_names == [*WKV7_INPUTS, "state", "dims"]
     assert fwd.output_names == ["y", "state_out", "ckpt", "sa"]
     assert bwd.input_names == [*WKV7_INPUTS, "dy", "dstate", "ckpt", "sa", "dims"]

@@ -8,13 +8,11 @@ Blocks come from ``Model(cfg)`` (the seeded init). DESIGN.md: a block in float32
 from __future__ import annotations
 
 from mlx_rwkvx.models import Model, ModelConfig, rfa_config
-from mlx_rwkvx.models.attention import MobaBlockCache
 from mlx_rwkvx.ops.moba import moba_selection, selection_mask
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache
 from model_params import (
     assert_close,
     flat_params,
@@ -103,17 +101,16 @@ def test_rwkv_block(style, rwkv_index, T, dtype):
         acts["v_first"] = 0.5 * rng.standard_normal((B, T, C))
 
     def run(a):
-        cache = ArraysCache(size=3)
-        cache[0] = a["shift_att"][:, None]
-        cache[1] = a["state"]
+        state = {"tmix_shift": a["shift_att"][:, None], "wkv": a["state"]}
         if not arwkv:
-            cache[2] = a["shift_ffn"][:, None]
+            state["ffn_shift"] = a["shift_ffn"][:, None]
+        assert block.state_problem(state, B) is None
         v_first = a["v_first"].reshape(B, T, H, N) if "v_first" in a else None
-        h, v_first = block(a["h"], v_first, cache)
-        outs = {"h": h, "v_first": v_first.reshape(B, T, C), "shift_att": cache[0][:, 0]}
-        outs["state"] = cache[1]
+        h, v_first, new = block(a["h"], v_first, state)
+        outs = {"h": h, "v_first": v_first.reshape(B, T, C), "shift_att": new["tmix_shift"][:, 0]}
+        outs["state"] = new["wkv"]
         if not arwkv:
-            outs["shift_ffn"] = cache[2][:, 0]
+            outs["shift_ffn"] = new["ffn_shift"][:, 0]
         return outs
 
     mx_acts, acts = _in_dtype(block, acts, dtype)
@@ -196,8 +193,8 @@ def _moba_mask(block, h: mx.array) -> np.ndarray:
 )
 def test_moba_block(T, top_k, with_cache, dtype):
     """MobaBlock with its selection pinned to the one it makes on its own q, k (top_k 1 over 4
-    earlier chunks at T=17: sparse; top_k 8: every chunk). ``with_cache``: a fresh
-    MobaBlockCache carrying the channel-mix token shift."""
+    earlier chunks at T=17: sparse; top_k 8: every chunk). ``with_cache``: a fresh state
+    carrying a channel-mix token shift."""
     cfg = _moba_cfg(top_k)
     block = Model(cfg, seed=3).layers[1]
     C, Hq = cfg.hidden_size, cfg.n_q_heads
@@ -212,12 +209,11 @@ def test_moba_block(T, top_k, with_cache, dtype):
         assert (mask != causal).any(), "expected a sparse selection"
 
     def run(a):
-        cache = None
+        state = block.init_state(B)
         if with_cache:
-            cache = MobaBlockCache(cfg.moba_chunk_size)
-            cache[2] = a["shift_ffn"][:, None]
-        h, _ = block(a["h"], None, cache)
-        return {"h": h, **({"shift_ffn": cache[2][:, 0]} if with_cache else {})}
+            state["ffn_shift"] = a["shift_ffn"][:, None]
+        h, _, new = block(a["h"], None, state)
+        return {"h": h, **({"shift_ffn": new["ffn_shift"][:, 0]} if with_cache else {})}
 
     p = oracle_params(block, kind="moba")
     h, sf, cache = moba_block_fwd_np(
@@ -271,15 +267,12 @@ def test_qwen2_block(prefix, T, dtype):
     mx_acts, acts = _in_dtype(block, acts, dtype)
 
     def run(a):
-        cache = KVCache()
+        state = block.init_state(B)
         if prefix:
-            cache.update_and_fetch(
-                a["k_prev"].transpose(0, 2, 1, 3), a["v_prev"].transpose(0, 2, 1, 3)
-            )
-        h, _ = block(a["h"], None, cache)
-        keys, values = (
-            x[:, :, : cache.offset].transpose(0, 2, 1, 3) for x in (cache.keys, cache.values)
-        )
+            state = {"keys": a["k_prev"].transpose(0, 2, 1, 3)}
+            state["values"] = a["v_prev"].transpose(0, 2, 1, 3)
+        h, _, new = block(a["h"], None, state)
+        keys, values = (new[n].transpose(0, 2, 1, 3) for n in ("keys", "values"))
         return {"h": h, "k_all": keys, "v_all": values}
 
     p = oracle_params(block, kind="qwen2")
@@ -296,10 +289,6 @@ def test_qwen2_block(prefix, T, dtype):
     )
     ref = {"h": h, "k_all": k_all, "v_all": v_all}
     assert_close(run(mx_acts), ref, TOLS[dtype][0], f"qwen2 {dtype} outputs")
-    # no cache at all: the same as an empty one
-    if not prefix:
-        h_none, _ = block(mx_acts["h"], None, None)
-        assert_close({"h": h_none}, {"h": h}, TOLS[dtype][0], f"qwen2 {dtype} without cache")
 
     mx_cot, cot = _in_dtype(block, {"h": rng.standard_normal(h.shape)}, dtype)
     mx_d_h, d_h = mx_cot["h"], cot["h"]

@@ -10,7 +10,6 @@ from mlx_rwkvx.ops.moba import moba_selection, selection_mask
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache
 from model_params import (
     assert_close,
     flat_params,
@@ -94,6 +93,7 @@ def _moba_masks(model, tokens) -> dict[int, np.ndarray]:
         h = model.ln0(h)
     masks, v_first = {}, None
     B_, T = tokens.shape
+    state = model.init_state(B_)
     for i, layer in enumerate(model.layers):
         if layer.kind == "moba":
             attn = layer.attn
@@ -103,7 +103,7 @@ def _moba_masks(model, tokens) -> dict[int, np.ndarray]:
             sel = moba_selection(q, k, chunk_size=attn.chunk_size, top_k=attn.top_k)
             mask = np.array(selection_mask(sel, T, T, attn.chunk_size))
             masks[i] = np.broadcast_to(mask, (B_, attn.n_heads, T, T)).copy()
-        h, v_first = layer(h, v_first)
+        h, v_first, _ = layer(h, v_first, state[i])
     return masks
 
 
@@ -232,7 +232,10 @@ def test_prefill_equals_decode(name):
     decode = np.array(mx.concatenate(steps, axis=1))
     assert rel_err(prefill, full) <= CACHE_TOL
     assert rel_err(decode, full) <= CACHE_TOL
-    assert all(c.offset == T for c in cache if hasattr(c, "offset"))
+    # the attention blocks' caches hold every token's key, no more
+    for layer, c in zip(model.layers, cache, strict=True):
+        if layer.kind != "rwkv7":
+            assert c.state["keys"].shape[2] == T
 
 
 @pytest.mark.parametrize("name", ["rwkv7", "rwkv-x-tiny", "rfa", "mixed"])
@@ -253,7 +256,10 @@ def test_bf16_prefill_equals_decode_and_rows_are_independent(name):
     cache = model.make_cache()
     decode = mx.concatenate([model(tokens[:, t : t + 1], cache) for t in range(T)], axis=1)
     assert decode.dtype == mx.bfloat16
-    assert all(c[1].dtype == mx.float32 for c in cache if isinstance(c, ArraysCache))
+    rwkv = [c.state for layer, c in zip(model.layers, cache, strict=True) if layer.kind == "rwkv7"]
+    assert rwkv and all(s["wkv"].dtype == mx.float32 for s in rwkv)
+    moba = [c.state for layer, c in zip(model.layers, cache, strict=True) if layer.kind == "moba"]
+    assert all(s["key_sums"].dtype == mx.float32 for s in moba)
     f32 = [np.array(x.astype(mx.float32)) for x in (decode, full)]
     assert rel_err(*f32) <= 2e-2
 
@@ -283,7 +289,7 @@ def test_hidden_and_head_split_the_call():
     model = Model(cfg)
     tokens = _tokens(cfg, 5)
     np.testing.assert_array_equal(
-        np.array(model.head(model.hidden(tokens))), np.array(model(tokens))
+        np.array(model.head(model.hidden(tokens)[0])), np.array(model(tokens))
     )
     with pytest.raises(ValueError, match=r"tokens must be \[B, T\]"):
         model(tokens[0])
@@ -311,8 +317,8 @@ def test_seeded_init(name):
 @pytest.mark.parametrize("name", ["rwkv-x-tiny", "rfa", "mixed"])
 def test_pretrain_init(name):
     """RWKV-7's pretraining init: every residual branch ends in a zero projection, so the
-    hidden state is the final norm of the (ln0-normed) embedding; logits finite; decays and the
-    other per-channel vectors in their published ranges."""
+    hidden state is the final norm of the (ln0-normed) embedding and the logits its head;
+    decays and the other per-channel vectors in their published ranges."""
     cfg = CONFIGS[name]()
     model = Model(cfg, init="pretrain", seed=0)
     params = {k: np.array(v) for k, v in flat_params(model).items()}
@@ -327,8 +333,8 @@ def test_pretrain_init(name):
     if "ln0" in model:
         h = model.ln0(h)
     want = np.array(model.norm(h))
-    assert rel_err(np.array(model.hidden(tokens)), want) <= 1e-6
-    assert np.all(np.isfinite(np.array(model(tokens))))
+    assert rel_err(np.array(model.hidden(tokens)[0]), want) <= 1e-6
+    assert rel_err(np.array(model(tokens)), np.array(model.head(mx.array(want)))) <= 1e-6
     for i, layer in enumerate(model.layers):
         if layer.kind != "rwkv7":
             continue
@@ -368,3 +374,66 @@ def test_prompt_cache_saves_and_loads_with_mlx_lm(tmp_path, name):
     assert mx.array_equal(a, b)
     a, b = model(mx.array([[7, 1, 8]]), cache), model(mx.array([[7, 1, 8]]), loaded)
     assert mx.array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["rwkv7", "rwkv-x-tiny", "rfa", "mixed"])
+def test_explicit_state_carries_across_segments_inside_mx_compile(name):
+    """``hidden(tokens, state) -> (h, state)``: a compiled step fed one segment after another,
+    the state carried between them, gives the hidden states of one full-sequence call (what a
+    training step carrying state across a long document and a chat turn rely on)."""
+    cfg = CONFIGS[name]()
+    model = Model(cfg, seed=4)
+    model.check_token_ids = False  # reading ids back is not possible inside a trace
+    tokens = _tokens(cfg, 30, seed=1)
+    full, full_state = model.hidden(tokens)
+    step = mx.compile(model.hidden)
+    state = model.init_state(B)
+    pieces = []
+    for a, b in [(0, 12), (12, 24), (24, 30)]:
+        h, state = step(tokens[:, a:b], state)
+        pieces.append(h)
+    assert rel_err(np.array(mx.concatenate(pieces, axis=1)), np.array(full)) <= CACHE_TOL
+    for mine, want in zip(state, full_state, strict=True):
+        assert mine.keys() == want.keys()
+        for key in mine:
+            assert rel_err(np.array(mine[key]), np.array(want[key])) <= CACHE_TOL, key
+
+
+def test_state_of_another_model_or_batch_is_one_error():
+    model = Model(CONFIGS["rfa"](), seed=4)
+    tokens = _tokens(model.config, 5)
+    with pytest.raises(ValueError, match="the state has 3 entries for 5 layers"):
+        model.hidden(tokens, Model(CONFIGS["rwkv7"]()).init_state(B))
+    with pytest.raises(ValueError, match=r"state of layer 0 \(rwkv7 block\): tmix_shift has"):
+        model.hidden(tokens, model.init_state(B + 1))
+
+
+def test_config_is_a_value(tmp_path):
+    # quantizing one model never touches another's config: save(a) stays loadable as float
+    import mlx_rwkvx
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"] * 2)
+    a = Model(cfg)
+    b = Model(cfg).quantize()
+    assert a.config == cfg and a.config is not cfg and b.config is not a.config
+    assert a.quantization is None and b.quantization == {"group_size": 64, "bits": 8}
+    mlx_rwkvx.save(a, tmp_path / "a")
+    loaded, _ = mlx_rwkvx.load(tmp_path / "a")
+    assert loaded.quantization is None
+    assert mx.array_equal(loaded(_tokens(cfg, 5)), a(_tokens(cfg, 5)))
+    mlx_rwkvx.save(b, tmp_path / "b")
+    assert mlx_rwkvx.load(tmp_path / "b")[0].quantization == b.quantization
+
+
+def test_qwen2_model_needs_no_wkv_head_size():
+    # a model of Qwen2 blocks only: its width need not fit RWKV's head sizes
+    cfg = rfa_config(
+        vocab_size=40,
+        hidden_size=48,
+        block_types=["qwen2"] * 2,
+        intermediate_size=64,
+        n_q_heads=4,
+        n_kv_heads=2,
+    )
+    model = Model(cfg)
+    assert model(_tokens(cfg, 6)).shape == (B, 6, 40)

@@ -5,6 +5,8 @@ different chunk in float64), except in the test of the selection rule itself.
 """
 
 from mlx_rwkvx.ops import moba as M
+from mlx_rwkvx.ops.dispatch import KERNEL
+from mlx_rwkvx.ops.moba import blockwise
 
 import mlx.core as mx
 import numpy as np
@@ -132,25 +134,32 @@ def test_blockwise_equals_dense_reference_on_a_larger_case():
 def test_decode_step_by_step_equals_full_forward(case):
     _, (q, k, v), cs, top_k = make(CASES[case], seed=7)
     full = M.moba_attention_blockwise(q, k, v, chunk_size=cs, top_k=top_k)
-    cache = M.MobaKVCache(cs)
+    B, _, Hkv, D = k.shape
+    cache = M.empty_kv(B, Hkv, D, k.dtype)
     outs = []
     for t in range(q.shape[1]):
-        cache.update(k[:, t : t + 1], v[:, t : t + 1])
-        outs.append(M.moba_decode(q[:, t : t + 1], cache, top_k=top_k))
+        cache = M.append_kv(*cache, k[:, t : t + 1], v[:, t : t + 1], cs)
+        outs.append(M.moba_decode(q[:, t : t + 1], *cache, chunk_size=cs, top_k=top_k))
     assert rel_err(np.array(mx.concatenate(outs, axis=1)), np.array(full)) <= FWD_TOL
 
 
 def test_prefill_in_pieces_equals_one_prefill():
     _, (q, k, v), cs, top_k = make((1, 45, 4, 2, 8, 4, 2), seed=2)
     full = M.moba_attention_blockwise(q, k, v, chunk_size=cs, top_k=top_k)
-    cache = M.MobaKVCache(cs)
+    cache = M.empty_kv(1, 2, 8, k.dtype)
     outs = []
     for start, stop in [(0, 3), (3, 20), (20, 21), (21, 45)]:
-        cache.update(k[:, start:stop], v[:, start:stop])
-        keys, values = cache.kv()
+        cache = M.append_kv(*cache, k[:, start:stop], v[:, start:stop], cs)
+        keys, values = M.time_major(cache[0]), M.time_major(cache[1])
         outs.append(M.moba_attention(q[:, start:stop], keys, values, chunk_size=cs, top_k=top_k))
     assert rel_err(np.array(mx.concatenate(outs, axis=1)), np.array(full)) <= FWD_TOL
-    assert rel_err(np.array(cache.kv()[0]), np.array(k)) == 0.0
+    assert rel_err(np.array(M.time_major(cache[0])), np.array(k)) == 0.0
+    # every chunk's key sum, the last partial one included, equals a sum over the keys
+    sums = np.array(cache[2])  # [B, Hkv, n_chunks, D]
+    keys = np.array(k.astype(mx.float32))
+    for c in range(sums.shape[2]):
+        want = keys[:, c * cs : (c + 1) * cs].sum(axis=1)  # [B, Hkv, D]
+        assert np.allclose(sums[:, :, c], want, atol=1e-5)
 
 
 def test_dispatcher_env(monkeypatch):
@@ -191,9 +200,12 @@ def test_bad_arguments(impl, case):
 def test_forcing_a_missing_kernel_is_an_error(monkeypatch):
     _, args, cs, top_k = make(CASES["sparse"])
     monkeypatch.setenv(M.ENV_VAR, "kernel")
-    monkeypatch.setattr(M, "_kernel_fn", lambda head_dim=None: None)
-    with pytest.raises(RuntimeError, match="moba_kernel needs MLX with a Metal or CUDA device"):
+    monkeypatch.setattr(M.DISPATCH, "kernel_available", lambda: False)
+    with pytest.raises(RuntimeError, match="moba: kernel asked for, but this device has no"):
         M.moba_attention(*args, chunk_size=cs, top_k=top_k)
+    monkeypatch.delenv(M.ENV_VAR)
+    with pytest.raises(RuntimeError, match="moba: kernel asked for"):
+        M.moba_attention(*args, chunk_size=cs, top_k=top_k, impl="kernel")
 
 
 def test_kernel_self_check(monkeypatch):
@@ -202,21 +214,17 @@ def test_kernel_self_check(monkeypatch):
 
     _, args, cs, top_k = make(CASES["sparse"])
     monkeypatch.delenv(M.ENV_VAR, raising=False)
+    monkeypatch.setattr(M.kernel, "available", lambda head_dim=None: True)
+    monkeypatch.setattr(M.DISPATCH, "kernel_available", lambda: True)
     used = []
 
-    def wrong(cs_, scale):
-        fn = M._sparse_fn(cs_, scale)
+    def wrong(q, k, v, chunk_size, top_k, scale=None):
+        used.append("wrong")
+        return blockwise.attention(q, k, v, chunk_size, top_k, scale) * 1.01
 
-        def run(*xs):
-            used.append("wrong")
-            out, lse = fn(*xs)
-            return out * 1.01, lse
-
-        return run
-
-    monkeypatch.setattr(M, "_kernel_fn", lambda head_dim=None: wrong)
-    monkeypatch.setattr(M._self_check, "results", {})
-    with pytest.warns(RuntimeWarning, match="MoBA kernel .* disagrees with the blockwise path"):
+    monkeypatch.setattr(M.DISPATCH, "impls", {**M.DISPATCH.impls, KERNEL: wrong})
+    monkeypatch.setattr(M.DISPATCH, "results", {})
+    with pytest.warns(RuntimeWarning, match="moba kernel .* disagrees with the blockwise path"):
         out = M.moba_attention(*args, chunk_size=cs, top_k=top_k)
     assert mx.array_equal(out, M.moba_attention_blockwise(*args, chunk_size=cs, top_k=top_k))
     used.clear()
@@ -225,11 +233,28 @@ def test_kernel_self_check(monkeypatch):
         M.moba_attention(*args, chunk_size=cs, top_k=top_k)
     assert not used
 
-    def right(cs_, scale):
+    def right(q, k, v, chunk_size, top_k, scale=None):
         used.append("right")
-        return M._sparse_fn(cs_, scale)
+        return blockwise.attention(q, k, v, chunk_size, top_k, scale)
 
-    monkeypatch.setattr(M, "_kernel_fn", lambda head_dim=None: right)
-    monkeypatch.setattr(M._self_check, "results", {})
+    monkeypatch.setattr(M.DISPATCH, "impls", {**M.DISPATCH.impls, KERNEL: right})
+    monkeypatch.setattr(M.DISPATCH, "results", {})
     M.moba_attention(*args, chunk_size=cs, top_k=top_k)
-    assert used and all(v for v in M._self_check.results.values())
+    assert used and M.DISPATCH.results == {(8, mx.float32): True}
+
+
+@pytest.mark.parametrize("case", ["sparse", "top_k=0", "T%chunk!=0"])
+def test_under_compile_equals_eager(case):
+    # forward and gradients of the compiled op equal the eager ones
+    _, args, cs, top_k = make(CASES[case], seed=3)
+
+    def loss(q, k, v):
+        out = M.moba_attention(q, k, v, chunk_size=cs, top_k=top_k)
+        return (out * out).sum()
+
+    grad = mx.value_and_grad(loss, argnums=(0, 1, 2))
+    eager_loss, eager_grads = grad(*args)
+    comp_loss, comp_grads = mx.compile(grad)(*args)
+    assert abs(comp_loss.item() - eager_loss.item()) <= 1e-6 * abs(eager_loss.item())
+    for name, a, b in zip("qkv", comp_grads, eager_grads, strict=True):
+        assert rel_err(np.array(a), np.array(b)) <= 1e-6, name

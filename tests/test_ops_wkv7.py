@@ -3,9 +3,10 @@
 The kernel's CPU flavour passes the same checks in tests/test_kernels_wkv7.py.
 """
 
+import importlib
 import warnings
 
-from mlx_rwkvx.ops import wkv as W
+from mlx_rwkvx.ops.dispatch import KERNEL
 
 import mlx.core as mx
 import numpy as np
@@ -13,6 +14,8 @@ import pytest
 from oracle.common import rel_err
 from oracle.wkv7 import WKV7_INPUTS, random_wkv7_inputs, wkv7_bwd_np, wkv7_np
 
+# the package (``mlx_rwkvx.ops.wkv7`` as an attribute is the op itself)
+W = importlib.import_module("mlx_rwkvx.ops.wkv7")
 IMPLS = {"ref": W.wkv7_ref, "chunked": W.wkv7_chunked}
 FWD_TOL, GRAD_TOL = 2e-6, 1e-5  # DESIGN.md, float32 ops
 LOW_TOL = {"fwd": 2e-2, "grad": 5e-2}  # DESIGN.md, bf16/fp16 inputs
@@ -114,17 +117,12 @@ def test_all_decays_tiny(impl):
 
 def test_any_decay_is_safe():
     # decays down to 1e-35 per step: LOG_W_MIN (1.1e-7) keeps every factor finite, and what the
-    # state keeps of itself differs by less than 1.1e-7, below float32 resolution
+    # state keeps of itself differs by less than 1.1e-7, below float32 resolution; outputs and
+    # every gradient stay within the float32 bounds of the oracle
     rng = np.random.default_rng(11)
     inputs = random_wkv7_inputs(rng, 1, 70, 2, 16)
     inputs["log_w"] = rng.uniform(-80.0, 0.0, inputs["log_w"].shape)
-    args = to_mx(inputs)
-    y, s = W.wkv7_chunked(*args)
-    y_ref, s_ref = wkv7_np(*(inputs[n] for n in WKV7_INPUTS), inputs["state"])
-    assert rel_err(as_f64(y), y_ref) <= FWD_TOL
-    assert rel_err(as_f64(s), s_ref) <= FWD_TOL
-    grads = mx.grad(lambda *xs: W.wkv7_chunked(*xs)[0].sum(), argnums=list(range(7)))(*args)
-    assert all(np.isfinite(np.array(g)).all() for g in grads)
+    compare(W.wkv7_chunked, inputs, 12, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -171,38 +169,64 @@ def test_step_equals_sequence():
     assert rel_err(as_f64(state), as_f64(s_all)) <= FWD_TOL
 
 
-def test_dispatcher_env(monkeypatch):
+def test_dispatcher_env_and_impl(monkeypatch):
     inputs = random_wkv7_inputs(np.random.default_rng(4), 1, 20, 2, 16)
     args = to_mx(inputs)
     for choice in ("ref", "chunked"):
         monkeypatch.setenv(W.ENV_VAR, choice)
         y, _ = W.wkv7(*args)
         assert mx.array_equal(y, IMPLS[choice](*args)[0])
+        monkeypatch.delenv(W.ENV_VAR)
+        y, _ = W.wkv7(*args, impl=choice)  # the argument, no environment needed
+        assert mx.array_equal(y, IMPLS[choice](*args)[0])
     monkeypatch.setenv(W.ENV_VAR, "fast")
     with pytest.raises(ValueError, match="MLX_RWKVX_WKV7='fast'"):
         W.wkv7(*args)
+    with pytest.raises(ValueError, match="impl='fast'"):
+        W.wkv7(*args, impl="fast")
+
+
+def _recording(monkeypatch, names):
+    calls = []
+    impls = dict(W.DISPATCH.impls)
+    for name in names:
+        impl = impls[name]
+        impls[name] = lambda *xs, impl=impl, name=name: calls.append(name) or impl(*xs)
+    monkeypatch.setattr(W.DISPATCH, "impls", impls)
+    return calls
 
 
 def test_dispatcher_default_choice(monkeypatch):
     monkeypatch.delenv(W.ENV_VAR, raising=False)
-    monkeypatch.setattr(W, "_kernel_fn", lambda: None)
-    calls = []
-    for name in ("wkv7_ref", "wkv7_chunked"):
-        impl = getattr(W, name)
-        monkeypatch.setattr(
-            W, name, lambda *xs, impl=impl, name=name: calls.append(name) or impl(*xs)
-        )
+    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda: False)
+    calls = _recording(monkeypatch, ["ref", "chunked"])
     for T in (1, W.REF_MAX_T, W.REF_MAX_T + 1, 40):
         W.wkv7(*to_mx(random_wkv7_inputs(np.random.default_rng(T), 1, T, 2, 16)))
-    assert calls == ["wkv7_ref", "wkv7_ref", "wkv7_chunked", "wkv7_chunked"]
+    assert calls == ["ref", "ref", "chunked", "chunked"]
+
+
+def test_argument_checks_run_once_per_call(monkeypatch):
+    checks = []
+    real = W.check_inputs
+    monkeypatch.setattr(W, "check_inputs", lambda *a: checks.append(1) or real(*a))
+    W.wkv7(*to_mx(random_wkv7_inputs(np.random.default_rng(1), 1, 40, 2, 16)))
+    assert checks == [1]
 
 
 def test_forcing_a_missing_kernel_is_an_error(monkeypatch):
     monkeypatch.setenv(W.ENV_VAR, "kernel")
-    monkeypatch.setattr(W, "_kernel_fn", lambda: None)
+    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda: False)
     args = to_mx(random_wkv7_inputs(np.random.default_rng(0), 1, 5, 2, 16))
-    with pytest.raises(RuntimeError, match="no WKV7 kernel"):
+    with pytest.raises(RuntimeError, match="wkv7: kernel asked for, but this device has no"):
         W.wkv7(*args)
+
+
+def _with_kernel(monkeypatch, kernel):
+    """The dispatcher as on a device with ``kernel``, nothing checked yet."""
+    monkeypatch.delenv(W.ENV_VAR, raising=False)
+    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda: True)
+    monkeypatch.setattr(W.DISPATCH, "impls", {**W.DISPATCH.impls, KERNEL: kernel})
+    monkeypatch.setattr(W.DISPATCH, "results", {})
 
 
 def test_kernel_failing_self_check_falls_back_with_one_warning(monkeypatch):
@@ -210,9 +234,7 @@ def test_kernel_failing_self_check_falls_back_with_one_warning(monkeypatch):
         y, s = W.wkv7_chunked(r, log_w, k, v, a, b, state)
         return y * 1.01, s
 
-    monkeypatch.delenv(W.ENV_VAR, raising=False)
-    monkeypatch.setattr(W, "_kernel_fn", lambda: wrong_kernel)
-    monkeypatch.setattr(W._self_check, "results", {})
+    _with_kernel(monkeypatch, wrong_kernel)
     args = to_mx(random_wkv7_inputs(np.random.default_rng(0), 1, 40, 2, 16))
     with pytest.warns(RuntimeWarning, match="disagrees with the chunked path"):
         y, _ = W.wkv7(*args)
@@ -229,11 +251,59 @@ def test_kernel_passing_self_check_is_used(monkeypatch):
         used.append(True)
         return W.wkv7_chunked(*xs)
 
-    monkeypatch.delenv(W.ENV_VAR, raising=False)
-    monkeypatch.setattr(W, "_kernel_fn", lambda: good_kernel)
-    monkeypatch.setattr(W._self_check, "results", {})
+    _with_kernel(monkeypatch, good_kernel)
     W.wkv7(*to_mx(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 2, 16)))
-    assert used and W._self_check.results == {(16, mx.float32): True}
+    assert used and W.DISPATCH.results == {(16, mx.float32): True}
+
+
+def test_prepare_runs_the_self_checks_up_front(monkeypatch):
+    from mlx_rwkvx.ops import prepare
+
+    def wrong_kernel(r, log_w, k, v, a, b, state=None):
+        y, s = W.wkv7_chunked(r, log_w, k, v, a, b, state)
+        return y, s * 0.5
+
+    _with_kernel(monkeypatch, wrong_kernel)
+    with pytest.warns(RuntimeWarning, match="disagrees"):
+        report = prepare(head_sizes=(16,), dtypes=(mx.float32,))
+    assert ("wkv7", 16, mx.float32, False) in report
+    assert W.DISPATCH.results == {(16, mx.float32): False}
+
+
+def test_no_self_check_inside_compile(monkeypatch):
+    # unchecked kernel inside mx.compile: the MLX path for this trace, one warning, nothing
+    # decided; outside the trace the check then runs as usual
+    used = []
+
+    def good_kernel(*xs):
+        used.append(True)
+        return W.wkv7_chunked(*xs)
+
+    _with_kernel(monkeypatch, good_kernel)
+    args = to_mx(random_wkv7_inputs(np.random.default_rng(2), 1, 24, 2, 16))
+    with pytest.warns(RuntimeWarning, match="call mlx_rwkvx.ops.prepare"):
+        y = mx.compile(lambda *xs: W.wkv7(*xs)[0])(*args)
+    assert not used and W.DISPATCH.results == {}
+    assert rel_err(np.array(y), np.array(W.wkv7_chunked(*args)[0])) <= FWD_TOL
+    W.wkv7(*args)
+    assert used and W.DISPATCH.results == {(16, mx.float32): True}
+
+
+@pytest.mark.parametrize("T", [5, 40])
+def test_under_compile_equals_eager(T):
+    # forward and every gradient of the compiled op equal the eager ones
+    args = to_mx(random_wkv7_inputs(np.random.default_rng(T), 2, T, 2, 16))
+
+    def loss(*xs):
+        y, s = W.wkv7(*xs)
+        return (y * y).sum() + (s * s).sum()
+
+    grad = mx.value_and_grad(loss, argnums=list(range(7)))
+    (eager_loss, eager_grads) = grad(*args)
+    (comp_loss, comp_grads) = mx.compile(grad)(*args)
+    assert abs(comp_loss.item() - eager_loss.item()) <= 1e-6 * abs(eager_loss.item())
+    for name, a, b in zip((*WKV7_INPUTS, "state"), comp_grads, eager_grads, strict=True):
+        assert rel_err(np.array(a), np.array(b)) <= 1e-6, name
 
 
 BAD_CALLS = [
@@ -264,7 +334,11 @@ def test_public_names():
 
     inputs = random_wkv7_inputs(np.random.default_rng(0), 1, 5, 2, 16)
     y, s = ops.wkv7(*to_mx(inputs))
-    assert y.shape == (1, 5, 2, 16) and s.shape == (1, 2, 16, 16)
+    y_ref, s_ref = wkv7_np(*(inputs[n] for n in WKV7_INPUTS), inputs["state"])
+    assert rel_err(as_f64(y), y_ref) <= FWD_TOL and rel_err(as_f64(s), s_ref) <= FWD_TOL
     assert ops.wkv7_step is W.wkv7_step
-    q = mx.zeros((1, 9, 2, 16))
-    assert ops.moba_attention(q, q, q, chunk_size=4, top_k=1).shape == q.shape
+    rng = np.random.default_rng(5)
+    q, k, v = (mx.array(rng.standard_normal((1, 40, 2, 16)).astype(np.float32)) for _ in "qkv")
+    a = ops.moba_attention(q, k, v, chunk_size=4, top_k=1)
+    b = ops.moba_attention_ref(q, k, v, chunk_size=4, top_k=1)
+    assert rel_err(np.array(a), np.array(b)) <= FWD_TOL

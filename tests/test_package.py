@@ -8,7 +8,7 @@ import venv
 from pathlib import Path
 
 from mlx_rwkvx import info
-from mlx_rwkvx.ops import kernels
+from mlx_rwkvx.metal import sources
 
 import pytest
 
@@ -17,13 +17,13 @@ CLI_SCRIPTS = ("mlx_rwkvx-demo", "mlx_rwkvx-info", "mlx_rwkvx-convert")
 
 
 def test_kernel_sources_readable():
-    for flavour in kernels.FLAVOURS:
-        text = kernels.prelude(flavour)
+    for flavour in sources.FLAVOURS:
+        text = sources.prelude(flavour)
         assert "#define BARRIER()" in text
     with pytest.raises(FileNotFoundError, match="no kernel file 'nope.h'"):
-        kernels.kernel_source("nope.h")
+        sources.kernel_source("nope.h")
     with pytest.raises(ValueError, match="flavour must be one of"):
-        kernels.prelude("opencl")
+        sources.prelude("opencl")
 
 
 def test_wheel_ships_kernels_and_scripts(tmp_path):
@@ -51,7 +51,7 @@ def test_wheel_ships_kernels_and_scripts(tmp_path):
         capture_output=True,
     )
     code = (
-        "import mlx_rwkvx.ops.kernels as k, mlx_rwkvx, pathlib\n"
+        "import mlx_rwkvx.metal.sources as k, mlx_rwkvx, pathlib\n"
         "assert 'site-packages' in mlx_rwkvx.__file__, mlx_rwkvx.__file__\n"
         "print(k.prelude('metal'))"
     )
@@ -71,7 +71,7 @@ def test_info_report_names_device_and_blas(capsys):
 
 
 def test_bad_cache_limit_is_one_clear_error():
-    code = "import mlx_rwkvx.ops.wkv"
+    code = "import mlx_rwkvx; mlx_rwkvx.configure()"
     env = dict(os.environ) | {"MLX_RWKVX_CACHE_LIMIT": "lots"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0

@@ -1,46 +1,26 @@
 """``load(path) -> (model, tokenizer)`` for every supported checkpoint, and ``save``.
 
-Loading checks every tensor's name and shape against the model before anything is assigned,
-so a bad checkpoint raises one CheckpointError naming the file and the tensor and leaves no
-half-loaded model. With ``quantize="int8"`` each large projection is quantized as it is read
-(``mx.quantize``, group size 64), a big one a block of rows at a time straight from its
+Loading checks every tensor's name, shape and dtype against the model before anything is
+assigned, so a bad checkpoint raises one CheckpointError naming the file and the tensor and
+leaves no half-loaded model. With ``quantize="int8"`` each large projection is quantized as it
+is read (``mx.quantize``, group size 64), a big one a block of rows at a time straight from its
 safetensors file: no float copy of the base weights exists (a ``.pth`` is unpickled whole).
 """
 
 from __future__ import annotations
 
-from mlx_rwkvx.io.formats import (
-    CheckpointError,
-    checkpoint_path,
-    read_checkpoint,
-    read_rows,
-    write_native,
-)
+from mlx_rwkvx.io.formats import CheckpointError, checkpoint_path, read_checkpoint, write_native
+from mlx_rwkvx.io.tensors import read_rows
 from mlx_rwkvx.io.tokenizers import load_tokenizer, tokenizer_files
-from mlx_rwkvx.models.config import ModelConfig
-from mlx_rwkvx.models.init import ROW_BLOCK_BYTES, seeds_scale, uniform_row_blocks
-from mlx_rwkvx.models.model import GROUP_SIZE, Model, quantizable
+from mlx_rwkvx.models.init import ROW_BLOCK_BYTES
+from mlx_rwkvx.models.model import Model
+from mlx_rwkvx.models.quantize import GROUP_SIZE, quantizable, quantize_bits, quantize_model
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-QUANTIZE_BITS = {"int8": 8, "int4": 4}
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-
-
-def quantize_bits(quantize) -> int | None:
-    """``None``, ``"int8"``/``"int4"`` (or 8/4) -> bits. Anything else is a ValueError (a bare
-    ``True`` would otherwise read as 1 bit)."""
-    if quantize is None:
-        return None
-    if isinstance(quantize, str) and quantize in QUANTIZE_BITS:
-        return QUANTIZE_BITS[quantize]
-    if type(quantize) is int and quantize in QUANTIZE_BITS.values():
-        return quantize
-    raise ValueError(
-        f"quantize must be one of {sorted(QUANTIZE_BITS)} (or 8, 4) or None, got {quantize!r}"
-    )
 
 
 def float_dtype(dtype) -> mx.Dtype | None:
@@ -88,76 +68,6 @@ def _check_tensors(path: str, expected: dict, tensors: dict) -> None:
         raise CheckpointError(f"{path}: " + "; ".join(problems))
 
 
-def _quantized_paths(model: nn.Module) -> set[str]:
-    predicate = quantizable(GROUP_SIZE)
-    return {p for p, m in model.named_modules() if predicate(p, m)}
-
-
-def build(cfg: ModelConfig, *, quantize=None, init: str | None = "seeds", seed: int = 0) -> Model:
-    """A model of ``cfg`` with a fresh init, optionally quantized layer by layer: with the
-    seeds' init a big matrix is even drawn and quantized a block of rows at a time, so a
-    quantized random model never holds its float weights (the 1.5B preset fits in ~2 GB)."""
-    model = Model(cfg, init=init, seed=seed)  # lazy: nothing is computed yet
-    bits = quantize_bits(quantize)
-    if not bits:
-        mx.eval(model.parameters())
-        return model
-    targets = _quantized_paths(model)
-    scales = {p: seeds_scale(m, "weight") for p, m in model.named_modules() if p in targets}
-    nn.quantize(model, GROUP_SIZE, bits, class_predicate=lambda p, m: p in targets)
-    for path, module in model.named_modules():
-        if path not in targets:
-            continue
-        if init == "seeds":
-            scale, offset = scales[path]
-            blocks = uniform_row_blocks(seed, f"{path}.weight", _shape(module), scale, offset)
-            module.weight, module.scales, module.biases = _quantize_blocks(blocks, bits)
-        mx.eval(module.parameters())
-    mx.eval(model.parameters())
-    model.config.quantization = {"group_size": GROUP_SIZE, "bits": bits}
-    return model
-
-
-def _quantize_blocks(blocks: list, bits: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Quantize row blocks (arrays, or ``_RowBlock``s read from disk when their turn comes) one
-    at a time into preallocated outputs, dropping each float block once it is done."""
-    rows = sum(b.shape[0] for b in blocks)
-    out, start = None, 0
-    for i in range(len(blocks)):
-        block, blocks[i] = blocks[i], None
-        if isinstance(block, _RowBlock):
-            block = block.read()
-        parts = mx.quantize(block, GROUP_SIZE, bits)
-        if out is None:
-            out = [mx.zeros((rows, *p.shape[1:]), dtype=p.dtype) for p in parts]
-        n = block.shape[0]
-        for o, p in zip(out, parts, strict=True):
-            o[start : start + n] = p  # in place: the output is its only reference
-        mx.eval(out)
-        start += n
-        del block, parts
-    return tuple(out)
-
-
-def _shape(module: nn.Module) -> tuple[int, int]:
-    """The float weight shape of a quantized module: rows and (packed) input dims unpacked."""
-    rows, packed = module.weight.shape
-    return rows, packed * 32 // module.bits
-
-
-def _quantize_weight(ckpt, name: str, bits: int) -> tuple[mx.array, mx.array, mx.array]:
-    """``mx.quantize`` of one weight; a big one stored as is in a safetensors file is read and
-    quantized a block of rows at a time (quantization groups lie within rows: same result)."""
-    w = ckpt.tensors.pop(name)
-    rows = w.shape[0]
-    step = max(1, ROW_BLOCK_BYTES // (w.size // rows * w.itemsize))
-    if name not in ckpt.sources or rows <= step:
-        return mx.quantize(w, GROUP_SIZE, bits)
-    file, stored = ckpt.sources[name]
-    blocks = [_RowBlock(file, stored, a, min(rows, a + step), w) for a in range(0, rows, step)]
-    return _quantize_blocks(blocks, bits)
-
-
 class _RowBlock:
     """Rows ``start:stop`` of a stored tensor, read from disk only when quantized."""
 
@@ -169,6 +79,18 @@ class _RowBlock:
         return read_rows(*self.args)
 
 
+def _row_blocks(ckpt, name: str) -> list:
+    """One stored weight as blocks of rows: read from disk block by block when it is stored as
+    is in a safetensors file and big, else whole."""
+    w = ckpt.tensors.pop(name)
+    rows = w.shape[0]
+    step = max(1, ROW_BLOCK_BYTES // (w.size // rows * w.itemsize))
+    if name not in ckpt.sources or rows <= step:
+        return [w]
+    file, stored = ckpt.sources[name]
+    return [_RowBlock(file, stored, a, min(rows, a + step), w) for a in range(0, rows, step)]
+
+
 def load_model(path, *, quantize=None, dtype=None) -> Model:
     """The model of any supported checkpoint (see ``mlx_rwkvx.io.formats``)."""
     bits = quantize_bits(quantize)
@@ -176,7 +98,7 @@ def load_model(path, *, quantize=None, dtype=None) -> Model:
     path = checkpoint_path(path)
     ckpt = read_checkpoint(path)
     cfg, tensors = ckpt.config, ckpt.tensors
-    stored = cfg.quantization
+    stored = ckpt.quantization
     if stored and bits and bits != stored["bits"]:
         raise CheckpointError(
             f"{path}: the checkpoint is stored in {stored['bits']}-bit; it cannot be loaded "
@@ -200,20 +122,15 @@ def load_model(path, *, quantize=None, dtype=None) -> Model:
         model.load_weights(list(tensors.items()), strict=True)
         mx.eval(model.parameters())
         return model
-    targets = _quantized_paths(model)
-    nn.quantize(model, GROUP_SIZE, bits, class_predicate=lambda p, m: p in targets)
-    modules = dict(model.named_modules())
-    for target in sorted(targets):
-        module = modules[target]
-        module.weight, module.scales, module.biases = _quantize_weight(
-            ckpt, f"{target}.weight", bits
-        )
-        if f"{target}.bias" in tensors:
-            module.bias = tensors.pop(f"{target}.bias")
-        mx.eval(module.parameters())  # one layer's float weight at a time, then dropped
+
+    def read(layer: str, module):
+        if f"{layer}.bias" in tensors:  # the float bias goes with the layer into quantization
+            module.bias = tensors.pop(f"{layer}.bias")
+        return _row_blocks(ckpt, f"{layer}.weight")
+
+    quantize_model(model, bits, GROUP_SIZE, read)
     model.load_weights(list(tensors.items()), strict=False)
     mx.eval(model.parameters())
-    model.config.quantization = {"group_size": GROUP_SIZE, "bits": bits}
     return model
 
 
@@ -221,15 +138,18 @@ def _floating(x: mx.array) -> bool:
     return mx.issubdtype(x.dtype, mx.floating)
 
 
-def load(path, *, quantize=None, dtype=None):
+def load(path, *, quantize=None, dtype=None, tokenizer: bool = True):
     """``(model, tokenizer)`` of a checkpoint in any supported format, detected from the path.
 
     ``quantize``: None, ``"int8"`` (or ``"int4"``) quantizes the large projections, head and
     embedding as they are read (a checkpoint stored quantized loads as it is; asking for other
     bits is an error). ``dtype``: cast floating tensors (``mx.bfloat16`` or ``"bfloat16"``).
-    Raises CheckpointError (a ValueError) naming the file and the problem.
+    ``tokenizer=False``: the tokenizer is None (for code that brings its own; ``load_model``
+    likewise). Raises CheckpointError (a ValueError) naming the file and the problem.
     """
     model = load_model(path, quantize=quantize, dtype=dtype)
+    if not tokenizer:
+        return model, None
     try:
         tokenizer = load_tokenizer(checkpoint_path(path), model.config.vocab_size)
     except ValueError as e:
@@ -248,6 +168,7 @@ def save(model: Model, path, *, tokenizer=None, overwrite: bool = False) -> None
         path,
         model.config,
         dict(tree_flatten(model.parameters())),
+        quantization=model.quantization,
         extra_files=tokenizer_files(tokenizer),
         overwrite=overwrite,
     )

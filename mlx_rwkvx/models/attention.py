@@ -1,84 +1,20 @@
-"""The attention blocks of the hybrids: MoBA (RWKV-X) and Qwen2 GQA (RFA)."""
+"""The attention blocks of the hybrids: MoBA (RWKV-X) and Qwen2 GQA (RFA).
+
+Their state is their KV cache as plain arrays of its exact length, head-major
+``[B, Hkv, S, D]`` (S, the tokens seen, is the shape: no counter to keep), plus for MoBA each
+chunk's key sum and the channel-mix token shift.
+"""
 
 from __future__ import annotations
 
 import math
 
 from mlx_rwkvx.models.config import ModelConfig
-from mlx_rwkvx.models.rwkv7 import ChannelMix, SwiGLU
-from mlx_rwkvx.ops.moba import MobaKVCache, moba_attention, moba_decode
+from mlx_rwkvx.models.rwkv7 import ChannelMix, SwiGLU, state_problem
+from mlx_rwkvx.ops.moba import append_kv, empty_kv, moba_attention, moba_decode, time_major
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import cache as mlx_lm_cache
-from mlx_lm.models.cache import KVCache, _BaseCache
-
-
-class MobaBlockCache(_BaseCache):
-    """What a MoBA block needs to continue: its KV cache with chunk key sums, and the
-    channel-mix token shift (index 2, as in an RWKV block's ArraysCache)."""
-
-    def __init__(self, chunk_size: int):
-        self.kv = MobaKVCache(chunk_size)
-        self.shift = None
-
-    def __getitem__(self, i):
-        if i != 2:
-            raise IndexError(i)
-        return self.shift
-
-    def __setitem__(self, i, value):
-        if i != 2:
-            raise IndexError(i)
-        self.shift = value
-
-    @property
-    def offset(self) -> int:
-        return self.kv.offset
-
-    @property
-    def state(self):
-        """Arrays only (mlx-lm evaluates and saves them): the keys, values and key sums so far,
-        the chunk size, and the channel-mix shift (empty when there is none yet)."""
-        kv = self.kv
-        shift = mx.zeros((0,)) if self.shift is None else self.shift
-        if kv.keys is None:
-            nothing = mx.zeros((0,))
-            return [nothing, nothing, nothing, mx.array([kv.chunk_size]), shift]
-        used = -(-kv.offset // kv.chunk_size)
-        return [
-            kv.keys[:, :, : kv.offset],
-            kv.values[:, :, : kv.offset],
-            kv.key_sums[:, :, :used],
-            mx.array([kv.chunk_size]),
-            shift,
-        ]
-
-    @state.setter
-    def state(self, v):
-        keys, values, sums, chunk_size, shift = v
-        cs = int(chunk_size.item())
-        self.kv = MobaKVCache(cs)
-        self.shift = None if shift.size == 0 else shift
-        if keys.size == 0:
-            return
-        B, Hkv, n, D = keys.shape
-        capacity = -(-n // cs) * cs
-        pad = ((0, 0), (0, 0), (0, capacity - n), (0, 0))
-        self.kv.keys, self.kv.values = mx.pad(keys, pad), mx.pad(values, pad)
-        self.kv.key_sums, self.kv.offset = sums, n
-
-    def empty(self):
-        return self.kv.keys is None
-
-    @property
-    def nbytes(self):
-        return sum(x.nbytes for x in self.state)
-
-
-# mlx-lm's load_prompt_cache looks cache classes up by name in its own cache module: ours must
-# be there for a saved RWKV-X prompt cache to load.
-mlx_lm_cache.MobaBlockCache = MobaBlockCache
 
 
 class MobaAttention(nn.Module):
@@ -94,20 +30,22 @@ class MobaAttention(nn.Module):
         self.v_proj = nn.Linear(C, C, bias=False)
         self.o_proj = nn.Linear(C, C, bias=False)
 
-    def __call__(self, x, cache: MobaBlockCache | None = None):
+    def __call__(self, x, keys, values, key_sums):
+        """x ``[B, T, C]`` after the tokens the cache ``(keys, values, key_sums)`` holds.
+        Returns (out, the cache with x's keys and values appended)."""
         B, T, C = x.shape
         shape = (B, T, self.n_heads, self.head_dim)
         q, k, v = (p(x).reshape(shape) for p in (self.q_proj, self.k_proj, self.v_proj))
-        if cache is None:
-            out = moba_attention(q, k, v, chunk_size=self.chunk_size, top_k=self.top_k)
-        else:
-            cache.kv.update(k, v)
-            if T == 1:
-                out = moba_decode(q, cache.kv, top_k=self.top_k)
-            else:
-                keys, values = cache.kv.kv()
-                out = moba_attention(q, keys, values, chunk_size=self.chunk_size, top_k=self.top_k)
-        return self.o_proj(out.reshape(B, T, C))
+        seen = keys.shape[2]
+        cache = append_kv(keys, values, key_sums, k, v, self.chunk_size)
+        attend = dict(chunk_size=self.chunk_size, top_k=self.top_k)
+        if seen == 0:  # a fresh text: attend to this call's keys as they are
+            out = moba_attention(q, k, v, **attend)
+        elif T == 1:
+            out = moba_decode(q, *cache, **attend)
+        else:  # the queries are the last T of the cached keys
+            out = moba_attention(q, time_major(cache[0]), time_major(cache[1]), **attend)
+        return self.o_proj(out.reshape(B, T, C)), cache
 
 
 class MobaBlock(nn.Module):
@@ -122,21 +60,37 @@ class MobaBlock(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ffn = ChannelMix(cfg)
 
-    def cache_problem(self, cache, batch: int) -> str | None:
-        """Why ``cache`` cannot continue this block for ``batch`` rows (None if it can)."""
-        if not isinstance(cache, MobaBlockCache):
-            return f"expected a MobaBlockCache, got {type(cache).__name__}"
-        if cache.kv.chunk_size != self.attn.chunk_size:
-            return f"chunk size {cache.kv.chunk_size}, expected {self.attn.chunk_size}"
+    def init_state(self, batch: int) -> dict:
+        """An empty KV cache and a zero token shift."""
+        dtype = self.ln1.weight.dtype
+        keys, values, key_sums = empty_kv(batch, self.attn.n_heads, self.attn.head_dim, dtype)
         C = self.attn.n_heads * self.attn.head_dim
-        problem = _kv_problem(cache.kv.keys, batch, self.attn.n_heads, self.attn.head_dim)
-        if problem is None and cache.shift is not None and cache.shift.shape != (batch, 1, C):
-            problem = f"token shift of shape {tuple(cache.shift.shape)}, expected {(batch, 1, C)}"
-        return problem
+        shift = mx.zeros((batch, 1, C), dtype=dtype)
+        return {"keys": keys, "values": values, "key_sums": key_sums, "ffn_shift": shift}
 
-    def __call__(self, h, v_first, cache=None):
-        h = h + self.attn(self.ln1(h), cache)
-        return h + self.ffn(self.ln2(h), cache), v_first
+    def state_problem(self, state, batch: int) -> str | None:
+        H, D, cs = self.attn.n_heads, self.attn.head_dim, self.attn.chunk_size
+        keys = state.get("keys") if isinstance(state, dict) else None
+        S = keys.shape[2] if isinstance(keys, mx.array) and keys.ndim == 4 else 0
+        return state_problem(
+            state,
+            {
+                "keys": (batch, H, S, D),
+                "values": (batch, H, S, D),
+                "key_sums": (batch, H, -(-S // cs), D),
+                "ffn_shift": (batch, 1, H * D),
+            },
+        )
+
+    def __call__(self, h, v_first, state):
+        """h ``[B, T, C]`` -> (h, v_first, new state)."""
+        a, (keys, values, key_sums) = self.attn(
+            self.ln1(h), state["keys"], state["values"], state["key_sums"]
+        )
+        h = h + a
+        dh, shift = self.ffn(self.ln2(h), state["ffn_shift"])
+        new = {"keys": keys, "values": values, "key_sums": key_sums, "ffn_shift": shift}
+        return h + dh, v_first, new
 
 
 class Qwen2Attention(nn.Module):
@@ -153,31 +107,21 @@ class Qwen2Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_q * D, C, bias=False)
         self.rope = nn.RoPE(D, traditional=False, base=cfg.rope_theta)
 
-    def __call__(self, x, cache: KVCache | None = None):
+    def __call__(self, x, keys, values):
+        """x ``[B, T, C]`` at the positions after the ``S`` tokens of the cache ``keys, values
+        [B, n_kv, S, D]``. Returns (out, keys, values) with x's appended."""
         B, T, _ = x.shape
         q = self.q_proj(x).reshape(B, T, self.n_q, self.head_dim).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(B, T, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, T, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
+        seen = keys.shape[2]
+        q, k = self.rope(q, offset=seen), self.rope(k, offset=seen)
+        if seen:
+            k = mx.concatenate([keys, k.astype(keys.dtype)], axis=2)
+            v = mx.concatenate([values, v.astype(values.dtype)], axis=2)
         mask = _causal_mask(T, k.shape[2]) if T > 1 else None
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
-
-
-def _kv_problem(keys, batch: int, heads: int, head_dim: int) -> str | None:
-    """Keys cached head-major ``[B, heads, n, D]`` that do not fit: why (None if they do)."""
-    if keys is None:
-        return None
-    B, H, _, D = keys.shape
-    if (B, H, D) != (batch, heads, head_dim):
-        return (
-            f"keys for batch {B}, {H} heads of {D}; expected batch {batch}, {heads} heads of "
-            f"{head_dim} (a cache from another model or batch size?)"
-        )
-    return None
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1)), k, v
 
 
 def _causal_mask(T: int, S: int):
@@ -199,13 +143,29 @@ class Qwen2Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def cache_problem(self, cache, batch: int) -> str | None:
-        """Why ``cache`` cannot continue this block for ``batch`` rows (None if it can)."""
-        if not isinstance(cache, KVCache):
-            return f"expected a KVCache, got {type(cache).__name__}"
+    def init_state(self, batch: int) -> dict:
+        """An empty KV cache."""
         attn = self.self_attn
-        return _kv_problem(cache.keys, batch, attn.n_kv, attn.head_dim)
+        shape = (batch, attn.n_kv, 0, attn.head_dim)
+        dtype = self.input_layernorm.weight.dtype
+        return {"keys": mx.zeros(shape, dtype=dtype), "values": mx.zeros(shape, dtype=dtype)}
 
-    def __call__(self, h, v_first, cache=None):
-        h = h + self.self_attn(self.input_layernorm(h), cache)
-        return h + self.mlp(self.post_attention_layernorm(h)), v_first
+    def state_problem(self, state, batch: int) -> str | None:
+        attn = self.self_attn
+        keys = state.get("keys") if isinstance(state, dict) else None
+        S = keys.shape[2] if isinstance(keys, mx.array) and keys.ndim == 4 else 0
+        shape = (batch, attn.n_kv, S, attn.head_dim)
+        return state_problem(state, {"keys": shape, "values": shape})
+
+    def __call__(self, h, v_first, state):
+        """h ``[B, T, C]`` -> (h, v_first, new state)."""
+        a, keys, values = self.self_attn(self.input_layernorm(h), state["keys"], state["values"])
+        h = h + a
+        return (
+            h + self.mlp(self.post_attention_layernorm(h)),
+            v_first,
+            {
+                "keys": keys,
+                "values": values,
+            },
+        )

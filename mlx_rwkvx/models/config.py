@@ -13,8 +13,6 @@ from dataclasses import asdict, dataclass, field, fields
 from mlx_rwkvx.ops.common import HEAD_SIZES
 
 BLOCK_TYPES = ("rwkv7", "moba", "qwen2")
-QUANT_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes
-QUANT_GROUP_SIZES = (32, 64, 128)
 
 
 def _low_rank(c: int, factor: float, power: float) -> int:
@@ -86,7 +84,6 @@ class ModelConfig:
     moba_chunk_size: int = 256
     moba_top_k: int = 3
     tie_embeddings: bool = False
-    quantization: dict | None = None  # {"group_size": 64, "bits": 8} once quantized
 
     def __post_init__(self):
         if isinstance(self.block_types, (list, tuple)):
@@ -140,17 +137,6 @@ class ModelConfig:
             isinstance(t, str) for t in self.block_types
         ):
             problems.append(f"block_types must be a list of strings, got {self.block_types!r}")
-        q = self.quantization
-        if q is not None and (
-            not isinstance(q, dict)
-            or set(q) != {"group_size", "bits"}
-            or q["group_size"] not in QUANT_GROUP_SIZES
-            or q["bits"] not in QUANT_BITS
-        ):
-            problems.append(
-                "quantization must be null or {'group_size': one of "
-                f"{QUANT_GROUP_SIZES}, 'bits': one of {QUANT_BITS}}}, got {q!r}"
-            )
         if problems:
             raise ValueError("ModelConfig: " + "; ".join(problems))
 
@@ -160,12 +146,14 @@ class ModelConfig:
         bad = [t for t in self.block_types if t not in BLOCK_TYPES]
         if not self.block_types or bad:
             problems.append(f"block_types must be a non-empty list of {BLOCK_TYPES}, got {bad}")
-        if self.hidden_size % self.head_size:
-            problems.append(
-                f"hidden_size {self.hidden_size} is not a multiple of head_size {self.head_size}"
-            )
-        if self.head_size not in HEAD_SIZES:
-            problems.append(f"head_size must be one of {HEAD_SIZES}, got {self.head_size}")
+        if "rwkv7" in self.block_types:  # the WKV heads: nothing else reads head_size
+            if self.hidden_size % self.head_size:
+                problems.append(
+                    f"hidden_size {self.hidden_size} is not a multiple of head_size "
+                    f"{self.head_size}"
+                )
+            if self.head_size not in HEAD_SIZES:
+                problems.append(f"head_size must be one of {HEAD_SIZES}, got {self.head_size}")
         for name in ("n_q_heads", "n_kv_heads", "attn_head_dim"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:

@@ -1,49 +1,44 @@
 """The model: embedding, the blocks ``block_types`` lists, final norm, head.
 
-Follows mlx-lm's model protocol (``model(tokens, cache) -> logits``, ``model.make_cache()``,
-``model.layers``), so mlx-lm's generation utilities take it as is; ``hidden`` and ``head`` split
-the call so training can fuse head and loss and generation can run the head on the last
-position only.
+``hidden(tokens, state) -> (h, state)`` carries an explicit state (a list with one dict of
+arrays per block, from ``init_state``): training carries it across segments inside a compiled
+step, generation snapshots it. Beside it, mlx-lm's model protocol (``model(tokens, cache) ->
+logits``, ``model.make_cache()``, ``model.layers``) with mlx-lm cache objects that hold that
+state, so mlx-lm's generation utilities take the model as is; ``head`` is separate so that
+training can fuse head and loss and generation can run the head on the last position only.
 """
 
 from __future__ import annotations
 
-from mlx_rwkvx.models.attention import MobaBlock, MobaBlockCache, Qwen2Block
+import copy
+
+from mlx_rwkvx.models.attention import MobaBlock, Qwen2Block
+from mlx_rwkvx.models.cache import BlockStateCache, register_with_mlx_lm
 from mlx_rwkvx.models.config import ModelConfig
 from mlx_rwkvx.models.init import initialise
+from mlx_rwkvx.models.quantize import GROUP_SIZE, quantize_model
 from mlx_rwkvx.models.rwkv7 import RWKV7Block, make_norm
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache
 
-GROUP_SIZE = 64
-# RWKV-7's low-rank projections are small and sensitive: they stay in floating point
-_LOW_RANK = (".decay.", ".iclr.", ".value_mix.", ".gate.")
-
-
-def quantizable(group_size: int = GROUP_SIZE):
-    """The predicate ``(path, module) -> bool`` of what is quantized: every large projection,
-    the head and the embedding whose input width is a multiple of ``group_size``; not RWKV-7's
-    low-rank matrices."""
-
-    def predicate(path: str, module: nn.Module) -> bool:
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
-            return False
-        if any(s in path for s in _LOW_RANK):
-            return False
-        return module.weight.shape[-1] % group_size == 0
-
-    return predicate
+# Every block kind: its constructor from the config and the block's index among RWKV blocks
+BLOCKS = {
+    "rwkv7": lambda cfg, rwkv_index: RWKV7Block(cfg, rwkv_index),
+    "moba": lambda cfg, rwkv_index: MobaBlock(cfg),
+    "qwen2": lambda cfg, rwkv_index: Qwen2Block(cfg),
+}
 
 
 class Model(nn.Module):
-    """A model of ``cfg``. ``init``: ``"seeds"`` (default, seeded and non-degenerate),
-    ``"pretrain"`` (RWKV-7's published init) or None (leave MLX's, e.g. before loading weights).
+    """A model of ``cfg`` (the model keeps its own copy). ``init``: ``"seeds"`` (default,
+    seeded and non-degenerate), ``"pretrain"`` (RWKV-7's published init) or None (leave MLX's,
+    e.g. before loading weights).
     """
 
     def __init__(self, cfg: ModelConfig, *, init: str | None = "seeds", seed: int = 0):
         super().__init__()
+        cfg = copy.deepcopy(cfg)
         self.config = cfg
         self.model_type = "mlx_rwkvx"
         self.check_token_ids = True  # see check_tokens
@@ -52,39 +47,38 @@ class Model(nn.Module):
         if cfg.ln0:
             self.ln0 = nn.LayerNorm(C, eps=cfg.norm_eps)
         self.layers = []
-        n_rwkv = 0
+        rwkv_index = 0
         for kind in cfg.block_types:
-            if kind == "rwkv7":
-                self.layers.append(RWKV7Block(cfg, n_rwkv))
-                n_rwkv += 1
-            elif kind == "moba":
-                self.layers.append(MobaBlock(cfg))
-            else:
-                self.layers.append(Qwen2Block(cfg))
+            self.layers.append(BLOCKS[kind](cfg, rwkv_index))
+            rwkv_index += kind == "rwkv7"
         self.norm = make_norm(cfg.final_norm, C, cfg)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(C, cfg.vocab_size, bias=False)
         if init is not None:
             initialise(self, init, seed)
 
+    @property
+    def quantization(self) -> dict | None:
+        """``{"group_size", "bits"}`` of the quantized layers, read from the modules; None for a
+        float model."""
+        for _, module in self.named_modules():
+            if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+                return {"group_size": module.group_size, "bits": module.bits}
+        return None
+
     def quantize(self, bits: int = 8, group_size: int = GROUP_SIZE) -> Model:
         """Quantize the large projections, head and embedding in place (``nn.QuantizedLinear``,
         ``nn.QuantizedEmbedding``); RWKV-7's low-rank projections and the norms stay float."""
-        nn.quantize(self, group_size, bits, class_predicate=quantizable(group_size))
-        self.config.quantization = {"group_size": group_size, "bits": bits}
-        return self
+        return quantize_model(self, bits, group_size)
 
-    def make_cache(self) -> list:
-        """One cache per block: ArraysCache(3) (RWKV), MobaBlockCache (MoBA), KVCache (Qwen2)."""
-        caches = []
-        for layer in self.layers:
-            if layer.kind == "rwkv7":
-                caches.append(ArraysCache(size=3))
-            elif layer.kind == "moba":
-                caches.append(MobaBlockCache(self.config.moba_chunk_size))
-            else:
-                caches.append(KVCache())
-        return caches
+    def init_state(self, batch: int) -> list[dict]:
+        """The state at the start of a text: one dict of arrays per block."""
+        return [layer.init_state(batch) for layer in self.layers]
+
+    def make_cache(self) -> list[BlockStateCache]:
+        """mlx-lm's cache: one ``BlockStateCache`` per block, filled on first use."""
+        register_with_mlx_lm()
+        return [BlockStateCache() for _ in self.layers]
 
     def check_tokens(self, tokens) -> None:
         """Raise a ValueError (TypeError for a non-array) unless ``tokens`` is an integer
@@ -110,18 +104,19 @@ class Model(nn.Module):
                     f"{self.config.vocab_size - 1})"
                 )
 
-    def check_cache(self, cache: list, batch: int) -> None:
-        """One ValueError if ``cache`` does not belong to this model and batch size."""
-        if not isinstance(cache, (list, tuple)) or len(cache) != len(self.layers):
-            n = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
+    def check_state(self, state, batch: int) -> None:
+        """One ValueError if ``state`` does not belong to this model and batch size (shapes
+        only: nothing is read back)."""
+        if not isinstance(state, (list, tuple)) or len(state) != len(self.layers):
+            n = len(state) if isinstance(state, (list, tuple)) else type(state).__name__
             raise ValueError(
-                f"model: the cache has {n} entries for {len(self.layers)} layers "
-                "(use model.make_cache())"
+                f"model: the state has {n} entries for {len(self.layers)} layers "
+                "(use model.init_state() or model.make_cache())"
             )
-        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
-            problem = layer.cache_problem(c, batch)
+        for i, (layer, s) in enumerate(zip(self.layers, state, strict=True)):
+            problem = layer.state_problem(s, batch)
             if problem:
-                raise ValueError(f"model: cache[{i}] ({layer.kind} block): {problem}")
+                raise ValueError(f"model: state of layer {i} ({layer.kind} block): {problem}")
 
     def _embed(self, tokens: mx.array) -> mx.array:
         if self.check_token_ids:
@@ -131,19 +126,27 @@ class Model(nn.Module):
         h = self.embed(mx.where(valid, tokens, 0))
         return mx.where(valid[..., None], h, mx.array(mx.nan, h.dtype))
 
-    def hidden(self, tokens: mx.array, cache: list | None = None) -> mx.array:
-        """``tokens [B, T]`` -> final normalised hidden states ``[B, T, C]`` (before the head)."""
+    def hidden(self, tokens: mx.array, state: list | None = None) -> tuple[mx.array, list]:
+        """``tokens [B, T]`` after ``state`` (None: the start of a text) -> (final normalised
+        hidden states ``[B, T, C]``, before the head; the state after these tokens)."""
         self.check_tokens(tokens)
-        if cache is not None:
-            self.check_cache(cache, tokens.shape[0])
+        return self._hidden(tokens, state)
+
+    def _hidden(self, tokens: mx.array, state: list | None) -> tuple[mx.array, list]:
+        B = tokens.shape[0]
+        if state is None:
+            state = self.init_state(B)
+        else:
+            self.check_state(state, B)
         h = self._embed(tokens)
         if "ln0" in self:
             h = self.ln0(h)
-        caches = cache if cache is not None else [None] * len(self.layers)
         v_first = None
-        for layer, c in zip(self.layers, caches, strict=True):
-            h, v_first = layer(h, v_first, c)
-        return self.norm(h)
+        new_state = []
+        for layer, s in zip(self.layers, state, strict=True):
+            h, v_first, s = layer(h, v_first, s)
+            new_state.append(s)
+        return self.norm(h), new_state
 
     def head(self, h: mx.array) -> mx.array:
         """Hidden states ``[..., C]`` -> logits ``[..., vocab]``."""
@@ -152,4 +155,28 @@ class Model(nn.Module):
         return self.lm_head(h)
 
     def __call__(self, tokens: mx.array, cache: list | None = None) -> mx.array:
-        return self.head(self.hidden(tokens, cache))
+        """mlx-lm's protocol: logits ``[B, T, vocab]``; ``cache`` (from ``make_cache``) is read
+        and updated in place."""
+        self.check_tokens(tokens)
+        if cache is None:
+            return self.head(self._hidden(tokens, None)[0])
+        if not isinstance(cache, (list, tuple)) or len(cache) != len(self.layers):
+            n = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
+            raise ValueError(
+                f"model: the cache has {n} entries for {len(self.layers)} layers "
+                "(use model.make_cache())"
+            )
+        for i, c in enumerate(cache):
+            if not isinstance(c, BlockStateCache):
+                raise ValueError(
+                    f"model: cache[{i}] is a {type(c).__name__}, not one of model.make_cache()"
+                )
+        B = tokens.shape[0]
+        state = [
+            layer.init_state(B) if c.empty() else c.state
+            for layer, c in zip(self.layers, cache, strict=True)
+        ]
+        h, state = self._hidden(tokens, state)
+        for c, s in zip(cache, state, strict=True):
+            c.state = s
+        return self.head(h)

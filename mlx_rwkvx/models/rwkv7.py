@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 
 from mlx_rwkvx.models.config import ModelConfig
-from mlx_rwkvx.ops.wkv import wkv7
+from mlx_rwkvx.ops.wkv7 import wkv7
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache
 
 # log of the decay: -exp(-0.5) * sigmoid(z), so the decay exp(log_w) lies in (exp(-e^-0.5), 1) =
 # (0.545, 1). Other code writes -0.606531 for -exp(-0.5).
@@ -61,23 +60,24 @@ class HeadNorm(nn.Module):
         return y * self.weight + self.bias
 
 
-def token_shift(x: mx.array, previous: mx.array | None) -> mx.array:
-    """The previous token's x for every position: ``[B, T, C]`` (zeros, or ``previous``, first)."""
-    first = mx.zeros_like(x[:, :1]) if previous is None else previous.astype(x.dtype)
-    return mx.concatenate([first, x[:, :-1]], axis=1)
+def token_shift(x: mx.array, previous: mx.array) -> mx.array:
+    """The previous token's x for every position of ``x [B, T, C]``: ``previous [B, 1, C]``
+    (zeros at the start of a text) first."""
+    return mx.concatenate([previous.astype(x.dtype), x[:, :-1]], axis=1)
 
 
 class TimeMix(nn.Module):
     """RWKV-7 time-mix: token shift, six lerps, low-rank w/a/v/g, WKV7, ln_x, bonus, output.
 
-    ``layer_id`` is the index among RWKV blocks: block 0 produces ``v_first``, later ones mix
-    their values towards it. With ``use_gate=False, use_ln_x=False`` it is the ARWKV variant.
+    ``rwkv_index`` is the block's index among the model's RWKV blocks: block 0 produces
+    ``v_first``, later ones mix their values towards it. With ``use_gate=False,
+    use_ln_x=False`` it is the ARWKV variant.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, rwkv_index: int):
         super().__init__()
         C, H, N = cfg.hidden_size, cfg.n_heads, cfg.head_size
-        self.layer_id, self.n_heads, self.head_size = layer_id, H, N
+        self.rwkv_index, self.n_heads, self.head_size = rwkv_index, H, N
         self.use_gate, self.use_ln_x = cfg.use_gate, cfg.use_ln_x
         for name in ("x_r", "x_w", "x_k", "x_v", "x_a") + (("x_g",) if cfg.use_gate else ()):
             setattr(self, name, mx.zeros((C,)))
@@ -87,7 +87,7 @@ class TimeMix(nn.Module):
         self.output = nn.Linear(C, C, bias=False)
         self.decay = LowRank(C, cfg.decay_low_rank, "tanh", bias=True)
         self.iclr = LowRank(C, cfg.a_low_rank, None, bias=True)
-        if layer_id > 0:
+        if rwkv_index > 0:
             self.value_mix = LowRank(C, cfg.v_low_rank, None, bias=True)
         if cfg.use_gate:
             self.gate = LowRank(C, cfg.gate_low_rank, "sigmoid", bias=False)
@@ -101,45 +101,42 @@ class TimeMix(nn.Module):
         """Add a trainable initial WKV state ``state0 [H, N, N]`` (zeros: no change at first)."""
         self.state0 = mx.zeros((self.n_heads, self.head_size, self.head_size))
 
-    def initial_state(self, batch: int) -> mx.array | None:
+    def initial_state(self, batch: int) -> mx.array:
+        """The WKV state at the start of a text, ``[B, H, N, N]`` float32: zeros, or the trained
+        ``state0`` (differentiable: state tuning trains it through this)."""
+        H, N = self.n_heads, self.head_size
         if "state0" not in self:
-            return None
-        return mx.broadcast_to(self.state0.astype(mx.float32), (batch, *self.state0.shape))
+            return mx.zeros((batch, H, N, N), dtype=mx.float32)
+        return mx.broadcast_to(self.state0.astype(mx.float32), (batch, H, N, N))
 
-    def __call__(self, x, v_first, cache=None):
-        """x ``[B, T, C]`` (already normalised). ``cache``: the block's ArraysCache, whose
-        slot 0 is the token-shift vector and slot 1 the WKV state. Returns (out, v_first)."""
+    def __call__(self, x, v_first, shift, state):
+        """x ``[B, T, C]`` (already normalised); ``shift [B, 1, C]`` the previous token's x;
+        ``state [B, H, N, N]`` float32. Returns (out, v_first, new shift, new state)."""
         B, T, C = x.shape
         H, N = self.n_heads, self.head_size
-        xx = token_shift(x, None if cache is None else cache[0]) - x
+        xx = token_shift(x, shift) - x  # [B, T, C]
         r = self.receptance(x + xx * self.x_r).reshape(B, T, H, N)
         k = self.key(x + xx * self.x_k).reshape(B, T, H, N)
         v = self.value(x + xx * self.x_v).reshape(B, T, H, N)
-        z = self.decay(x + xx * self.x_w).astype(mx.float32)
+        z = self.decay(x + xx * self.x_w).astype(mx.float32)  # [B, T, C]
         log_w = (-DECAY_SCALE * mx.sigmoid(z)).reshape(B, T, H, N)
         a = mx.sigmoid(self.iclr(x + xx * self.x_a)).reshape(B, T, H, N)
         kk = (k * self.k_k.reshape(H, N)).astype(mx.float32)
         kk = kk / mx.maximum(mx.linalg.norm(kk, axis=-1, keepdims=True), KK_NORM_FLOOR)
-        kk = kk.astype(k.dtype)
+        kk = kk.astype(k.dtype)  # [B, T, H, N], unit length per head
         k = k * (1 + (a - 1) * self.k_a.reshape(H, N))
-        if self.layer_id == 0:
+        if self.rwkv_index == 0:
             v_first = v
         else:
             mix = mx.sigmoid(self.value_mix(x + xx * self.x_v)).reshape(B, T, H, N)
             v = v + (v_first - v) * mix
-        state = None if cache is None else cache[1]
-        if state is None:
-            state = self.initial_state(B)
-        y, state = wkv7(r, log_w, k, v, -kk, kk * a, state)
+        y, state = wkv7(r, log_w, k, v, -kk, kk * a, state)  # y [B, T, H, N]
         o = self.ln_x(y) if self.use_ln_x else y.reshape(B, T, C)
         bonus = (r * k * self.r_k).sum(axis=-1, keepdims=True) * v  # [B, T, H, N]
         o = o + bonus.reshape(B, T, C)
         if self.use_gate:
             o = o * self.gate(x + xx * self.x_g)
-        if cache is not None:
-            cache[0] = x[:, -1:]
-            cache[1] = state
-        return self.output(o), v_first
+        return self.output(o), v_first, x[:, -1:], state
 
 
 class ChannelMix(nn.Module):
@@ -152,12 +149,12 @@ class ChannelMix(nn.Module):
         self.key = nn.Linear(C, F, bias=False)
         self.value = nn.Linear(F, C, bias=False)
 
-    def __call__(self, x, cache=None, slot: int = 2):
-        """x ``[B, T, C]``; ``cache[slot]`` holds the previous token's x."""
-        xx = token_shift(x, None if cache is None else cache[slot]) - x
-        if cache is not None:
-            cache[slot] = x[:, -1:]
-        return self.value(mx.square(nn.relu(self.key(x + xx * self.x_k))))
+    def __call__(self, x, shift):
+        """x ``[B, T, C]``, ``shift [B, 1, C]`` the previous token's x. Returns (out, new
+        shift)."""
+        xx = token_shift(x, shift) - x
+        k = mx.square(nn.relu(self.key(x + xx * self.x_k)))  # [B, T, F]
+        return self.value(k), x[:, -1:]
 
 
 class SwiGLU(nn.Module):
@@ -169,7 +166,7 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(dims, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dims, bias=False)
 
-    def __call__(self, x, cache=None):
+    def __call__(self, x):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -181,10 +178,27 @@ def make_norm(kind: str, dims: int, cfg: ModelConfig) -> nn.Module:
     )
 
 
+def state_problem(state, expected: dict) -> str | None:
+    """Why a block's ``state`` does not have the arrays of ``expected`` (name -> shape), or
+    None. Shapes only: no array is read."""
+    if not isinstance(state, dict) or set(state) != set(expected):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        return f"expected a state with {sorted(expected)}, got {got}"
+    for name, shape in expected.items():
+        x = state[name]
+        got = tuple(x.shape) if isinstance(x, mx.array) else type(x).__name__
+        if got != tuple(shape):
+            return (
+                f"{name} has shape {got} where {tuple(shape)} belongs (a state from another "
+                "model or batch size?)"
+            )
+    return None
+
+
 class RWKV7Block(nn.Module):
     """``h = h + TMix(ln1(h)); h = h + FFN(ln2(h))``. RWKV-7: LayerNorm and channel-mix;
-    ARWKV (RFA): RMSNorm and SwiGLU. Cache: ArraysCache of 3 (time-mix shift, WKV state,
-    channel-mix shift)."""
+    ARWKV (RFA): RMSNorm and SwiGLU. State: the time-mix token shift and WKV state, and the
+    channel-mix token shift (none for SwiGLU)."""
 
     kind = "rwkv7"
 
@@ -198,22 +212,32 @@ class RWKV7Block(nn.Module):
         else:
             self.ffn = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def cache_problem(self, cache, batch: int) -> str | None:
-        """Why ``cache`` cannot continue this block for ``batch`` rows (None if it can)."""
-        if not isinstance(cache, ArraysCache) or len(cache.cache) != 3:
-            return f"expected an ArraysCache of 3 arrays, got {type(cache).__name__}"
-        tm = self.tmix
-        state_shape = (batch, tm.n_heads, tm.head_size, tm.head_size)
-        shift_shape = (batch, 1, tm.n_heads * tm.head_size)
-        for slot, want in ((0, shift_shape), (1, state_shape), (2, shift_shape)):
-            if cache[slot] is not None and tuple(cache[slot].shape) != want:
-                return (
-                    f"holds an array of shape {tuple(cache[slot].shape)} where {want} belongs "
-                    "(a cache from another model or batch size?)"
-                )
-        return None
+    def _state_shapes(self, batch: int) -> dict:
+        H, N = self.tmix.n_heads, self.tmix.head_size
+        shapes = {"tmix_shift": (batch, 1, H * N), "wkv": (batch, H, N, N)}
+        if isinstance(self.ffn, ChannelMix):
+            shapes["ffn_shift"] = (batch, 1, H * N)
+        return shapes
 
-    def __call__(self, h, v_first, cache=None):
-        dh, v_first = self.tmix(self.ln1(h), v_first, cache)
+    def init_state(self, batch: int) -> dict:
+        """The state at the start of a text: zero token shifts, the initial WKV state."""
+        dtype = self.ln1.weight.dtype
+        state = {n: mx.zeros(s, dtype=dtype) for n, s in self._state_shapes(batch).items()}
+        state["wkv"] = self.tmix.initial_state(batch)
+        return state
+
+    def state_problem(self, state, batch: int) -> str | None:
+        return state_problem(state, self._state_shapes(batch))
+
+    def __call__(self, h, v_first, state):
+        """h ``[B, T, C]`` -> (h, v_first, new state)."""
+        dh, v_first, tmix_shift, wkv = self.tmix(
+            self.ln1(h), v_first, state["tmix_shift"], state["wkv"]
+        )
         h = h + dh
-        return h + self.ffn(self.ln2(h), cache), v_first
+        new = {"tmix_shift": tmix_shift, "wkv": wkv}
+        if "ffn_shift" in state:
+            dh, new["ffn_shift"] = self.ffn(self.ln2(h), state["ffn_shift"])
+        else:
+            dh = self.ffn(self.ln2(h))
+        return h + dh, v_first, new

@@ -1,23 +1,32 @@
-"""Pure differentiable functions: WKV7 (``mlx_rwkvx.ops.wkv7``) and MoBA attention
-(``mlx_rwkvx.ops.moba_attention``), their decode steps, and their kernel builders.
+"""Pure differentiable functions, one package per op: ``wkv7`` (the RWKV-7 recurrence) and
+``moba`` (MoBA sparse attention), each with its contract, reference, fast path, kernel wrapper
+and dispatcher; ``dispatch.prepare()`` runs the kernels' self-checks up front. The kernel sources
+live in ``mlx_rwkvx.metal`` (importable without MLX)."""
 
-The functions are imported on first use: ``mlx_rwkvx.ops.kernels`` (the kernel sources) must
-stay importable without MLX, on the GPU machines where the CUDA flavour is tested through CuPy.
-"""
+from mlx_rwkvx.ops.dispatch import prepare
+from mlx_rwkvx.ops.moba import (
+    append_kv,
+    empty_kv,
+    moba_attention,
+    moba_attention_blockwise,
+    moba_attention_ref,
+    moba_decode,
+    moba_kernel,
+)
+from mlx_rwkvx.ops.wkv7 import wkv7, wkv7_chunked, wkv7_kernel, wkv7_ref, wkv7_step
 
-_EXPORTS = {
-    "wkv7": "mlx_rwkvx.ops.wkv",
-    "wkv7_step": "mlx_rwkvx.ops.wkv",
-    "moba_attention": "mlx_rwkvx.ops.moba",
-    "moba_decode": "mlx_rwkvx.ops.moba",
-    "MobaKVCache": "mlx_rwkvx.ops.moba",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'mlx_rwkvx.ops' has no attribute {name!r}")
+__all__ = [
+    "append_kv",
+    "empty_kv",
+    "moba_attention",
+    "moba_attention_blockwise",
+    "moba_attention_ref",
+    "moba_decode",
+    "moba_kernel",
+    "prepare",
+    "wkv7",
+    "wkv7_chunked",
+    "wkv7_kernel",
+    "wkv7_ref",
+    "wkv7_step",
+]

@@ -1,13 +1,27 @@
-"""The kernel self-check the op dispatchers share: on first use per shape class, a kernel is
-run against its ops path on a tiny problem; if they disagree it is never used again, with one
-warning (the fallback is always exact, only slower)."""
+"""The one dispatcher both ops use: an implementation named by the caller (``impl=``) or by
+the op's environment variable, else the kernel where the device has one and it passed its
+self-check, else the op's own choice among its MLX paths.
+
+A kernel's self-check runs it against the exact MLX path on a tiny problem, outputs and
+gradients, once per shape class (head size, dtype). ``prepare()`` runs them all up front (the
+CLIs and the trainer call it before compiling; ``info --selfcheck`` reports it); otherwise a
+check runs the first time a shape class is used, but never inside ``mx.compile`` or another
+function transformation, where the call takes the MLX path and one warning says to call
+``prepare()`` first. A kernel that disagrees is never used again (one warning): the fallback is
+always exact, only slower.
+"""
 
 from __future__ import annotations
 
+import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+
+from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES
 
 import mlx.core as mx
+
+KERNEL = "kernel"
 
 
 def agree(a: Sequence[mx.array], b: Sequence[mx.array], tol: float) -> bool:
@@ -20,22 +34,100 @@ def agree(a: Sequence[mx.array], b: Sequence[mx.array], tol: float) -> bool:
     return True
 
 
-class SelfCheck:
-    """Remembers, per key (e.g. head size and dtype), whether ``check()`` passed."""
+def in_transformation(x: mx.array) -> bool:
+    """Whether ``x`` is being traced by ``mx.compile`` (or vmap), where nothing may be read
+    back. Evaluates ``x`` otherwise (only ever on a kernel's first use)."""
+    try:
+        mx.eval(x)
+    except ValueError as e:
+        if "function transformations" in str(e):
+            return True
+        raise
+    return False
 
-    def __init__(self, kernel: str, fallback: str):
-        self.kernel, self.fallback = kernel, fallback
-        self.results: dict = {}
 
-    def passes(self, key, check: Callable[[], bool]) -> bool:
+class Dispatcher:
+    """One op's implementations (name -> function taking checked arguments) and the rule that
+    picks one. ``self_check(key, kernel, exact)`` runs the kernel implementation against the
+    exact one (``fallback``) for a shape class ``key`` and says whether they agree;
+    ``kernel_available()`` whether the device has a kernel."""
+
+    def __init__(
+        self,
+        op: str,
+        impls: dict[str, Callable],
+        *,
+        env_var: str,
+        fallback: str,
+        kernel_available: Callable[[], bool],
+        self_check: Callable[[Hashable, Callable, Callable], bool],
+    ):
+        self.op, self.impls, self.env_var, self.fallback = op, impls, env_var, fallback
+        self.kernel_available, self._self_check = kernel_available, self_check
+        self.results: dict[Hashable, bool] = {}
+        self._warned_trace = False
+        DISPATCHERS[op] = self
+
+    def forced(self, impl: str | None) -> str | None:
+        """The implementation named by ``impl`` or else the environment variable, or None."""
+        name = impl or os.environ.get(self.env_var) or None
+        if name is None:
+            return None
+        if name not in self.impls:
+            source = "impl" if impl else self.env_var
+            raise ValueError(f"{self.op}: {source}={name!r}: expected one of {sorted(self.impls)}")
+        if name == KERNEL and not self.kernel_available():
+            raise RuntimeError(f"{self.op}: {KERNEL} asked for, but this device has no kernel")
+        return name
+
+    def kernel_passes(self, key: Hashable) -> bool:
+        """The self-check of ``key``, run once and remembered."""
         if key not in self.results:
-            ok = bool(check())
+            ok = bool(self._self_check(key, self.impls[KERNEL], self.impls[self.fallback]))
             if not ok:
                 warnings.warn(
-                    f"mlx_rwkvx: the {self.kernel} kernel {key} disagrees with the {self.fallback} "
+                    f"mlx_rwkvx: the {self.op} kernel {key} disagrees with the {self.fallback} "
                     f"path on this device; using the {self.fallback} path instead",
                     RuntimeWarning,
-                    stacklevel=4,
+                    stacklevel=2,
                 )
             self.results[key] = ok
         return self.results[key]
+
+    def pick(self, impl: str | None, key: Hashable, probe: mx.array, default: str) -> str:
+        """The implementation for one call: forced, else the kernel if it passed its check for
+        ``key``, else ``default``. ``probe`` (an input) tells whether this is a traced call."""
+        name = self.forced(impl)
+        if name is not None:
+            return name
+        if not self.kernel_available():
+            return default
+        if key not in self.results and in_transformation(probe):
+            if not self._warned_trace:
+                self._warned_trace = True
+                warnings.warn(
+                    f"mlx_rwkvx: the {self.op} kernel is unchecked inside mx.compile: this call "
+                    "takes the MLX path; call mlx_rwkvx.ops.prepare() before compiling",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return default
+        return KERNEL if self.kernel_passes(key) else default
+
+
+DISPATCHERS: dict[str, Dispatcher] = {}
+
+
+def prepare(
+    head_sizes: Sequence[int] = HEAD_SIZES, dtypes: Sequence[mx.Dtype] = FLOAT_DTYPES
+) -> list[tuple[str, int, mx.Dtype, bool]]:
+    """Run every kernel's self-check for these head sizes and dtypes now (nothing where the
+    device has no kernel). Returns ``(op, head size, dtype, passed)`` per check."""
+    report = []
+    for op, dispatcher in sorted(DISPATCHERS.items()):
+        if not dispatcher.kernel_available():
+            continue
+        for size in head_sizes:
+            for dtype in dtypes:
+                report.append((op, size, dtype, dispatcher.kernel_passes((size, dtype))))
+    return report

@@ -1,12 +1,12 @@
 """The kernel entries of ``metal/`` as MLX custom kernels, shared by the ops that have one
-(``wkv7_kernel.py``, ``moba_kernel.py``): which GPU backend MLX offers here, and the kernel
-objects built for it once. ``kernels.py`` assembles the sources without importing mlx."""
+(``wkv7/kernel.py``, ``moba/kernel.py``): which GPU backend MLX offers here, and the kernel
+objects built for it once. ``mlx_rwkvx.metal.sources`` assembles the sources without MLX."""
 
 from __future__ import annotations
 
 import functools
 
-from mlx_rwkvx.ops import kernels
+from mlx_rwkvx.metal import sources
 
 import mlx.core as mx
 
@@ -35,8 +35,8 @@ def make_kernels(entry_names: tuple[str, ...], backend: str | None) -> tuple | N
         return None
     built = []
     for name in entry_names:
-        entry = kernels.entry(name)
-        header, source = kernels.mlx_parts(backend, entry)
+        entry = sources.entry(name)
+        header, source = sources.mlx_parts(backend, entry)
         built.append(
             make(
                 name=entry.kernel,

@@ -4,9 +4,8 @@ imports mlx: the lent GPU machine has CuPy but no MLX."""
 
 from __future__ import annotations
 
-from mlx_rwkvx.ops import kernels
-
 import pytest
+from kernel_harness import sources as standalone
 
 
 def cuda_launcher(entries, instances):
@@ -18,8 +17,8 @@ def cuda_launcher(entries, instances):
             pytest.skip("no CUDA device")
     except cp.cuda.runtime.CUDARuntimeError as err:
         pytest.skip(f"no usable CUDA device: {err}")
-    code = kernels.standalone_source("cuda", entries, instances)
-    names = [kernels.instance_name(e, d, n) for e in entries for d, n in instances]
+    code = standalone.standalone_source("cuda", entries, instances)
+    names = [standalone.instance_name(e, d, n) for e in entries for d, n in instances]
     try:
         module = cp.RawModule(code=code, options=("-std=c++17",))
         functions = {name: module.get_function(name) for name in names}

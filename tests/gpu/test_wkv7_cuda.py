@@ -3,11 +3,10 @@ first against the float64 oracle, then timed. Run with tests/gpu/run.sh."""
 
 import time
 
-from mlx_rwkvx.ops import kernels
-
 import numpy as np
 import pytest
 from common import cuda_launcher, device_ms, error_line
+from kernel_harness import sources as standalone
 from kernel_harness import wkv7 as harness
 from oracle.wkv7 import random_wkv7_inputs
 
@@ -85,8 +84,8 @@ def test_cuda_timing(cuda, T, dtype):
         + grads
         + [cp.zeros(mat, np.float32), scratch]
     )
-    fwd_name = kernels.instance_name(harness.FWD, dtype, N)
-    bwd_name = kernels.instance_name(harness.BWD, dtype, N)
+    fwd_name = standalone.instance_name(harness.FWD, dtype, N)
+    bwd_name = standalone.instance_name(harness.BWD, dtype, N)
     t0 = time.perf_counter()
     fwd_ms = device_ms(cp, lambda: launch(fwd_name, B * H, N, fwd_args), reps=20)
     bwd_ms = device_ms(cp, lambda: launch(bwd_name, B * H, N, bwd_args), reps=20)

@@ -3,8 +3,8 @@ the storage of each dtype, and an entry's buffers. Never imports mlx (tests/gpu/
 MLX).
 
 A *launch* is ``launch(name, groups, threads, arrays)``: run the standalone function ``name``
-(``kernels.instance_name``) on ``groups`` threadgroups of ``threads`` threads, with ``arrays`` the
-entry's inputs then outputs, in order; outputs are written in place.
+(``sources.instance_name``) on ``groups`` threadgroups of ``threads`` threads, with ``arrays``
+the entry's inputs then outputs, in order; outputs are written in place.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CPU flavour of the kernels: one C++ file assembled by ``kernels.standalone_source``,
+"""The CPU flavour of the kernels: one C++ file assembled by ``standalone.standalone_source``,
 compiled with the system C++ compiler into a shared library and called through ctypes."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from mlx_rwkvx.ops import kernels
+from kernel_harness import sources as standalone
+from mlx_rwkvx.metal import sources
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def build(entries, instances, cache_dir: Path) -> ctypes.CDLL:
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or clang++) found")
-    source = kernels.standalone_source("cpu", entries, instances)
+    source = standalone.standalone_source("cpu", entries, instances)
     key = hashlib.sha256("\0".join([cxx, *CXX_FLAGS, source]).encode()).hexdigest()[:16]
     lib_path = cache_dir / f"kernels_cpu_{key}.so"
     if not lib_path.exists():
@@ -70,7 +71,7 @@ def fixture_launch(request, tmp_path_factory, entries, sizes):
     a C++ compiler."""
     if compiler() is None:
         pytest.skip("no C++ compiler (g++ or clang++): the CPU flavour cannot be built")
-    instances = [(d, n) for d in kernels.DTYPES for n in sizes]
+    instances = [(d, n) for d in sources.DTYPES for n in sizes]
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
     where = cache.mkdir("kernels_cpu") if cache else tmp_path_factory.mktemp("kernels_cpu")
     return launcher(build(entries, instances, where))

@@ -4,8 +4,9 @@ Never imports mlx (tests/gpu/ runs it without MLX)."""
 
 from __future__ import annotations
 
+from kernel_harness import sources as standalone
 from kernel_harness.common import TOL, check_errors, entry_arrays, from_storage, host, to_storage
-from mlx_rwkvx.ops import kernels
+from mlx_rwkvx.metal import sources
 
 import numpy as np
 from oracle.attention import (
@@ -17,9 +18,9 @@ from oracle.attention import (
 )
 from oracle.common import rel_err
 
-FWD = kernels.entry("moba_fwd.h")
-DQ = kernels.entry("moba_bwd_dq.h")
-DKV = kernels.entry("moba_bwd_dkv.h")
+FWD = sources.entry("moba_fwd.h")
+DQ = sources.entry("moba_bwd_dq.h")
+DKV = sources.entry("moba_bwd_dkv.h")
 ENTRIES = (FWD, DQ, DKV)
 OUTPUTS = ("out", "lse")
 GRADS = ("dq", "dk", "dv")
@@ -101,7 +102,7 @@ def plan(x: dict, chunk_size: int, scale: float, dtype: str, xp=np):
     ):
         arrays = entry_arrays(e, dtype, values, shapes, xp, ready=made)
         made |= dict(zip(e.output_names, arrays[len(e.inputs) :], strict=True))
-        launches.append((kernels.instance_name(e, dtype, N), groups, N, arrays))
+        launches.append((standalone.instance_name(e, dtype, N), groups, N, arrays))
     return launches, made
 
 

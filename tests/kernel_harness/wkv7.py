@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import re
 
+from kernel_harness import sources as standalone
 from kernel_harness.common import TOL, check_errors, entry_arrays, from_storage, host, to_storage
-from mlx_rwkvx.ops import kernels
+from mlx_rwkvx.metal import sources
 
 import numpy as np
 from oracle.common import rel_err
 from oracle.wkv7 import WKV7_INPUTS, wkv7_bwd_np, wkv7_np
 
-FWD = kernels.entry("wkv7_fwd.h")
-BWD = kernels.entry("wkv7_bwd.h")
+FWD = sources.entry("wkv7_fwd.h")
+BWD = sources.entry("wkv7_bwd.h")
 ENTRIES = (FWD, BWD)
-SEG = int(re.search(r"#define WKV7_SEG (\d+)", kernels.kernel_source("wkv7.h")).group(1))
+SEG = int(re.search(r"#define WKV7_SEG (\d+)", sources.kernel_source("wkv7.h")).group(1))
 GRAD_NAMES = (*WKV7_INPUTS, "state")
 
 
@@ -29,7 +30,7 @@ def run(launch, inputs: dict, dy: np.ndarray, dstate: np.ndarray, dtype: str, xp
     dims = np.array([T, H], dtype=np.int32)
     fwd_shapes = {"y": seq, "state_out": mat, "ckpt": (B, H, n_seg, N, N), "sa": seq}
     fwd_arrays = entry_arrays(FWD, dtype, {**inputs, "dims": dims}, fwd_shapes, xp)
-    launch(kernels.instance_name(FWD, dtype, N), B * H, N, fwd_arrays)
+    launch(standalone.instance_name(FWD, dtype, N), B * H, N, fwd_arrays)
     out = dict(zip(FWD.output_names, fwd_arrays[len(FWD.inputs) :], strict=True))
 
     bwd_shapes = {name: seq for name in ("dr", "dlog_w", "dk", "dv", "da", "db")}
@@ -38,7 +39,7 @@ def run(launch, inputs: dict, dy: np.ndarray, dstate: np.ndarray, dtype: str, xp
     # the forward's saved tensors go in as they came out
     saved = {name: out[name] for name in ("ckpt", "sa")}
     bwd_arrays = entry_arrays(BWD, dtype, values, bwd_shapes, xp, ready=saved)
-    launch(kernels.instance_name(BWD, dtype, N), B * H, N, bwd_arrays)
+    launch(standalone.instance_name(BWD, dtype, N), B * H, N, bwd_arrays)
     grads = dict(zip(BWD.output_names, bwd_arrays[len(BWD.inputs) :], strict=True))
 
     result = {"y": from_storage(host(out["y"]), dtype)}

@@ -1,105 +1,25 @@
-"""WKV7, the RWKV-7 recurrence: step-loop reference, chunked fast path, kernels, dispatcher.
+"""WKV7 by chunks: batched matmuls for all chunks at once plus a short state scan, with a hand
+VJP of the scan (derivation in README.md beside this file).
 
 Per batch row and head, with ``S[i, j]`` (i = value index, j = key index):
 
     sa = S a_t;   S = S diag(exp(log_w_t)) + v_t k_t^T + sa b_t^T;   y_t = S r_t
-
-The chunked formulation and its backward are derived in ``ops/README.md``.
 """
 
 from __future__ import annotations
 
-import os
-
-from mlx_rwkvx import _runtime
-from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES, SELF_CHECK_TOL, fast_exp, require_arrays
-from mlx_rwkvx.ops.dispatch import SelfCheck, agree
+from mlx_rwkvx.ops.common import fast_exp
+from mlx_rwkvx.ops.wkv7.contract import check_inputs, zero_state
 
 import mlx.core as mx
-
-_runtime.configure()
 
 # Decays below exp(-16) = 1.1e-7 per step are taken as exp(-16): what the state keeps of itself
 # differs by < 1.1e-7, below float32 resolution, and this bound keeps every exponential factor
 # of the chunked path inside [e^-64, e^64] (``SUB // 2`` steps either side of a reference).
 LOG_W_MIN = -16.0
-CHUNK = 16  # time steps per chunk of the state scan (measured fastest here: 16 vs 32 vs 64)
+CHUNK = 16  # time steps per chunk of the state scan (the fastest of 16, 32, 64: BENCHMARKS.md)
 SUB = 8  # time steps per sub-block sharing one exponential reference point
 REF = SUB // 2 - 1  # the reference: the cumulative log-decay after this step of the sub-block
-_NAMES = ("r", "log_w", "k", "v", "a", "b")
-
-
-def _check(r, log_w, k, v, a, b, state) -> None:
-    """One ValueError naming the first argument whose shape or dtype does not fit (TypeError
-    for one that is not an mx.array)."""
-    require_arrays("wkv7", dict(zip(_NAMES, (r, log_w, k, v, a, b), strict=True)), state=state)
-    if r.ndim != 4:
-        raise ValueError(f"wkv7: r must be [B, T, H, N], got shape {tuple(r.shape)}")
-    B, T, H, N = r.shape
-    if T < 1 or N not in HEAD_SIZES:
-        raise ValueError(
-            f"wkv7: r must be [B, T>=1, H, N] with N in {HEAD_SIZES}, got shape {tuple(r.shape)}"
-        )
-    for name, x in zip(_NAMES, (r, log_w, k, v, a, b), strict=True):
-        if tuple(x.shape) != (B, T, H, N):
-            raise ValueError(
-                f"wkv7: {name} has shape {tuple(x.shape)}, expected {(B, T, H, N)} (that of r)"
-            )
-        if name == "log_w":
-            if x.dtype != mx.float32:
-                raise ValueError(
-                    f"wkv7: log_w has dtype {x.dtype}, expected float32 (the log-decay is "
-                    "always float32)"
-                )
-        elif x.dtype not in FLOAT_DTYPES:
-            raise ValueError(
-                f"wkv7: {name} has dtype {x.dtype}, expected one of float32, bfloat16, float16"
-            )
-        elif x.dtype != r.dtype:
-            raise ValueError(f"wkv7: {name} has dtype {x.dtype}, expected {r.dtype} (that of r)")
-    if state is not None:
-        if tuple(state.shape) != (B, H, N, N):
-            raise ValueError(f"wkv7: state has shape {tuple(state.shape)}, expected {(B, H, N, N)}")
-        if state.dtype != mx.float32:
-            raise ValueError(f"wkv7: state has dtype {state.dtype}, expected float32")
-
-
-def _zero_state(r: mx.array) -> mx.array:
-    B, _, H, N = r.shape
-    return mx.zeros((B, H, N, N), dtype=mx.float32)
-
-
-def wkv7_step(r, log_w, k, v, a, b, state) -> tuple[mx.array, mx.array]:
-    """One decode step. r, log_w, k, v, a, b ``[B, H, N]``, state ``[B, H, N, N]`` float32.
-
-    Returns (y ``[B, H, N]`` in r's dtype, new state float32).
-    """
-    f32 = [x.astype(mx.float32) for x in (r, k, v, a, b)]
-    r32, k32, v32, a32, b32 = f32
-    w = mx.exp(log_w.astype(mx.float32))
-    sa = (state @ a32[..., None])[..., 0]  # [B, H, N]
-    state = (
-        state * w[..., None, :]
-        + v32[..., :, None] * k32[..., None, :]
-        + sa[..., :, None] * b32[..., None, :]
-    )
-    y = (state @ r32[..., None])[..., 0]
-    return y.astype(r.dtype), state
-
-
-def wkv7_ref(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
-    """The step loop in MLX ops: the reference every fast path is tested against.
-
-    Inputs ``[B, T, H, N]`` (log_w float32), state ``[B, H, N, N]`` float32 or None (zeros).
-    Returns (y ``[B, T, H, N]`` in r's dtype, final state float32). Differentiable by autograd.
-    """
-    _check(r, log_w, k, v, a, b, state)
-    state = _zero_state(r) if state is None else state
-    ys = []
-    for t in range(r.shape[1]):
-        y, state = wkv7_step(r[:, t], log_w[:, t], k[:, t], v[:, t], a[:, t], b[:, t], state)
-        ys.append(y)
-    return mx.stack(ys, axis=1), state
 
 
 def _unit_lower_inverse(A: mx.array) -> mx.array:
@@ -152,7 +72,7 @@ def _chunk_maps(r, log_w, k, v, a, b):
 
     Inputs ``[..., L, N]`` float32 (L = CHUNK). With S_c the state entering a chunk, the chunk
     gives ``S_next = S_c P + U`` and ``Y = Y0 + Qm S_c^T``. Returns P, U ``[..., N, N]`` and
-    Qm, Y0 ``[..., L, N]``. See ops/README.md for the derivation and the exponent bounds.
+    Qm, Y0 ``[..., L, N]``. See README.md for the derivation and the exponent bounds.
     """
     *pre, L, N = r.shape
     nq = L // SUB
@@ -278,84 +198,12 @@ def wkv7_chunked(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
     the reverse state scan plus one batched ``mx.vjp`` of the chunk maps. Memory kept for the
     backward: the inputs and one N x N state per chunk.
     """
-    _check(r, log_w, k, v, a, b, state)
-    state = _zero_state(r) if state is None else state
+    check_inputs(r, log_w, k, v, a, b, state)
+    return chunked(r, log_w, k, v, a, b, state)
+
+
+def chunked(r, log_w, k, v, a, b, state) -> tuple[mx.array, mx.array]:
+    """``wkv7_chunked`` without the argument checks (the dispatcher ran them)."""
+    state = zero_state(r) if state is None else state
     y, state_out, *_ = _wkv7_chunked_core(r, log_w, k, v, a, b, state)
     return y, state_out
-
-
-ENV_VAR = "MLX_RWKVX_WKV7"
-# Below this many steps the step loop beats the chunked path (measured here, H=8, N=64:
-# forward 1.6 vs 2.5 ms at T=8, 3.2 vs 1.8 ms at T=16; fwd+bwd likewise).
-REF_MAX_T = 8
-_self_check = SelfCheck("WKV7", "chunked")
-
-
-def _kernel_fn():
-    from mlx_rwkvx.ops.mlx_kernels import kernel_backend
-    from mlx_rwkvx.ops.wkv7_kernel import wkv7_kernel
-
-    return wkv7_kernel if kernel_backend() is not None else None
-
-
-def _self_check_inputs(N: int, dtype) -> list:
-    keys = mx.random.split(mx.random.key(0), 7)
-    shape = (1, 37, 2, N)
-    r, k, v = (mx.random.uniform(-0.5, 0.5, shape, key=keys[i]) for i in range(3))
-    kk = mx.random.normal(shape, key=keys[3])
-    kk = kk / mx.linalg.norm(kk, axis=-1, keepdims=True)
-    log_w = mx.log(mx.random.uniform(0.5, 0.999, shape, key=keys[4]))
-    b = kk * mx.random.uniform(shape=shape, key=keys[5])
-    state = mx.random.uniform(-0.5, 0.5, (1, 2, N, N), key=keys[6])
-    args = [x.astype(dtype) for x in (r, log_w, k, v, -kk, b)] + [state]
-    args[1] = log_w
-    return args
-
-
-def _outputs_and_grads(fn, args) -> list:
-    def loss(*xs):
-        y, s = fn(*xs)
-        return y.astype(mx.float32).sum() + s.sum()
-
-    return [*fn(*args), *mx.grad(loss, argnums=list(range(7)))(*args)]
-
-
-def _kernel_passes_self_check(N: int, dtype) -> bool:
-    """Once per (N, dtype): the kernel against the chunked path, outputs and gradients."""
-
-    def check() -> bool:
-        args = _self_check_inputs(N, dtype)
-        tol = SELF_CHECK_TOL[dtype]
-        mine = _outputs_and_grads(_kernel_fn(), args)
-        return agree(mine, _outputs_and_grads(wkv7_chunked, args), tol)
-
-    return _self_check.passes((N, dtype), check)
-
-
-def wkv7(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
-    """WKV7 over a sequence. r, log_w, k, v, a, b ``[B, T, H, N]``; state ``[B, H, N, N]``.
-
-    ``log_w <= 0`` is the log of the decay and must be float32 (bf16 would round a decay of
-    0.999 to 1). r, k, v, a, b may be float32, bfloat16 or float16; the state and every
-    accumulation are float32. Returns (y ``[B, T, H, N]`` in r's dtype, final state float32).
-
-    Picks the kernel where the device has one and it passed its self-check, else the step loop
-    for T <= REF_MAX_T, else the chunked path; ``MLX_RWKVX_WKV7=ref|chunked|kernel`` forces one.
-    """
-    choice = os.environ.get(ENV_VAR, "")
-    if choice == "kernel":
-        kernel = _kernel_fn()
-        if kernel is None:
-            raise RuntimeError(f"{ENV_VAR}=kernel, but this device has no WKV7 kernel (Metal/CUDA)")
-        return kernel(r, log_w, k, v, a, b, state)
-    if choice:
-        if choice not in ("ref", "chunked"):
-            raise ValueError(f"{ENV_VAR}={choice!r}: expected one of chunked, kernel, ref")
-        impl = wkv7_ref if choice == "ref" else wkv7_chunked
-        return impl(r, log_w, k, v, a, b, state)
-    _check(r, log_w, k, v, a, b, state)
-    if _kernel_fn() is not None and _kernel_passes_self_check(r.shape[-1], r.dtype):
-        return _kernel_fn()(r, log_w, k, v, a, b, state)
-    if r.shape[1] <= REF_MAX_T:
-        return wkv7_ref(r, log_w, k, v, a, b, state)
-    return wkv7_chunked(r, log_w, k, v, a, b, state)

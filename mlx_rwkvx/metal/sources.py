@@ -1,5 +1,6 @@
 """Kernel bodies shipped in ``mlx_rwkvx/metal/``, read with ``importlib.resources``, and their
-assembly per flavour. Never imports mlx: the CuPy harness on a GPU machine without MLX uses it.
+assembly for MLX. Never imports mlx: the CuPy harness on a GPU machine without MLX uses it
+(tests/kernel_harness/sources.py assembles the standalone CUDA and C++ files the tests compile).
 
 Each kernel is one body written over a small macro vocabulary; a prelude per flavour
 (``prelude_metal.h``, ``prelude_cuda.h``, ``prelude_cpu.h``) defines that vocabulary. An *entry*
@@ -16,12 +17,6 @@ from importlib import resources
 
 FLAVOURS = ("metal", "cuda", "cpu")
 DTYPES = ("float32", "bfloat16", "float16")
-# C names of each dtype: what MLX writes in the signatures it generates, and the CPU storage types.
-C_TYPES = {
-    "metal": {"float32": "float", "bfloat16": "bfloat16_t", "float16": "float16_t", "int32": "int"},
-    "cuda": {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int"},
-    "cpu": {"float32": "float", "bfloat16": "kcpu::bf16", "float16": "kcpu::f16", "int32": "int"},
-}
 # Parameter types an entry may declare: the template dtype, or a fixed one.
 _PARAM_DTYPES = {"float": "float32", "int": "int32"}
 _TEMPLATE_DTYPE = "InT"
@@ -109,51 +104,3 @@ def mlx_parts(flavour: str, e: Entry) -> tuple[str, str]:
     header = prelude(flavour) + "\n" + kernel_source(e.body)
     source = (prelude(flavour) + "\n" if flavour == "metal" else "") + e.text
     return header, source
-
-
-def instance_name(e: Entry, dtype: str, n: int) -> str:
-    """Name of the standalone function for ``InT = dtype``, ``N = n``: ``wkv7_fwd_float32_64``."""
-    return f"{e.kernel}_{dtype}_{n}"
-
-
-def standalone_source(flavour: str, entries, instances) -> str:
-    """One compilable CUDA or C++ file: prelude, bodies, and one ``extern "C"`` function per entry
-    and ``(dtype, N)`` in ``instances``, whose signature is the one MLX would write.
-
-    CUDA: a ``__global__`` kernel, launched with grid and block as MLX launches it. CPU: a
-    function ``name(unsigned groups, params...)`` that runs ``groups`` threadgroups of N threads.
-    """
-    if flavour not in ("cuda", "cpu"):
-        raise ValueError(f"standalone sources are 'cuda' or 'cpu', got {flavour!r}")
-    entries = list(entries)
-    types = C_TYPES[flavour]
-    parts = [prelude(flavour)]
-    for body in dict.fromkeys(e.body for e in entries):
-        parts.append(kernel_source(body))
-    for e in entries:
-        for dtype, n in instances:
-            params = [f"const {types[e.dtype_of(t, dtype)]}* {name}" for name, t in e.inputs] + [
-                f"{types[e.dtype_of(t, dtype)]}* {name}" for name, t in e.outputs
-            ]
-            consts = f"    using InT = {types[dtype]};\n    constexpr int N = {n};\n"
-            name = instance_name(e, dtype, n)
-            if flavour == "cuda":
-                parts.append(
-                    f'extern "C" __global__ void {name}(\n    '
-                    + ",\n    ".join(params)
-                    + ") {\n"
-                    + consts
-                    + e.text
-                    + "}\n"
-                )
-            else:
-                parts.append(
-                    f'extern "C" void {name}(\n    unsigned groups,\n    '
-                    + ",\n    ".join(params)
-                    + ") {\n"
-                    + consts
-                    + "    kcpu::launch(groups, N, [&] {\n"
-                    + e.text
-                    + "    });\n}\n"
-                )
-    return "\n".join(parts)

@@ -1,6 +1,6 @@
 """MoBA's selected-chunk attention as GPU kernels (Metal or CUDA), from ``metal/moba.h``.
 
-Same contract as ``moba._sparse_fn``: each query row (b, t, h) reads the key chunks of its slots
+Same contract as ``blockwise.sparse_fn``: each query row (b, t, h) reads the key chunks of its slots
 ``chunk, limit [B, T, Hq, S]`` int32 (the keys may be a longer prefix: the queries are their last
 T). The forward runs one threadgroup per query row (online softmax over tiles of D keys) and saves
 the log-sum-exp; the backward is two kernels: dq per query row (it also saves
@@ -16,6 +16,8 @@ import functools
 
 from mlx_rwkvx.ops.common import HEAD_SIZES
 from mlx_rwkvx.ops.mlx_kernels import kernel_backend, make_kernels
+from mlx_rwkvx.ops.moba.blockwise import sparse_attention
+from mlx_rwkvx.ops.moba.contract import check_inputs
 
 import mlx.core as mx
 
@@ -56,7 +58,7 @@ def _pair_index(chunk: mx.array, limit: mx.array, n_kv_heads: int, n_keys: int, 
     return pairs, offsets
 
 
-def _check(q, k, v, chunk, limit) -> None:
+def check_slots(q, k, v, chunk, limit) -> None:
     """One ValueError naming the first argument that does not fit the kernels."""
     if q.ndim != 4 or q.shape[-1] not in HEAD_SIZES:
         raise ValueError(
@@ -100,7 +102,7 @@ def _consts(q, k, chunk, cs: int, scale: float):
 def _moba_kernel_fn(cs: int, scale: float):
     @mx.custom_function
     def moba_slots_kernel(q, k, v, chunk, limit):
-        _check(q, k, v, chunk, limit)
+        check_slots(q, k, v, chunk, limit)
         forward, _, _ = _kernels()
         B, T, Hq, D = q.shape
         R = B * T * Hq
@@ -163,13 +165,13 @@ def _moba_kernel_fn(cs: int, scale: float):
 
 def moba_kernel_fn(chunk_size: int, scale: float):
     """MoBA attention over given chunk slots by GPU kernels: the drop-in for
-    ``moba._sparse_fn(chunk_size, scale)``.
+    ``blockwise.sparse_fn(chunk_size, scale)``.
 
     Returns an ``mx.custom_function`` ``(q, k, v, chunk, limit) -> (out, lse)``: q
     ``[B, T, Hq, D]``, k, v ``[B, Tk, Hkv, D]`` with Tk >= T (float32, bfloat16 or float16, all
     alike; Hkv dividing Hq; D in 16, 32, 64, 128), chunk and limit ``[B, T, Hq, S]`` int32 (slot
     s of row (b, t, h) reads keys ``chunk * chunk_size + j`` for ``0 <= j <= limit``; limit < 0:
-    empty; the slots carry causality, see ``moba._slots``).
+    empty; the slots carry causality, see ``selection.slots``).
     out has q's dtype, lse ``[B * T * Hq]`` is the float32 log-sum-exp of the row's scaled
     scores; softmax and every sum are float32. Its VJP (two kernels) gives exact dq, dk, dv for
     the slots, lse's cotangent included. Raises RuntimeError where MLX has no Metal or CUDA
@@ -181,3 +183,25 @@ def moba_kernel_fn(chunk_size: int, scale: float):
             "or moba_attention here"
         )
     return _moba_kernel_fn(int(chunk_size), float(scale))
+
+
+def available(head_dim: int | None = None) -> bool:
+    """Whether this device has the MoBA kernels (for ``head_dim``, when given)."""
+    return _kernels() is not None and (head_dim is None or head_dim in HEAD_SIZES)
+
+
+def moba_kernel(q, k, v, *, chunk_size: int, top_k: int, scale=None) -> mx.array:
+    """MoBA with the selected-chunk attention in one Metal/CUDA kernel per direction; the
+    contract of ``moba_attention``. RuntimeError where the device has no kernel."""
+    check_inputs(q, k, v, chunk_size, top_k)
+    return attention(q, k, v, chunk_size, top_k, scale)
+
+
+def attention(q, k, v, chunk_size: int, top_k: int, scale=None) -> mx.array:
+    """``moba_kernel`` without the argument checks (the dispatcher ran them)."""
+    if not available(q.shape[-1]):
+        raise RuntimeError(
+            f"moba_kernel needs MLX with a Metal or CUDA device and a head dim in {HEAD_SIZES} "
+            f"(got {q.shape[-1]})"
+        )
+    return sparse_attention(q, k, v, chunk_size, top_k, scale, moba_kernel_fn)

@@ -10,7 +10,7 @@ tests (tests/test_kernels_wkv7.py); see ``mlx_rwkvx/metal/wkv7.h`` for the layou
 from __future__ import annotations
 
 from mlx_rwkvx.ops.mlx_kernels import kernel_backend, make_kernels
-from mlx_rwkvx.ops.wkv import _check, _zero_state
+from mlx_rwkvx.ops.wkv7.contract import check_inputs, zero_state
 
 import mlx.core as mx
 
@@ -85,11 +85,21 @@ def wkv7_kernel(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
     w.r.t. all seven inputs (the VJP is the backward kernel). Raises RuntimeError where MLX has
     no Metal or CUDA backend.
     """
-    _check(r, log_w, k, v, a, b, state)
-    if _kernels() is None:
+    check_inputs(r, log_w, k, v, a, b, state)
+    return kernel(r, log_w, k, v, a, b, state)
+
+
+def available() -> bool:
+    """Whether this device has the WKV7 kernels (Metal or CUDA)."""
+    return _kernels() is not None
+
+
+def kernel(r, log_w, k, v, a, b, state) -> tuple[mx.array, mx.array]:
+    """``wkv7_kernel`` without the argument checks (the dispatcher ran them)."""
+    if not available():
         raise RuntimeError(
             "wkv7_kernel needs MLX with a Metal or CUDA device; use wkv7_chunked or wkv7 here"
         )
-    state = _zero_state(r) if state is None else state
+    state = zero_state(r) if state is None else state
     y, state_out, _, _ = _wkv7_kernel_core(r, log_w, k, v, a, b, state)
     return y, state_out

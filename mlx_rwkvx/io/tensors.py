@@ -1,0 +1,118 @@
+"""Reading tensors: safetensors files (whole and lazily, or a block of rows of one tensor straight
+from disk), sharded folders, and BlinkDL's ``.pth`` (without torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from mlx_rwkvx.io.atomic import TMP_TAG, CheckpointError
+from mlx_rwkvx.io.pth import PthError, read_pth
+
+import mlx.core as mx
+import numpy as np
+
+ADAPTERS_FILE = "adapters.safetensors"  # beside a model's weights, never part of them
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map
+
+
+def read_safetensors(path: str) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Tensors and metadata of one ``.safetensors`` file (lazy: read when evaluated)."""
+    try:
+        tensors, metadata = mx.load(path, return_metadata=True)
+    except Exception as e:  # MLX raises RuntimeError/ValueError for damaged files
+        raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
+    return tensors, metadata or {}
+
+
+_ST_DTYPES = {
+    "F32": ("<f4", None),
+    "F16": ("<f2", None),
+    "BF16": ("<u2", mx.bfloat16),
+    "I32": ("<i4", None),
+    "U32": ("<u4", None),
+    "I8": ("i1", None),
+    "U8": ("u1", None),
+}
+
+
+def read_rows(path: str, name: str, start: int, stop: int) -> mx.array:
+    """Rows ``start:stop`` of tensor ``name`` of a ``.safetensors`` file, read from disk alone
+    (a big embedding can be quantized a slice at a time, never whole in floating point)."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        info = header[name]
+        np_dtype, view = _ST_DTYPES[info["dtype"]]
+        shape = info["shape"]
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(np_dtype).itemsize
+        f.seek(8 + header_len + info["data_offsets"][0] + start * row_bytes)
+        raw = f.read((stop - start) * row_bytes)
+    x = mx.array(np.frombuffer(raw, dtype=np_dtype).reshape(stop - start, *shape[1:]))
+    return x.view(view) if view is not None else x
+
+
+def read_folder_safetensors(folder: str) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The tensors of a (possibly sharded) Hugging Face folder, and the file of each tensor.
+
+    With ``model.safetensors.index.json`` exactly the files it lists are read, and every
+    tensor must sit in the file the index names (as transformers reads it); without one, every
+    ``*.safetensors`` but adapters and interrupted saves (``.tmp-`` names)."""
+    index_path = os.path.join(folder, INDEX_FILE)
+    weight_map = None
+    if os.path.exists(index_path):
+        weight_map = _read_index(index_path)
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: no 'weight_map' of tensor names to files")
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not os.path.exists(os.path.join(folder, n))]
+        if missing:
+            raise CheckpointError(f"{index_path}: lists shards that are missing: {missing}")
+    else:
+        names = sorted(
+            n
+            for n in os.listdir(folder)
+            if n.endswith(".safetensors") and n != ADAPTERS_FILE and TMP_TAG not in n
+        )
+    if not names:
+        raise CheckpointError(f"{folder}: no .safetensors weights in the folder")
+    tensors: dict[str, mx.array] = {}
+    files: dict[str, str] = {}
+    for name in names:
+        part, _ = read_safetensors(os.path.join(folder, name))
+        twice = sorted(set(part) & set(tensors))
+        if twice:
+            raise CheckpointError(f"{folder}: tensors {twice[:4]} are in more than one shard")
+        tensors.update(part)
+        files.update(dict.fromkeys(part, os.path.join(folder, name)))
+    if weight_map is not None:
+        misplaced = sorted(n for n in tensors if weight_map.get(n) != os.path.basename(files[n]))
+        unlisted = sorted(set(weight_map) - set(tensors))
+        if misplaced or unlisted:
+            raise CheckpointError(
+                f"{index_path}: does not match its shards (tensors not where it says: "
+                f"{misplaced[:4]}; listed but absent: {unlisted[:4]})"
+            )
+    return tensors, files
+
+
+def read_pth_tensors(path: str) -> dict[str, mx.array]:
+    """The tensors of a ``.pth`` (bfloat16 ones as bfloat16), read without torch."""
+    try:
+        state = read_pth(path)
+    except PthError as e:
+        raise CheckpointError(str(e)) from e
+    out = {}
+    for name, t in state.items():
+        x = mx.array(t.array)
+        out[name] = x.view(mx.bfloat16) if t.bfloat16 else x
+    return out
+
+
+def _read_index(path: str):
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read JSON ({e})") from e
+    return index.get("weight_map") if isinstance(index, dict) else None

@@ -1,0 +1,1 @@
+"""Kernel bodies (``*.h``) and their assembly (``sources``); importing this never imports MLX."""

@@ -1,0 +1,93 @@
+"""INT8 (and INT4) weights: what is quantized, and the one path that quantizes a model, layer
+by layer, from its own weights or from blocks of rows drawn or read one at a time (so that no
+float copy of a big matrix exists: a seeded init, a checkpoint read row-wise)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+QUANTIZE_BITS = {"int8": 8, "int4": 4}
+
+
+def quantize_bits(quantize) -> int | None:
+    """``None``, ``"int8"``/``"int4"`` (or 8/4) -> bits. Anything else is a ValueError (a bare
+    ``True`` would otherwise read as 1 bit)."""
+    if quantize is None:
+        return None
+    if isinstance(quantize, str) and quantize in QUANTIZE_BITS:
+        return QUANTIZE_BITS[quantize]
+    if type(quantize) is int and quantize in QUANTIZE_BITS.values():
+        return quantize
+    raise ValueError(
+        f"quantize must be one of {sorted(QUANTIZE_BITS)} (or 8, 4) or None, got {quantize!r}"
+    )
+
+
+GROUP_SIZE = 64
+# RWKV-7's low-rank projections are small and sensitive: they stay in floating point
+_LOW_RANK = (".decay.", ".iclr.", ".value_mix.", ".gate.")
+
+
+def quantizable(group_size: int = GROUP_SIZE):
+    """The predicate ``(path, module) -> bool`` of what is quantized: every large projection,
+    the head and the embedding whose input width is a multiple of ``group_size``; not RWKV-7's
+    low-rank matrices."""
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            return False
+        if any(s in path for s in _LOW_RANK):
+            return False
+        return module.weight.shape[-1] % group_size == 0
+
+    return predicate
+
+
+def quantize_blocks(blocks: list, bits: int, group_size: int = GROUP_SIZE):
+    """``mx.quantize`` of a matrix given as blocks of rows (arrays, or objects with ``shape``
+    and ``read()`` that load theirs when its turn comes), one block at a time into preallocated
+    outputs, each float block dropped once done (quantization groups lie within rows: the same
+    result as quantizing the whole). Returns (weight, scales, biases)."""
+    rows = sum(b.shape[0] for b in blocks)
+    out, start = None, 0
+    for i in range(len(blocks)):
+        block, blocks[i] = blocks[i], None
+        if not isinstance(block, mx.array):
+            block = block.read()
+        parts = mx.quantize(block, group_size, bits)
+        if out is None:
+            out = [mx.zeros((rows, *p.shape[1:]), dtype=p.dtype) for p in parts]
+        n = block.shape[0]
+        for o, p in zip(out, parts, strict=True):
+            o[start : start + n] = p  # in place: the output is its only reference
+        mx.eval(out)
+        start += n
+        del block, parts
+    return tuple(out)
+
+
+def quantize_model(
+    model: nn.Module,
+    bits: int,
+    group_size: int = GROUP_SIZE,
+    weights: Callable[[str, nn.Module], list | None] | None = None,
+) -> nn.Module:
+    """Quantize ``model``'s large projections, head and embedding in place (``quantizable``),
+    one layer at a time. ``weights(path, module)``, asked before anything changes, gives that
+    layer's float weight as blocks of rows (see ``quantize_blocks``), or None for the module's
+    own weight. Returns the model."""
+    predicate = quantizable(group_size)
+    targets = {p for p, m in model.named_modules() if predicate(p, m)}
+    sources = {p: weights(p, m) for p, m in model.named_modules() if p in targets and weights}
+    nn.quantize(model, group_size, bits, class_predicate=lambda p, m: p in targets)
+    for path, module in model.named_modules():
+        if path not in targets:
+            continue
+        if sources.get(path) is not None:
+            blocks = sources.pop(path)
+            module.weight, module.scales, module.biases = quantize_blocks(blocks, bits, group_size)
+        mx.eval(module.parameters())  # one layer's float weight at a time, then dropped
+    return model

@@ -1,0 +1,96 @@
+"""MoBA sparse attention: per query and head, its own chunk plus the top-k earlier chunks
+(fla's layout: one package per op).
+
+Per query t (chunk c_t = t // chunk_size) and query head h: keys s <= t of chunk c_t are always
+attended; each earlier chunk c < c_t gets the gate <q_t, mean of chunk c's keys>, and the top_k
+highest (ties: the lower chunk index) are attended too. ``top_k <= 0`` or ``top_k >=`` the number
+of earlier chunks means full causal attention. The selection is held fixed in the backward.
+
+Layouts: q ``[B, T, Hq, D]``, k and v ``[B, S, Hkv, D]`` with Hq a multiple of Hkv (GQA: query
+head h reads kv head h // (Hq // Hkv)). Scores, softmax and accumulation are float32.
+
+- ``contract.py``: the argument checks, run once per call;
+- ``selection.py``: the chunk selection and the (query, chunk) slots;
+- ``naive.py``: ``moba_attention_ref``, dense attention with the mask built explicitly;
+- ``blockwise.py``: ``moba_attention_blockwise``, the fast MLX path;
+- ``kernel.py``: ``moba_kernel``, Metal/CUDA kernels (bodies in ``mlx_rwkvx/metal/``);
+- ``decode.py``: a KV cache as plain arrays and one-token ``moba_decode``;
+- here: ``moba_attention``, the dispatcher.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from mlx_rwkvx.ops.common import SELF_CHECK_TOL
+from mlx_rwkvx.ops.dispatch import KERNEL, Dispatcher, agree
+from mlx_rwkvx.ops.moba import blockwise, kernel, naive
+from mlx_rwkvx.ops.moba.blockwise import moba_attention_blockwise
+from mlx_rwkvx.ops.moba.contract import check_inputs
+from mlx_rwkvx.ops.moba.decode import append_kv, empty_kv, moba_decode, time_major
+from mlx_rwkvx.ops.moba.kernel import moba_kernel
+from mlx_rwkvx.ops.moba.naive import moba_attention_ref
+from mlx_rwkvx.ops.moba.selection import moba_selection, selection_mask
+
+import mlx.core as mx
+
+__all__ = [
+    "append_kv",
+    "empty_kv",
+    "moba_attention",
+    "moba_attention_blockwise",
+    "moba_attention_ref",
+    "moba_decode",
+    "moba_kernel",
+    "moba_selection",
+    "selection_mask",
+    "time_major",
+]
+
+ENV_VAR = "MLX_RWKVX_MOBA"
+
+
+def _self_check(key, kernel_impl, exact_impl) -> bool:
+    """The kernel against the blockwise path for ``key = (D, dtype)``, outputs and gradients."""
+    D, dtype = key
+    keys = mx.random.split(mx.random.key(0), 3)
+    q = mx.random.normal((1, 50, 4, D), key=keys[0]).astype(dtype)
+    k, v = (mx.random.normal((1, 50, 2, D), key=key).astype(dtype) for key in keys[1:])
+
+    def run(impl):
+        f = functools.partial(impl, chunk_size=8, top_k=2)
+        grads = mx.grad(lambda *a: f(*a).astype(mx.float32).sum(), argnums=(0, 1, 2))
+        return [f(q, k, v), *grads(q, k, v)]
+
+    return agree(run(kernel_impl), run(exact_impl), SELF_CHECK_TOL[dtype])
+
+
+DISPATCH = Dispatcher(
+    "moba",
+    {"ref": naive.dense, "blockwise": blockwise.attention, KERNEL: kernel.attention},
+    env_var=ENV_VAR,
+    fallback="blockwise",
+    kernel_available=kernel.available,
+    self_check=_self_check,
+)
+
+
+def moba_attention(q, k, v, *, chunk_size: int, top_k: int, scale=None, impl: str | None = None):
+    """MoBA sparse causal attention (see the module docstring for the selection rule).
+
+    q ``[B, T, Hq, D]``, k and v ``[B, S, Hkv, D]`` (S >= T: the queries are the last T of S
+    positions; Hq a multiple of Hkv), float32, bfloat16 or float16; scale defaults to
+    1/sqrt(D). Softmax and accumulation in float32; returns ``[B, T, Hq, D]`` in q's dtype.
+    Gradients w.r.t. q, k, v are exact for the selection, which is held fixed.
+
+    ``impl`` (``"ref"``, ``"blockwise"``, ``"kernel"``), else ``MLX_RWKVX_MOBA``, picks the
+    implementation; by default the kernel where the device has one for this head dim and it
+    passed its self-check, else the blockwise path.
+    """
+    check_inputs(q, k, v, chunk_size, top_k)
+    D = q.shape[-1]
+    if kernel.available(D):
+        name = DISPATCH.pick(impl, (D, q.dtype), q, "blockwise")
+    else:
+        name = DISPATCH.forced(impl) or "blockwise"
+    return DISPATCH.impls[name](q, k, v, chunk_size, top_k, scale)

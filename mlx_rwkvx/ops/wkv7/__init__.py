@@ -1,0 +1,85 @@
+"""WKV7, the RWKV-7 recurrence (fla's layout: one package per op).
+
+- ``contract.py``: the argument checks, run once per call;
+- ``naive.py``: ``wkv7_ref`` (the step loop, the reference) and ``wkv7_step`` (decode);
+- ``chunk.py``: ``wkv7_chunked``, the fast MLX path (derivation in README.md);
+- ``kernel.py``: ``wkv7_kernel``, one Metal/CUDA kernel per direction (bodies in
+  ``mlx_rwkvx/metal/``);
+- here: ``wkv7``, the dispatcher.
+"""
+
+from __future__ import annotations
+
+from mlx_rwkvx.ops.common import SELF_CHECK_TOL
+from mlx_rwkvx.ops.dispatch import KERNEL, Dispatcher, agree
+from mlx_rwkvx.ops.wkv7 import chunk, kernel, naive
+from mlx_rwkvx.ops.wkv7.chunk import CHUNK, wkv7_chunked
+from mlx_rwkvx.ops.wkv7.contract import check_inputs
+from mlx_rwkvx.ops.wkv7.kernel import wkv7_kernel
+from mlx_rwkvx.ops.wkv7.naive import wkv7_ref, wkv7_step
+
+import mlx.core as mx
+
+__all__ = ["CHUNK", "wkv7", "wkv7_chunked", "wkv7_kernel", "wkv7_ref", "wkv7_step"]
+
+ENV_VAR = "MLX_RWKVX_WKV7"
+# Up to this many steps the step loop beats the chunked path (BENCHMARKS.md, wkv7 section)
+REF_MAX_T = 8
+
+
+def _self_check_inputs(N: int, dtype) -> list:
+    keys = mx.random.split(mx.random.key(0), 7)
+    shape = (1, 37, 2, N)
+    r, k, v = (mx.random.uniform(-0.5, 0.5, shape, key=keys[i]) for i in range(3))
+    kk = mx.random.normal(shape, key=keys[3])
+    kk = kk / mx.linalg.norm(kk, axis=-1, keepdims=True)
+    log_w = mx.log(mx.random.uniform(0.5, 0.999, shape, key=keys[4]))
+    b = kk * mx.random.uniform(shape=shape, key=keys[5])
+    state = mx.random.uniform(-0.5, 0.5, (1, 2, N, N), key=keys[6])
+    args = [x.astype(dtype) for x in (r, log_w, k, v, -kk, b)] + [state]
+    args[1] = log_w
+    return args
+
+
+def _outputs_and_grads(fn, args) -> list:
+    def loss(*xs):
+        y, s = fn(*xs)
+        return y.astype(mx.float32).sum() + s.sum()
+
+    return [*fn(*args), *mx.grad(loss, argnums=list(range(7)))(*args)]
+
+
+def _self_check(key, kernel_impl, exact_impl) -> bool:
+    """The kernel against the chunked path for ``key = (N, dtype)``, outputs and gradients."""
+    N, dtype = key
+    args = _self_check_inputs(N, dtype)
+    mine = _outputs_and_grads(kernel_impl, args)
+    return agree(mine, _outputs_and_grads(exact_impl, args), SELF_CHECK_TOL[dtype])
+
+
+DISPATCH = Dispatcher(
+    "wkv7",
+    {"ref": naive.step_loop, "chunked": chunk.chunked, KERNEL: kernel.kernel},
+    env_var=ENV_VAR,
+    fallback="chunked",
+    kernel_available=kernel.available,
+    self_check=_self_check,
+)
+
+
+def wkv7(r, log_w, k, v, a, b, state=None, *, impl: str | None = None):
+    """WKV7 over a sequence. r, log_w, k, v, a, b ``[B, T, H, N]``; state ``[B, H, N, N]``.
+
+    ``log_w <= 0`` is the log of the decay and must be float32 (bf16 would round a decay of
+    0.999 to 1). r, k, v, a, b may be float32, bfloat16 or float16; the state and every
+    accumulation are float32. Returns (y ``[B, T, H, N]`` in r's dtype, final state float32).
+    Differentiable w.r.t. all seven inputs.
+
+    ``impl`` (``"ref"``, ``"chunked"``, ``"kernel"``), else ``MLX_RWKVX_WKV7``, picks the
+    implementation; by default the kernel where the device has one and it passed its
+    self-check, else the step loop for T <= REF_MAX_T, else the chunked path.
+    """
+    check_inputs(r, log_w, k, v, a, b, state)
+    default = "ref" if r.shape[1] <= REF_MAX_T else "chunked"
+    name = DISPATCH.pick(impl, (r.shape[-1], r.dtype), r, default)
+    return DISPATCH.impls[name](r, log_w, k, v, a, b, state)

@@ -246,12 +246,16 @@ WKV7 = {
         base=(1024, 8),
         matmul_n=2048,
         bmm_batch=2048,
+        crossover=[4, 8, 12, 16, 32],  # T: the step loop against the chunked path, H=8
+        chunk_T=1024,  # the chunk lengths compared at this T, H=8
     ),
     "quick": dict(
         shapes=[(32, 2), (64, 2), (128, 2), (256, 2), (64, 6)],
         verify=(100, 2),
         base=(64, 2),
         matmul_n=256,
+        crossover=[4, 16],
+        chunk_T=64,
         bmm_batch=128,
     ),
 }
@@ -386,6 +390,7 @@ def measure_wkv7(quick: bool = False) -> dict:
         )
     return {
         "verify": verify,
+        "choices": _wkv7_choices(cfg),
         "N": WKV7_N,
         "slow_loop_head_steps": SLOW_LOOP_HEAD_STEPS,
         "matmul_n": cfg["matmul_n"],
@@ -394,6 +399,69 @@ def measure_wkv7(quick: bool = False) -> dict:
         "base": list(cfg["base"]),
         "rows": rows,
     }
+
+
+CHUNK_LENGTHS = (16, 32, 64)
+
+
+def _wkv7_choices(cfg: dict) -> dict:
+    """What the code's two constants rest on: up to which T the dispatcher takes the step loop
+    (REF_MAX_T), and the chunk length of the chunked path (CHUNK); each candidate verified
+    against the step loop first."""
+    from mlx_rwkvx.ops.wkv7 import REF_MAX_T, chunk, wkv7_ref
+
+    crossover = []
+    for T in cfg["crossover"]:
+        xs = wkv7_inputs(T, 8)
+        crossover.append(
+            {
+                "T": T,
+                "ref_fwd": _measure(_fwd(wkv7_ref, xs), 5)["time"],
+                "chunked_fwd": _measure(_fwd(chunk.chunked, xs), 5)["time"],
+                "ref_fb": _measure(_fwd_bwd(wkv7_ref, xs), 5)["time"],
+                "chunked_fb": _measure(_fwd_bwd(chunk.chunked, xs), 5)["time"],
+            }
+        )
+    lengths, chosen = [], chunk.CHUNK
+    xs = wkv7_inputs(cfg["chunk_T"], 8)
+    want = wkv7_ref(*wkv7_inputs(64, 2))[0]
+    try:
+        for L in CHUNK_LENGTHS:
+            chunk.CHUNK = L
+            err = rel_err(chunk.chunked(*wkv7_inputs(64, 2))[0], want)
+            if not err <= 2e-6:
+                raise VerificationFailed(f"wkv7 chunked with chunks of {L}: y off by {err:.1e}")
+            fb = _measure(_fwd_bwd(chunk.chunked, xs), 3)["time"]
+            lengths.append({"L": L, "fwd": _measure(_fwd(chunk.chunked, xs), 3)["time"], "fb": fb})
+    finally:
+        chunk.CHUNK = chosen
+    return {
+        "ref_max_t": REF_MAX_T,
+        "crossover": crossover,
+        "chunk": chosen,
+        "chunk_T": cfg["chunk_T"],
+        "lengths": lengths,
+    }
+
+
+def _render_wkv7_choices(c: dict) -> list[str]:
+    lines = [
+        f"What two constants of `ops/wkv7` rest on (H=8, N={WKV7_N}, best of 5 / 3): the "
+        f"dispatcher takes the step loop up to T = REF_MAX_T = {c['ref_max_t']}, then the "
+        f"chunked path, whose chunks are CHUNK = {c['chunk']} steps.",
+        "",
+        "| T | step loop fwd | chunked fwd | step loop fwd+bwd | chunked fwd+bwd |",
+        "|---|---|---|---|---|",
+    ]
+    for row in c["crossover"]:
+        lines.append(
+            f"| {row['T']} | {row['ref_fwd'] * 1e3:.2f} ms | {row['chunked_fwd'] * 1e3:.2f} ms | "
+            f"{row['ref_fb'] * 1e3:.2f} ms | {row['chunked_fb'] * 1e3:.2f} ms |"
+        )
+    lines += ["", f"| chunk length (T={c['chunk_T']}) | fwd | fwd+bwd |", "|---|---|---|"]
+    for row in c["lengths"]:
+        lines.append(f"| {row['L']} | {row['fwd'] * 1e3:.1f} ms | {row['fb'] * 1e3:.1f} ms |")
+    return lines + [""]
 
 
 def _loop_peak_estimate(rows: list, key: str, T: int, H: int) -> float | None:
@@ -511,6 +579,7 @@ def render_wkv7(r: dict) -> list[str]:
             False,
         ),
     ]
+    lines += ["", *_render_wkv7_choices(r["choices"])]
     return lines + goal_lines(goals)
 
 

@@ -521,3 +521,30 @@ def test_model_checks_token_ids_without_crashing():
     lines = out.stdout.splitlines()
     assert lines[0] == "model: token id 1000000 is outside the vocabulary (0 .. 255)"
     assert lines[1] == "True False"  # unchecked: the bad position is NaN, the others are not
+
+
+def test_load_without_a_tokenizer(tmp_path):
+    # training code and tools that bring their own tokenizer: no tokenizer needed or made
+    cfg = ModelConfig(vocab_size=1000, hidden_size=32, head_size=16, block_types=["rwkv7"])
+    model = Model(cfg, seed=2)
+    mlx_rwkvx.save(model, tmp_path / "m")
+    with pytest.raises(CheckpointError, match="no tokenizer.json beside the checkpoint"):
+        mlx_rwkvx.load(tmp_path / "m")
+    loaded, tokenizer = mlx_rwkvx.load(tmp_path / "m", tokenizer=False)
+    assert tokenizer is None and same_model(loaded, model)
+    assert same_model(mlx_rwkvx.load_model(tmp_path / "m"), model)
+
+
+def test_convert_shows_a_bug_as_a_traceback(tmp_path, monkeypatch):
+    # only errors a user can cause become one line and exit 2; a bug keeps its traceback
+    from mlx_rwkvx import convert as convert_cli
+
+    mlx_rwkvx.save(Model(rwkv7_cfg()), tmp_path / "src")
+
+    def broken(*args, **kwargs):
+        raise ValueError("an internal inconsistency")
+
+    monkeypatch.setattr(convert_cli, "write_native", broken)
+    monkeypatch.setitem(convert_cli.WRITERS, "native", broken)
+    with pytest.raises(ValueError, match="an internal inconsistency"):
+        convert_cli.main([str(tmp_path / "src"), str(tmp_path / "dst")])

@@ -258,3 +258,12 @@ def test_under_compile_equals_eager(case):
     assert abs(comp_loss.item() - eager_loss.item()) <= 1e-6 * abs(eager_loss.item())
     for name, a, b in zip("qkv", comp_grads, eager_grads, strict=True):
         assert rel_err(np.array(a), np.array(b)) <= 1e-6, name
+
+
+def test_argument_checks_run_once_per_call(monkeypatch):
+    checks = []
+    real = M.check_inputs
+    monkeypatch.setattr(M, "check_inputs", lambda *a: checks.append(1) or real(*a))
+    _, args, cs, top_k = make(CASES["sparse"])
+    M.moba_attention(*args, chunk_size=cs, top_k=top_k)
+    assert checks == [1]

@@ -78,7 +78,32 @@ def test_bad_cache_limit_is_one_clear_error():
     assert "MLX_RWKVX_CACHE_LIMIT='lots': expected a number of bytes" in out.stderr
 
 
-def test_info_selfcheck_reports_the_kernels(capsys):
+def test_info_selfcheck_reports_the_kernels(capsys, monkeypatch):
+    # on this CPU: no kernels, said so
     info.main(["--no-timing", "--selfcheck"])
-    out = capsys.readouterr().out
-    assert "kernels" in out
+    assert (
+        "kernels    none on Device(cpu, 0): the ops run their MLX paths" in capsys.readouterr().out
+    )
+    # as on a GPU whose WKV7 kernel is right and whose MoBA kernel is wrong (stand-ins for them)
+    import importlib
+
+    from mlx_rwkvx.ops import mlx_kernels
+    from mlx_rwkvx.ops.dispatch import KERNEL
+
+    W = importlib.import_module("mlx_rwkvx.ops.wkv7")
+    M = importlib.import_module("mlx_rwkvx.ops.moba")
+
+    def wrong_moba(q, k, v, chunk_size, top_k, scale=None):
+        return M.blockwise.attention(q, k, v, chunk_size, top_k, scale) * 1.2  # off in bf16 too
+
+    monkeypatch.setattr(mlx_kernels, "kernel_backend", lambda: "metal")
+    for dispatcher, kernel in ((W.DISPATCH, W.chunk.chunked), (M.DISPATCH, wrong_moba)):
+        monkeypatch.setattr(dispatcher, "kernel_available", lambda: True)
+        monkeypatch.setattr(dispatcher, "impls", {**dispatcher.impls, KERNEL: kernel})
+        monkeypatch.setattr(dispatcher, "results", {})
+    with pytest.warns(RuntimeWarning, match="moba kernel"):
+        info.main(["--no-timing", "--selfcheck"])
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("kernels")]
+    assert len(lines) == 16  # two ops, four head sizes, float32 and bfloat16
+    assert all(x.endswith(": ok") for x in lines if " wkv7 " in x), lines
+    assert all(x.endswith("FAILED (the blockwise path is used)") for x in lines if " moba " in x)

@@ -76,6 +76,88 @@ def _orthogonal(seed: int, name: str, shape, gain: float) -> mx.array:
     return gain * (q if rows >= cols else q.T)
 
 
+# RWKV-7's published pretraining init (BlinkDL's RWKV-LM, x070), by name
+LERP_EXPONENTS = {"x_r": 0.2, "x_w": 0.9, "x_k": 0.7, "x_v": 0.7, "x_a": 0.9, "x_g": 0.2}
+DECAY_FLOOR = -6.0  # w0 runs from here up to DECAY_FLOOR + DECAY_SPAN across channels
+DECAY_SPAN = 6.0
+DECAY_OFFSET, DECAY_ZIGZAG = 0.5, 2.5  # added to w0, and the zigzag over each head's channels
+ICLR_BIAS, ICLR_ZIGZAG, ICLR_LINEAR = -0.19, 0.3, 0.4  # a0
+VALUE_MIX_BIAS, VALUE_MIX_LINEAR = 0.73, -0.4  # v0
+K_K_BIAS, K_K_LINEAR = 0.71, -0.1
+K_A = 1.02
+R_K = -0.04
+LOW_RANK_UP_GAIN = 0.1  # the low-rank ``up`` matrices: orthogonal times this; ``down``: zero
+PROJECTION_BOUND = 0.5  # projections U(+-PROJECTION_BOUND / sqrt(fan in))
+KEY_BOUND = 0.05  # the time-mix key: U(+-KEY_BOUND / sqrt(C))
+EMBED_BOUND = 1e-4
+HEAD_GAIN = 0.5  # orthogonal times HEAD_GAIN * sqrt(vocab / C) (or HEAD_GAIN if vocab <= C)
+# residual branches end in zero projections: every block starts as the identity
+ZERO_OUTPUTS = ("o_proj", "down_proj", "ffn.value")
+
+
+def _channels(C: int, N: int) -> dict[str, mx.array]:
+    """Per-channel ramps of the init: position p = c / C, a centred linear ramp, and a zigzag
+    over each head's channels (squared, sign kept)."""
+    c = mx.arange(C, dtype=mx.float32)
+    zigzag = ((c % N) - (N - 1) / 2) / ((N - 1) / 2)
+    return {
+        "c": c,
+        "p": c / C,
+        "linear": c / (C - 1) - 0.5,
+        "zigzag": zigzag * mx.abs(zigzag),
+    }
+
+
+def _pretrain_generic(model: nn.Module, seed: int) -> None:
+    """Norms at 1 and 0; projections U(+-0.5/sqrt(fan in)), biases zero; the projections that
+    end a residual branch zero."""
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm, HeadNorm)):
+            module["weight"] = mx.ones_like(module.weight)
+            if "bias" in module:
+                module["bias"] = mx.zeros_like(module.bias)
+        elif isinstance(module, nn.Linear):
+            bound = PROJECTION_BOUND / math.sqrt(module.weight.shape[1])
+            module["weight"] = _uniform(seed, path, module.weight.shape, 2 * bound)
+            if "bias" in module:
+                module["bias"] = mx.zeros_like(module.bias)
+            if path.endswith(ZERO_OUTPUTS):
+                module["weight"] = mx.zeros_like(module.weight)
+
+
+def _pretrain_time_mix(tm: TimeMix, i: int, n: int, ch: dict, seed: int) -> None:
+    """The time-mix of RWKV block ``i`` of ``n``."""
+    C = ch["c"].shape[0]
+    r01, r10 = i / max(n - 1, 1), 1.0 - i / n
+    for name, exponent in LERP_EXPONENTS.items():
+        if name in tm:
+            tm[name] = 1.0 - mx.power(ch["p"], exponent * r10)
+    decay = DECAY_FLOOR + DECAY_SPAN * mx.power(ch["c"] / (C - 1), 1 + r01**0.3)
+    tm.decay.up.bias = decay + DECAY_OFFSET + DECAY_ZIGZAG * ch["zigzag"]
+    tm.iclr.up.bias = ICLR_BIAS + ICLR_ZIGZAG * ch["zigzag"] + ICLR_LINEAR * ch["linear"]
+    lows = [("decay", tm.decay), ("iclr", tm.iclr)]
+    if "value_mix" in tm:
+        tm.value_mix.up.bias = VALUE_MIX_BIAS + VALUE_MIX_LINEAR * ch["linear"]
+        lows.append(("value_mix", tm.value_mix))
+    if "gate" in tm:
+        lows.append(("gate", tm.gate))
+    for name, low in lows:
+        low.down.weight = mx.zeros_like(low.down.weight)
+        low.up.weight = _orthogonal(seed, f"{i}.{name}", low.up.weight.shape, LOW_RANK_UP_GAIN)
+    tm.k_k = K_K_BIAS + K_K_LINEAR * ch["linear"]
+    tm.k_a = mx.full((C,), K_A)
+    tm.r_k = mx.full(tm.r_k.shape, R_K)
+    tm.key.weight = _uniform(seed, f"{i}.key", tm.key.weight.shape, 2 * KEY_BOUND / math.sqrt(C))
+    tm.output.weight = mx.zeros_like(tm.output.weight)
+
+
+def _pretrain_channel_mix(cm: ChannelMix, i: int, n: int, ch: dict) -> None:
+    """The channel-mix of RWKV block ``i`` of ``n``: lerp ``1 - p^(r10^4)``, value zero."""
+    r10 = 1.0 - i / n
+    cm.x_k = 1.0 - mx.power(ch["p"], r10**4)
+    cm.value.weight = mx.zeros_like(cm.value.weight)
+
+
 def init_pretrain(model: nn.Module, seed: int = 0) -> nn.Module:
     """RWKV-7's published pretraining init (BlinkDL's RWKV-LM x070), in place.
 
@@ -84,62 +166,22 @@ def init_pretrain(model: nn.Module, seed: int = 0) -> nn.Module:
     ``v0``, ``k_k``, ``k_a = 1.02``, ``r_k = -0.04``; low-rank ``down`` zero and ``up`` orthogonal
     x0.1; receptance/value U(+-0.5/sqrt C), key U(+-0.05/sqrt C), output and channel-mix value
     zero; embedding U(+-1e-4); head orthogonal x0.5 sqrt(vocab / C). Norms start at 1 and 0.
-    Attention blocks: projections U(+-0.5/sqrt C), their output projections zero.
+    Attention blocks: projections U(+-0.5/sqrt C), their output projections zero. The numbers
+    are the named constants above.
     """
     cfg = model.config
-    C, N = cfg.hidden_size, cfg.head_size
-    init_seeded(model, seed)
-    for path, module in model.named_modules():
-        if isinstance(module, (nn.LayerNorm, nn.RMSNorm, HeadNorm)):
-            module["weight"] = mx.ones_like(module.weight)
-            if "bias" in module:
-                module["bias"] = mx.zeros_like(module.bias)
-        elif isinstance(module, nn.Linear):
-            bound = 0.5 / math.sqrt(module.weight.shape[1])
-            module["weight"] = _uniform(seed, path, module.weight.shape, 2 * bound)
-            if "bias" in module:
-                module["bias"] = mx.zeros_like(module.bias)
-            if path.endswith(("o_proj", "down_proj")) or path.endswith("ffn.value"):
-                module["weight"] = mx.zeros_like(module.weight)
-    model.embed.weight = _uniform(seed, "embed", model.embed.weight.shape, 2e-4)
-    c = mx.arange(C, dtype=mx.float32)
-    p = c / C
-    linear = c / (C - 1) - 0.5
-    zigzag = ((c % N) - (N - 1) / 2) / ((N - 1) / 2)
-    zigzag = zigzag * mx.abs(zigzag)
+    init_seeded(model, seed)  # then every parameter below is set by the published rule
+    _pretrain_generic(model, seed)
+    model.embed.weight = _uniform(seed, "embed", model.embed.weight.shape, 2 * EMBED_BOUND)
+    ch = _channels(cfg.hidden_size, cfg.head_size)
     rwkv = [m for m in model.layers if m.kind == "rwkv7"]
-    n = len(rwkv)
     for i, block in enumerate(rwkv):
-        tm: TimeMix = block.tmix
-        r01, r10 = i / max(n - 1, 1), 1.0 - i / n
-        for name, s in (("x_r", 0.2), ("x_w", 0.9), ("x_k", 0.7), ("x_v", 0.7), ("x_a", 0.9)):
-            tm[name] = 1.0 - mx.power(p, s * r10)
-        if "x_g" in tm:
-            tm["x_g"] = 1.0 - mx.power(p, 0.2 * r10)
-        decay = -6 + 6 * mx.power(c / (C - 1), 1 + r01**0.3)
-        tm.decay.up.bias = decay + 0.5 + 2.5 * zigzag
-        tm.iclr.up.bias = -0.19 + 0.3 * zigzag + 0.4 * linear
-        lows = [("decay", tm.decay), ("iclr", tm.iclr)]
-        if "value_mix" in tm:
-            tm.value_mix.up.bias = 0.73 - 0.4 * linear
-            lows.append(("value_mix", tm.value_mix))
-        if "gate" in tm:
-            lows.append(("gate", tm.gate))
-        for name, low in lows:
-            low.down.weight = mx.zeros_like(low.down.weight)
-            shape = low.up.weight.shape
-            low.up.weight = _orthogonal(seed, f"{i}.{name}", shape, 0.1)
-        tm.k_k = 0.71 - 0.1 * linear
-        tm.k_a = mx.full((C,), 1.02)
-        tm.r_k = mx.full(tm.r_k.shape, -0.04)
-        tm.key.weight = _uniform(seed, f"{i}.key", tm.key.weight.shape, 0.1 / math.sqrt(C))
-        tm.output.weight = mx.zeros_like(tm.output.weight)
+        _pretrain_time_mix(block.tmix, i, len(rwkv), ch, seed)
         if isinstance(block.ffn, ChannelMix):
-            block.ffn.x_k = 1.0 - mx.power(p, r10**4)
-            block.ffn.value.weight = mx.zeros_like(block.ffn.value.weight)
+            _pretrain_channel_mix(block.ffn, i, len(rwkv), ch)
     if "lm_head" in model:
-        V = cfg.vocab_size
-        gain = 0.5 * math.sqrt(V / C) if V > C else 0.5
+        V, C = cfg.vocab_size, cfg.hidden_size
+        gain = HEAD_GAIN * math.sqrt(V / C) if V > C else HEAD_GAIN
         model.lm_head.weight = _orthogonal(seed, "lm_head", model.lm_head.weight.shape, gain)
     return model
 

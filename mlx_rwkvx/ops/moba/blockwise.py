@@ -1,13 +1,7 @@
-"""MoBA over the selected chunks only (the fast MLX path): per query and head, its own chunk
-plus the top-k earlier chunks.
-
-Per query t (chunk c_t = t // chunk_size) and query head h: keys s <= t of chunk c_t are always
-attended; each earlier chunk c < c_t gets the gate <q_t, mean of chunk c's keys>, and the top_k
-highest (ties: the lower chunk index) are attended too. ``top_k <= 0`` or ``top_k >=`` the number
-of earlier chunks means full causal attention. The selection is held fixed in the backward.
-
-Layouts: q ``[B, T, Hq, D]``, k and v ``[B, T, Hkv, D]`` with Hq a multiple of Hkv (GQA: query
-head h reads kv head h // (Hq // Hkv)). Scores, softmax and accumulation are float32.
+"""MoBA over the selected chunks only, the fast MLX path (the selection rule and layouts: the
+package's docstring). Every (query, chunk) pair, the own chunk included, is packed into tiles
+of one chunk each, so every product is a small matmul; a hand VJP recomputes the probabilities
+from the saved log-sum-exp. O(T (top_k + 1) chunk_size) work and memory, no host sync.
 """
 
 from __future__ import annotations

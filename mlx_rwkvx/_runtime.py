@@ -24,8 +24,8 @@ def configure() -> None:
     global _done
     if _done:
         return
-    _done = True
     if mx.default_device() != mx.cpu:
+        _done = True
         return
     wanted = os.environ.get("MLX_RWKVX_CACHE_LIMIT")
     if wanted is not None:
@@ -37,7 +37,9 @@ def configure() -> None:
             ) from None
         if limit > 0:
             mx.set_cache_limit(limit)
+        _done = True
         return
+    _done = True
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):

@@ -56,6 +56,7 @@ def qwen2_to_rfa(model: Model, qwen_layers: list[int], head_size: int = 64, seed
     except ValueError as e:
         raise UsageError(f"--to-rfa: {e}") from e
     new = Model(new_cfg, seed=seed)
+    new.set_dtype(model.embed.weight.dtype)  # the new time-mixes in the checkpoint's dtype
     groups = cfg.n_q_heads // cfg.n_kv_heads
     D = cfg.attn_head_dim
     for old, block in zip(model.layers, new.layers, strict=True):

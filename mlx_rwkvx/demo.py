@@ -2,8 +2,8 @@
 
 For now a smoke run of what the toolkit has: the environment report with its matmul timing;
 the WKV7 recurrence forward and backward on a random RWKV-7-like problem, checked against the
-plain step loop; and a tiny random RWKV-X model saved, loaded and decoded greedily, each decode
-step checked against a full prefill. Exits 1 if a check fails.
+plain step loop; and a tiny random RWKV-X model saved, loaded and decoded greedily, its last
+decode step checked against a full prefill. Exits 1 if a check fails.
 """
 
 from __future__ import annotations

@@ -46,8 +46,9 @@ def report(timing: bool = True) -> list[str]:
 
 def selfcheck() -> list[str]:
     """Run every kernel's on-device self-check (against the MLX ops path) and report it:
-    ``mlx_rwkvx.ops.prepare()``, as the CLIs run it before compiling."""
+    ``mlx_rwkvx.ops.prepare()``, which code that compiles runs first."""
     from mlx_rwkvx.ops import prepare
+    from mlx_rwkvx.ops.dispatch import DISPATCHERS
     from mlx_rwkvx.ops.mlx_kernels import kernel_backend
 
     import mlx.core as mx
@@ -55,10 +56,9 @@ def selfcheck() -> list[str]:
     backend = kernel_backend()
     if backend is None:
         return [f"kernels    none on {mx.default_device()}: the ops run their MLX paths"]
-    fallback = {"wkv7": "chunked", "moba": "blockwise"}
     return [
         f"kernels    {backend} {op} size {size} {dtype}: "
-        + ("ok" if ok else f"FAILED (the {fallback[op]} path is used)")
+        + ("ok" if ok else f"FAILED (the {DISPATCHERS[op].fallback} path is used)")
         for op, size, dtype, ok in prepare(dtypes=(mx.float32, mx.bfloat16))
     ]
 

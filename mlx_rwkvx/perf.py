@@ -6,6 +6,8 @@ the fp32 matmul rate (FLOP/s) and the memory read bandwidth (bytes/s).
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +49,6 @@ def read_bandwidth_gbs(
     from RAM once, a vectorised sum (one slice per thread; NumPy's reduction releases the GIL)
     and NumPy's own fp32 matrix-vector product. The array is far larger than any cache, so this
     is the DRAM read rate, the bound of weight-streaming decode."""
-    import os
 
     threads = threads or os.cpu_count() or 1
     x = np.ones(nbytes // 4, dtype=np.float32)
@@ -68,8 +69,6 @@ def read_bandwidth_gbs(
 
 def machine_description() -> str:
     """One line naming the CPU, core count, memory and OS of this machine."""
-    import os
-    import platform
 
     cpu = platform.processor() or platform.machine()
     mem = ""

@@ -634,9 +634,9 @@ def _cases():
         ),
         (
             "vocab size off",
-            dict(vocab_size=300),
+            dict(vocab_size=200),
             r"embed.weight has shape \(256, 32\), "
-            r"expected \(300, 32\)",
+            r"expected \(200, 32\)",
         ),
         (
             "rope_theta 0",
@@ -1221,6 +1221,116 @@ def _cases():
         lambda t: ModelConfig.from_dict({"size": 1}),
         V,
         r"unknown fields \['size'\]",
+    )
+
+    # found by review: malformed fields, stray tensors, exports, quantizing twice
+    add(
+        "load",
+        "Qwen2 heads as a string",
+        lambda t: qwen2(t, num_attention_heads="4"),
+        load,
+        E,
+        "num_attention_heads = '4': expected an integer >= 1",
+    )
+    add(
+        "load",
+        "HF RWKV-7 hidden_ratio not a number",
+        lambda t: edit_config(hf_rwkv7(t), intermediate_size=DROP, hidden_ratio="four"),
+        load,
+        E,
+        "hidden_ratio = 'four': expected a number",
+    )
+    add(
+        "load",
+        "a 1-D embedding in a BlinkDL file",
+        lambda t: blinkdl_st(t, lambda d: d.update({"emb.weight": mx.ones(32)})),
+        load,
+        E,
+        r"embed.weight has shape \(32,\), expected a matrix",
+    )
+    add(
+        "load",
+        "a state0 for a layer that is not there",
+        lambda t: edit_tensors(
+            native(t), lambda d: d.update({"layers.7.tmix.state0": mx.zeros((2, 16, 16))})
+        ),
+        load,
+        E,
+        r"unexpected tensors \['layers.7.tmix.state0'\]",
+    )
+    add(
+        "save",
+        "overwrite dropping another tokenizer",
+        lambda t: file_with(native(t), "tokenizer.json", b"{}").parent,
+        lambda p: save(Model(rwkv7_cfg()), p, overwrite=True),
+        E,
+        r"replacing it would drop \['tokenizer.json'\]",
+    )
+    add(
+        "convert",
+        "Qwen2 with ln0 to hf",
+        lambda t: native(
+            t,
+            Model(
+                ModelConfig(
+                    vocab_size=256,
+                    hidden_size=32,
+                    head_size=16,
+                    block_types=["qwen2"],
+                    n_q_heads=4,
+                    n_kv_heads=2,
+                    intermediate_size=48,
+                )
+            ),
+        ),
+        lambda p: cli(main, p, p.parent / "o", "--to", "hf"),
+        C,
+        "a Qwen2 model for Hugging Face has no ln0",
+    )
+    add(
+        "ops",
+        "moba_decode chunk 0",
+        None,
+        lambda t: moba_decode(
+            mx.zeros((1, 1, 2, 8)), *empty_kv(1, 2, 8, mx.float32), chunk_size=0, top_k=1
+        ),
+        V,
+        "moba_decode: chunk_size must be an int >= 1",
+    )
+    add(
+        "model",
+        "quantize twice",
+        None,
+        lambda t: (
+            Model(ModelConfig(vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"]))
+            .quantize(8)
+            .quantize(4)
+        ),
+        V,
+        "already quantized",
+    )
+    add(
+        "model",
+        "quantize to 3 bits",
+        None,
+        lambda t: Model(rwkv7_cfg()).quantize(3),
+        V,
+        "quantize must be one of",
+    )
+    add(
+        "config",
+        "MoBA with grouped KV heads",
+        None,
+        lambda t: ModelConfig(
+            vocab_size=256,
+            hidden_size=64,
+            head_size=16,
+            block_types=["rwkv7", "moba"],
+            n_q_heads=4,
+            n_kv_heads=2,
+        ),
+        V,
+        "only qwen2 blocks have grouped KV heads",
     )
 
     # tokenizers

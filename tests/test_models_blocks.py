@@ -122,7 +122,7 @@ def test_rwkv_block(style, rwkv_index, T, dtype):
         acts["h"],
         p,
         n_head=H,
-        layer_id=rwkv_index,
+        rwkv_index=rwkv_index,
         shift_att=acts["shift_att"],
         shift_ffn=acts.get("shift_ffn"),
         state=acts["state"],

@@ -383,7 +383,6 @@ def test_explicit_state_carries_across_segments_inside_mx_compile(name):
     training step carrying state across a long document and a chat turn rely on)."""
     cfg = CONFIGS[name]()
     model = Model(cfg, seed=4)
-    model.check_token_ids = False  # reading ids back is not possible inside a trace
     tokens = _tokens(cfg, 30, seed=1)
     full, full_state = model.hidden(tokens)
     step = mx.compile(model.hidden)
@@ -437,3 +436,55 @@ def test_qwen2_model_needs_no_wkv_head_size():
     )
     model = Model(cfg)
     assert model(_tokens(cfg, 6)).shape == (B, 6, 40)
+
+
+def test_prompt_cache_loads_in_a_fresh_process(tmp_path):
+    # mlx-lm imported first, then a model, then mlx-lm's load_prompt_cache: the cache class is
+    # found without make_cache() in that process
+    import subprocess
+    import sys
+
+    import mlx_rwkvx
+
+    from mlx_lm.models.cache import save_prompt_cache
+
+    model = Model(preset("rwkv-x-tiny"), seed=2)
+    mlx_rwkvx.save(model, tmp_path / "m")
+    cache = model.make_cache()
+    model(mx.array([[1, 2, 3, 4, 5]]), cache)
+    save_prompt_cache(str(tmp_path / "p.safetensors"), cache)
+    want = np.array(model(mx.array([[6]]), cache))
+    code = (
+        "import mlx_rwkvx, numpy as np, mlx.core as mx\n"
+        "from mlx_lm.models.cache import load_prompt_cache\n"
+        f"model, _ = mlx_rwkvx.load({str(tmp_path / 'm')!r})\n"
+        f"cache = load_prompt_cache({str(tmp_path / 'p.safetensors')!r})\n"
+        f"np.save({str(tmp_path / 'got.npy')!r}, np.array(model(mx.array([[6]]), cache)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert rel_err(np.load(tmp_path / "got.npy"), want) <= 1e-6
+
+
+def test_compiled_call_with_a_bad_id_gives_nan_not_a_crash():
+    model = Model(CONFIGS["rwkv7"](), seed=1)
+    logits = mx.compile(lambda t: model(t))(mx.array([[1, 1000000, 2]]))
+    row_nan = np.isnan(np.array(logits)).all(axis=-1)[0]
+    assert row_nan[1] and not row_nan[0]
+
+
+def test_state_keeps_its_dtypes_in_a_mixed_precision_model():
+    # attention blocks in bf16 beside float32 RWKV blocks (as a conversion can leave them): the
+    # state keeps the dtypes it started with, so a compiled step is not traced again, and a
+    # second prefill against the cache works
+    model = Model(CONFIGS["mixed"](), seed=3)
+    for layer in model.layers:
+        if layer.kind != "rwkv7":
+            layer.set_dtype(mx.bfloat16)
+    tokens = _tokens(model.config, 12)
+    state = model.init_state(B)
+    dtypes = [{k: v.dtype for k, v in s.items()} for s in state]
+    for piece in (tokens[:, :5], tokens[:, 5:11], tokens[:, 11:]):
+        h, state = model.hidden(piece, state)
+        assert [{k: v.dtype for k, v in s.items()} for s in state] == dtypes
+    assert not np.isnan(np.array(h.astype(mx.float32))).any()

@@ -200,7 +200,7 @@ def test_bad_arguments(impl, case):
 def test_forcing_a_missing_kernel_is_an_error(monkeypatch):
     _, args, cs, top_k = make(CASES["sparse"])
     monkeypatch.setenv(M.ENV_VAR, "kernel")
-    monkeypatch.setattr(M.DISPATCH, "kernel_available", lambda: False)
+    monkeypatch.setattr(M.DISPATCH, "kernel_available", lambda key=None: False)
     with pytest.raises(RuntimeError, match="moba: kernel asked for, but this device has no"):
         M.moba_attention(*args, chunk_size=cs, top_k=top_k)
     monkeypatch.delenv(M.ENV_VAR)
@@ -214,8 +214,7 @@ def test_kernel_self_check(monkeypatch):
 
     _, args, cs, top_k = make(CASES["sparse"])
     monkeypatch.delenv(M.ENV_VAR, raising=False)
-    monkeypatch.setattr(M.kernel, "available", lambda head_dim=None: True)
-    monkeypatch.setattr(M.DISPATCH, "kernel_available", lambda: True)
+    monkeypatch.setattr(M.DISPATCH, "kernel_available", lambda key=None: True)
     used = []
 
     def wrong(q, k, v, chunk_size, top_k, scale=None):

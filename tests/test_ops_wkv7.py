@@ -198,7 +198,7 @@ def _recording(monkeypatch, names):
 
 def test_dispatcher_default_choice(monkeypatch):
     monkeypatch.delenv(W.ENV_VAR, raising=False)
-    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda: False)
+    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda key=None: False)
     calls = _recording(monkeypatch, ["ref", "chunked"])
     for T in (1, W.REF_MAX_T, W.REF_MAX_T + 1, 40):
         W.wkv7(*to_mx(random_wkv7_inputs(np.random.default_rng(T), 1, T, 2, 16)))
@@ -215,7 +215,7 @@ def test_argument_checks_run_once_per_call(monkeypatch):
 
 def test_forcing_a_missing_kernel_is_an_error(monkeypatch):
     monkeypatch.setenv(W.ENV_VAR, "kernel")
-    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda: False)
+    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda key=None: False)
     args = to_mx(random_wkv7_inputs(np.random.default_rng(0), 1, 5, 2, 16))
     with pytest.raises(RuntimeError, match="wkv7: kernel asked for, but this device has no"):
         W.wkv7(*args)
@@ -224,7 +224,7 @@ def test_forcing_a_missing_kernel_is_an_error(monkeypatch):
 def _with_kernel(monkeypatch, kernel):
     """The dispatcher as on a device with ``kernel``, nothing checked yet."""
     monkeypatch.delenv(W.ENV_VAR, raising=False)
-    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda: True)
+    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda key=None: True)
     monkeypatch.setattr(W.DISPATCH, "impls", {**W.DISPATCH.impls, KERNEL: kernel})
     monkeypatch.setattr(W.DISPATCH, "results", {})
 

@@ -182,27 +182,27 @@ def test_decay_is_rfa_softplus_form():
     assert np.all(np.exp(log_w) > 0.545) and np.all(log_w < 0.0)
 
 
-def _tm_inputs(rng, T, layer_id, flags):
-    p = init_time_mix_params(rng, C, H, layer_id=layer_id, **LOW_RANK, **flags)
+def _tm_inputs(rng, T, rwkv_index, flags):
+    p = init_time_mix_params(rng, C, H, rwkv_index=rwkv_index, **LOW_RANK, **flags)
     inputs = {
         "x": rng.standard_normal((B, T, C)),
         "x_prev": rng.standard_normal((B, C)),
         "state": _uniform(rng, (B, H, N, N)),
         **p,
     }
-    if layer_id > 0:
+    if rwkv_index > 0:
         inputs["v_first"] = rng.standard_normal((B, T, C))
     return inputs
 
 
-def _tm_pair(layer_id, flags):
+def _tm_pair(rwkv_index, flags):
     def fwd(i):
         acts, p = _split(i, TM_ACTS)
         *outs, cache = time_mix_fwd_np(
             acts["x"],
             p,
             n_head=H,
-            layer_id=layer_id,
+            rwkv_index=rwkv_index,
             x_prev=acts["x_prev"],
             state=acts["state"],
             v_first=acts.get("v_first"),
@@ -219,19 +219,19 @@ def _tm_pair(layer_id, flags):
 @pytest.mark.parametrize("variant", list(TM_VARIANTS))
 @pytest.mark.parametrize("T", TS)
 def test_time_mix_grads(T, variant):
-    layer_id, flags = TM_VARIANTS[variant]
-    inputs = _tm_inputs(np.random.default_rng(T), T, layer_id, flags)
-    errors = check_grads(*_tm_pair(layer_id, flags), inputs, seed=T, eps=FD_EPS)
+    rwkv_index, flags = TM_VARIANTS[variant]
+    inputs = _tm_inputs(np.random.default_rng(T), T, rwkv_index, flags)
+    errors = check_grads(*_tm_pair(rwkv_index, flags), inputs, seed=T, eps=FD_EPS)
     assert set(errors) == set(inputs)
 
 
 @pytest.mark.parametrize("variant", list(TM_VARIANTS))
 def test_time_mix_split_equals_whole(variant):
-    layer_id, flags = TM_VARIANTS[variant]
-    inputs = _tm_inputs(np.random.default_rng(5), 17, layer_id, flags)
+    rwkv_index, flags = TM_VARIANTS[variant]
+    inputs = _tm_inputs(np.random.default_rng(5), 17, rwkv_index, flags)
     acts, p = _split(inputs, TM_ACTS)
     v_first = acts.get("v_first")
-    kw = {"n_head": H, "layer_id": layer_id, **flags}
+    kw = {"n_head": H, "rwkv_index": rwkv_index, **flags}
     whole = time_mix_fwd_np(
         acts["x"], p, x_prev=acts["x_prev"], state=acts["state"], v_first=v_first, **kw
     )
@@ -251,9 +251,9 @@ def test_time_mix_split_equals_whole(variant):
 def test_time_mix_none_carries_are_zeros():
     inputs = _tm_inputs(np.random.default_rng(6), 3, 0, {})
     acts, p = _split(inputs, TM_ACTS)
-    a = time_mix_fwd_np(acts["x"], p, n_head=H, layer_id=0)
+    a = time_mix_fwd_np(acts["x"], p, n_head=H, rwkv_index=0)
     b = time_mix_fwd_np(
-        acts["x"], p, n_head=H, layer_id=0, x_prev=np.zeros((B, C)), state=np.zeros((B, H, N, N))
+        acts["x"], p, n_head=H, rwkv_index=0, x_prev=np.zeros((B, C)), state=np.zeros((B, H, N, N))
     )
     for u, v in zip(a[:4], b[:4], strict=True):
         np.testing.assert_array_equal(u, v)
@@ -272,8 +272,8 @@ def test_check_catches_a_wrong_time_mix_backward():
         check_grads(fwd, wrong, inputs, keys=["k_a", "x"])
 
 
-def _block_inputs(rng, kind, T, layer_id):
-    p = BLOCKS[kind][2](rng, C, H, F, layer_id=layer_id, **LOW_RANK)
+def _block_inputs(rng, kind, T, rwkv_index):
+    p = BLOCKS[kind][2](rng, C, H, F, rwkv_index=rwkv_index, **LOW_RANK)
     inputs = {
         "h": rng.standard_normal((B, T, C)),
         "shift_att": rng.standard_normal((B, C)),
@@ -282,12 +282,12 @@ def _block_inputs(rng, kind, T, layer_id):
     }
     if kind == "rwkv7":
         inputs["shift_ffn"] = rng.standard_normal((B, C))
-    if layer_id > 0:
+    if rwkv_index > 0:
         inputs["v_first"] = rng.standard_normal((B, T, C))
     return inputs
 
 
-def _block_pair(kind, layer_id):
+def _block_pair(kind, rwkv_index):
     block_fwd, block_bwd, _ = BLOCKS[kind]
 
     def fwd(i):
@@ -296,7 +296,7 @@ def _block_pair(kind, layer_id):
             acts["h"],
             p,
             n_head=H,
-            layer_id=layer_id,
+            rwkv_index=rwkv_index,
             shift_att=acts["shift_att"],
             shift_ffn=acts.get("shift_ffn"),
             state=acts["state"],
@@ -311,26 +311,26 @@ def _block_pair(kind, layer_id):
     return fwd, bwd
 
 
-@pytest.mark.parametrize("layer_id", [0, 1])
+@pytest.mark.parametrize("rwkv_index", [0, 1])
 @pytest.mark.parametrize("kind", list(BLOCKS))
 @pytest.mark.parametrize("T", TS)
-def test_block_grads(T, kind, layer_id):
-    inputs = _block_inputs(np.random.default_rng(T + 3 * layer_id), kind, T, layer_id)
-    errors = check_grads(*_block_pair(kind, layer_id), inputs, seed=T, eps=FD_EPS)
+def test_block_grads(T, kind, rwkv_index):
+    inputs = _block_inputs(np.random.default_rng(T + 3 * rwkv_index), kind, T, rwkv_index)
+    errors = check_grads(*_block_pair(kind, rwkv_index), inputs, seed=T, eps=FD_EPS)
     assert set(errors) == set(inputs)
 
 
-@pytest.mark.parametrize("layer_id", [0, 1])
+@pytest.mark.parametrize("rwkv_index", [0, 1])
 @pytest.mark.parametrize("kind", list(BLOCKS))
-def test_block_split_equals_whole(kind, layer_id):
-    inputs = _block_inputs(np.random.default_rng(8), kind, 17, layer_id)
-    fwd, _ = _block_pair(kind, layer_id)
+def test_block_split_equals_whole(kind, rwkv_index):
+    inputs = _block_inputs(np.random.default_rng(8), kind, 17, rwkv_index)
+    fwd, _ = _block_pair(kind, rwkv_index)
     whole, _ = fwd(inputs)
     carries = {k: inputs.get(k) for k in ("shift_att", "shift_ffn", "state")}
     h_parts, vf_parts = [], []
     for lo, hi in [(0, 1), (1, 9), (9, 17)]:
         part = {**inputs, **carries, "h": inputs["h"][:, lo:hi]}
-        if layer_id > 0:
+        if rwkv_index > 0:
             part["v_first"] = inputs["v_first"][:, lo:hi]
         (h, shift_att, shift_ffn, state, vf), _ = fwd(part)
         carries = {"shift_att": shift_att, "shift_ffn": shift_ffn, "state": state}

@@ -98,7 +98,7 @@ def test_info_selfcheck_reports_the_kernels(capsys, monkeypatch):
 
     monkeypatch.setattr(mlx_kernels, "kernel_backend", lambda: "metal")
     for dispatcher, kernel in ((W.DISPATCH, W.chunk.chunked), (M.DISPATCH, wrong_moba)):
-        monkeypatch.setattr(dispatcher, "kernel_available", lambda: True)
+        monkeypatch.setattr(dispatcher, "kernel_available", lambda key=None: True)
         monkeypatch.setattr(dispatcher, "impls", {**dispatcher.impls, KERNEL: kernel})
         monkeypatch.setattr(dispatcher, "results", {})
     with pytest.warns(RuntimeWarning, match="moba kernel"):

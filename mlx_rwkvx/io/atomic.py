@@ -119,7 +119,6 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
             old = os.path.join(os.path.dirname(path), f".{name}.old{TMP_TAG}{os.getpid()}")
             os.rename(path, old)
         os.replace(tmp, path)
-        _fsync(os.path.dirname(path))
     except BaseException as e:
         _remove(tmp)
         if old is not None and not os.path.exists(path):
@@ -134,6 +133,11 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
             # RuntimeError: MLX's safetensors writer reports a failed write so
             raise CheckpointError(f"{path}: cannot write ({_reason(e)})") from e
         raise
+    # written: what follows only makes it durable and tidy, and cannot undo it
+    try:
+        _fsync(os.path.dirname(path))
+    except OSError:
+        pass
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -19,6 +19,14 @@ def need(path: str, tensors: dict, name: str) -> mx.array:
     return tensors[name]
 
 
+def matrix_shape(path: str, tensors: dict, name: str) -> tuple[int, int]:
+    """The shape of a tensor that must be a matrix (sizes are read from it)."""
+    shape = tuple(need(path, tensors, name).shape)
+    if len(shape) != 2:
+        raise CheckpointError(f"{path}: {name} has shape {shape}, expected a matrix")
+    return shape
+
+
 # What BlinkDL's and flash-linear-attention's RWKV-7 always have: a missing gate, group norm,
 # ln0 or head is a damaged file (a missing-tensor error), not a different model
 RWKV7_FIXED = dict(use_gate=True, use_ln_x=True, ln0=True, tie_embeddings=False)
@@ -27,11 +35,11 @@ RWKV7_FIXED = dict(use_gate=True, use_ln_x=True, ln0=True, tie_embeddings=False)
 def rwkv7_config_from_native(path: str, t: dict, **fixed) -> ModelConfig:
     """An RWKV-7 config whose sizes are read from native-named tensors (formats without a
     config); ``fixed`` fields are not inferred."""
-    vocab, C = need(path, t, "embed.weight").shape
+    vocab, C = matrix_shape(path, t, "embed.weight")
     layers = sorted({int(n.split(".")[1]) for n in t if n.startswith("layers.")})
     if not layers:
         raise CheckpointError(f"{path}: no RWKV blocks found")
-    H, N = need(path, t, "layers.0.tmix.r_k").shape
+    H, N = matrix_shape(path, t, "layers.0.tmix.r_k")
     tm = "layers.0.tmix"
     gate = f"{tm}.gate.down.weight" in t
     v_rank = (
@@ -130,6 +138,13 @@ class HFConfig:
             return default
         return self.d[key]
 
+    def get_int(self, key: str) -> int:
+        """A required size: an int >= 1 (sizes computed from it must not fail on a string)."""
+        value = self.get(key, required=True)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            self.refuse(key, "expected an integer >= 1")
+        return value
+
     def refuse(self, key: str, why: str):
         raise CheckpointError(f"{self.path}: {key} = {self.d.get(key)!r}: {why}")
 
@@ -192,6 +207,8 @@ def hf_rwkv7_config(path: str, hf: dict, tensors: dict) -> ModelConfig:
     ratio = c.get("hidden_ratio")
     width = c.get("intermediate_size")
     if width is None and ratio is not None:
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool):
+            c.refuse("hidden_ratio", "expected a number")
         width = int(C * ratio)
     _agree(c, "intermediate_size", width, inferred.intermediate_size)
     for key, name in (
@@ -233,34 +250,27 @@ def qwen2_config(path: str, hf: dict, tensors: dict) -> ModelConfig:
     """transformers' Qwen2Config (4.x and 5.x layouts). Sizes are required; fields with a
     transformers default take that default, as transformers does."""
     c = HFConfig(path, hf, frozenset({"attention_dropout", "max_window_layers"}))
-    C = c.get("hidden_size", required=True)
-    n_heads = c.get("num_attention_heads", required=True)
+    C = c.get_int("hidden_size")
+    n_heads = c.get_int("num_attention_heads")
     if c.get("hidden_act", "silu") != "silu":
         c.refuse("hidden_act", "Qwen2's MLP is SwiGLU ('silu')")
     if c.get("use_sliding_window", False):
         c.refuse("use_sliding_window", "sliding-window attention is not supported")
     c.get("sliding_window")  # used only with use_sliding_window
-    kinds = set(c.get("layer_types", ["full_attention"]))
-    if kinds != {"full_attention"}:
+    kinds = c.get("layer_types", ["full_attention"])
+    if not isinstance(kinds, list) or set(kinds) != {"full_attention"}:
         c.refuse("layer_types", "only full attention layers are supported")
     if c.get("quantization_config") is not None:
         c.refuse("quantization_config", "quantized Hugging Face checkpoints are not supported")
     tie = c.get("tie_word_embeddings", False)  # Qwen2Config's default
-    if tie and "lm_head.weight" in tensors:
-        embed = need(path, tensors, "embed.weight")
-        if tensors["lm_head.weight"].shape != embed.shape or not mx.array_equal(
-            tensors["lm_head.weight"], embed
-        ):
-            c.refuse("tie_word_embeddings", "but lm_head.weight differs from the embedding")
-        del tensors["lm_head.weight"]
     fields = dict(
         vocab_size=c.get("vocab_size", required=True),
         hidden_size=C,
-        block_types=["qwen2"] * c.get("num_hidden_layers", required=True),
+        block_types=["qwen2"] * c.get_int("num_hidden_layers"),
         intermediate_size=c.get("intermediate_size", required=True),
         n_q_heads=n_heads,
         n_kv_heads=c.get("num_key_value_heads", n_heads),
-        attn_head_dim=c.get("head_dim", C // n_heads if isinstance(C, int) and n_heads else None),
+        attn_head_dim=c.get("head_dim", C // n_heads),
         rope_theta=_qwen2_rope_theta(c),
         rms_norm_eps=c.get("rms_norm_eps", 1e-6),
         tie_embeddings=tie,
@@ -271,7 +281,10 @@ def qwen2_config(path: str, hf: dict, tensors: dict) -> ModelConfig:
 
 def qwen2_config_dict(cfg: ModelConfig) -> dict:
     """transformers' Qwen2 ``config.json`` of a model of Qwen2 blocks (4.x layout, which
-    transformers 5 reads too)."""
+    transformers 5 reads too); ``head_dim`` only where it is not hidden_size / heads."""
+    head_dim = {}
+    if cfg.attn_head_dim * cfg.n_q_heads != cfg.hidden_size:
+        head_dim["head_dim"] = cfg.attn_head_dim
     return {
         "model_type": "qwen2",
         "architectures": ["Qwen2ForCausalLM"],
@@ -281,6 +294,7 @@ def qwen2_config_dict(cfg: ModelConfig) -> dict:
         "num_hidden_layers": len(cfg.block_types),
         "num_attention_heads": cfg.n_q_heads,
         "num_key_value_heads": cfg.n_kv_heads,
+        **head_dim,
         "rope_theta": cfg.rope_theta,
         "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,

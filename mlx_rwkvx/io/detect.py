@@ -10,9 +10,7 @@ from mlx_rwkvx.io.tensors import read_safetensors
 
 FORMAT_TAG = "mlx_rwkvx"
 WEIGHTS_FILE = "model.safetensors"
-ADAPTERS_FILE = "adapters.safetensors"
 CONFIG_FILE = "config.json"
-INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map
 
 
 def read_json(path: str) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from mlx_rwkvx.io.atomic import (
@@ -48,7 +49,13 @@ from mlx_rwkvx.io.detect import (
     read_json,
 )
 from mlx_rwkvx.io.names import BLINKDL, HF_RWKV7, QWEN2, hf_rwkv7_rule, rename
-from mlx_rwkvx.io.tensors import read_folder_safetensors, read_pth_tensors, read_safetensors
+from mlx_rwkvx.io.tensors import (
+    ADAPTERS_FILE,
+    INDEX_FILE,
+    read_folder_safetensors,
+    read_pth_tensors,
+    read_safetensors,
+)
 from mlx_rwkvx.models.config import ModelConfig
 
 import mlx.core as mx
@@ -106,7 +113,20 @@ def read_checkpoint(path) -> Checkpoint:
         cfg = hf_rwkv7_config(config_path, hf, tensors)
     else:
         cfg = qwen2_config(config_path, hf, tensors)
+        if cfg.tie_embeddings and "lm_head.weight" in tensors:
+            _drop_tied_head(config_path, tensors, sources)
     return Checkpoint(cfg, tensors, fmt, sources)
+
+
+def _drop_tied_head(path: str, tensors: dict, sources: dict) -> None:
+    """A tied model's file may also carry the head: the same matrix as the embedding (then it
+    is dropped), else the config contradicts the tensors."""
+    head, embed = tensors.pop("lm_head.weight"), tensors.get("embed.weight")
+    sources.pop("lm_head.weight", None)
+    if embed is None or head.shape != embed.shape or not mx.array_equal(head, embed):
+        raise CheckpointError(
+            f"{path}: tie_word_embeddings = True, but lm_head.weight differs from the embedding"
+        )
 
 
 def _exportable(cfg: ModelConfig, tensors: dict, fmt: str, rwkv7: bool = True) -> None:
@@ -138,6 +158,11 @@ def to_hf(cfg: ModelConfig, tensors: dict[str, mx.array]) -> tuple[dict, dict[st
     """(config.json, tensors) in Hugging Face form: RWKV-7 as flash-linear-attention names it,
     or Qwen2 for a model of Qwen2 blocks only. Hybrids have no Hugging Face form."""
     if set(cfg.block_types) == {"qwen2"}:
+        if cfg.ln0 or cfg.final_norm != "rms":
+            raise CheckpointError(
+                "a Qwen2 model for Hugging Face has no ln0 and an RMSNorm final norm; this one "
+                f"has ln0={cfg.ln0}, final_norm={cfg.final_norm!r}: use native"
+            )
         _exportable(cfg, tensors, "Hugging Face", rwkv7=False)
         return qwen2_config_dict(cfg), QWEN2.write(tensors)
     _exportable(cfg, tensors, "Hugging Face")
@@ -146,36 +171,53 @@ def to_hf(cfg: ModelConfig, tensors: dict[str, mx.array]) -> tuple[dict, dict[st
 
 def _write(path, write, *, folder: bool, overwrite: bool, extra_files: dict | None) -> None:
     """Check the target, then ``write(tmp)`` and the extra files (name -> source path, copied
-    beside the weights) atomically; see ``io/atomic.py``."""
+    beside the weights) atomically; see ``io/atomic.py``. A single file's extra files are
+    committed just before it, so a failure anywhere leaves the old state."""
     check_target(path, overwrite=overwrite, folder=folder, is_checkpoint=is_checkpoint)
     extra = dict(extra_files or {})
-    if not folder:
-        _check_beside(path, extra)
-    with atomic_target(path, folder=folder) as tmp:
-        write(tmp)
-        if folder:
+    if folder:
+        _check_nothing_lost(path, extra)
+        with atomic_target(path, folder=True) as tmp:
+            write(tmp)
             for name, src in extra.items():
                 copy_file(src, os.path.join(tmp, name))
-    for name, src in extra.items() if not folder else ():
-        _copy_beside(src, os.path.join(os.path.dirname(os.path.abspath(path)), name))
-
-
-def _check_beside(path: str, extra: dict) -> None:
-    """Files to put beside a single-file checkpoint: each absent there or already the same."""
-    folder = os.path.dirname(os.path.abspath(path))
+        return
+    beside = os.path.dirname(os.path.abspath(path))
     for name, src in extra.items():
-        dst = os.path.join(folder, name)
+        dst = os.path.join(beside, name)
         if os.path.exists(dst) and not _same_file(src, dst):
             raise CheckpointError(
                 f"{dst}: a different {name} is already there; save into a folder of its own"
             )
+    with ExitStack() as commits:  # committed last in, first out: the weights last
+        write(commits.enter_context(atomic_target(path, folder=False)))
+        for name, src in extra.items():
+            dst = os.path.join(beside, name)
+            if not os.path.exists(dst):
+                copy_file(src, commits.enter_context(atomic_target(dst, folder=False)))
 
 
-def _copy_beside(src: str, dst: str) -> None:
-    if os.path.exists(dst) and _same_file(src, dst):
+# What a checkpoint folder may hold that a new checkpoint written over it replaces anyway
+_REPLACED = (CONFIG_FILE, INDEX_FILE)
+
+
+def _check_nothing_lost(path: str, extra: dict) -> None:
+    """Replacing a folder must not drop a file the new checkpoint does not bring (another
+    tokenizer's files, adapters, notes): one CheckpointError naming them."""
+    if not os.path.isdir(path):
         return
-    with atomic_target(dst, folder=False) as tmp:
-        copy_file(src, tmp)
+    lost = sorted(
+        name
+        for name in os.listdir(path)
+        if name not in extra
+        and name not in _REPLACED
+        and not (name.endswith(".safetensors") and name != ADAPTERS_FILE)
+    )
+    if lost:
+        raise CheckpointError(
+            f"{path}: replacing it would drop {lost[:6]}, which the new checkpoint does not "
+            "bring (pass its tokenizer, or move them away first)"
+        )
 
 
 def _same_file(a: str, b: str) -> bool:

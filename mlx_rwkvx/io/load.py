@@ -96,7 +96,10 @@ def load_model(path, *, quantize=None, dtype=None) -> Model:
     bits = quantize_bits(quantize)
     dtype = float_dtype(dtype)
     path = checkpoint_path(path)
-    ckpt = read_checkpoint(path)
+    return _model_of(path, read_checkpoint(path), bits, quantize, dtype)
+
+
+def _model_of(path: str, ckpt, bits: int | None, quantize, dtype) -> Model:
     cfg, tensors = ckpt.config, ckpt.tensors
     stored = ckpt.quantization
     if stored and bits and bits != stored["bits"]:
@@ -106,8 +109,12 @@ def load_model(path, *, quantize=None, dtype=None) -> Model:
         )
     model = Model(cfg, init=None)  # lazy: its own initial values are never computed
     for name in tensors:  # a state-tuned model: its blocks carry a trainable initial state
-        if name.endswith(".tmix.state0"):
-            model.layers[int(name.split(".")[1])].tmix.enable_state_tuning()
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "layers" and parts[2:] == ["tmix", "state0"]:
+            index = int(parts[1]) if parts[1].isdigit() else -1
+            if 0 <= index < len(model.layers) and model.layers[index].kind == "rwkv7":
+                model.layers[index].tmix.enable_state_tuning()
+            # any other is reported below as an unexpected tensor
     if stored:  # a checkpoint saved quantized: its tensors are already (weight, scales, biases)
         group, bits_ = stored["group_size"], stored["bits"]
         nn.quantize(model, group, bits_, class_predicate=quantizable(group))
@@ -147,14 +154,17 @@ def load(path, *, quantize=None, dtype=None, tokenizer: bool = True):
     ``tokenizer=False``: the tokenizer is None (for code that brings its own; ``load_model``
     likewise). Raises CheckpointError (a ValueError) naming the file and the problem.
     """
-    model = load_model(path, quantize=quantize, dtype=dtype)
-    if not tokenizer:
-        return model, None
-    try:
-        tokenizer = load_tokenizer(checkpoint_path(path), model.config.vocab_size)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from e
-    return model, tokenizer
+    bits = quantize_bits(quantize)
+    dtype = float_dtype(dtype)
+    path = checkpoint_path(path)
+    ckpt = read_checkpoint(path)  # the config and lazy tensors: the tokenizer is found first
+    found = None
+    if tokenizer:
+        try:
+            found = load_tokenizer(path, ckpt.config.vocab_size)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+    return _model_of(path, ckpt, bits, quantize, dtype), found
 
 
 def save(model: Model, path, *, tokenizer=None, overwrite: bool = False) -> None:

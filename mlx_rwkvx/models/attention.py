@@ -37,15 +37,16 @@ class MobaAttention(nn.Module):
         shape = (B, T, self.n_heads, self.head_dim)
         q, k, v = (p(x).reshape(shape) for p in (self.q_proj, self.k_proj, self.v_proj))
         seen = keys.shape[2]
-        cache = append_kv(keys, values, key_sums, k, v, self.chunk_size)
+        cache = append_kv(keys, values, key_sums, k, v, self.chunk_size)  # in the cache's dtype
         attend = dict(chunk_size=self.chunk_size, top_k=self.top_k)
         if seen == 0:  # a fresh text: attend to this call's keys as they are
             out = moba_attention(q, k, v, **attend)
         elif T == 1:
-            out = moba_decode(q, *cache, **attend)
+            out = moba_decode(q.astype(keys.dtype), *cache, **attend)
         else:  # the queries are the last T of the cached keys
-            out = moba_attention(q, time_major(cache[0]), time_major(cache[1]), **attend)
-        return self.o_proj(out.reshape(B, T, C)), cache
+            keys_all, values_all = time_major(cache[0]), time_major(cache[1])
+            out = moba_attention(q.astype(keys.dtype), keys_all, values_all, **attend)
+        return self.o_proj(out.astype(x.dtype).reshape(B, T, C)), cache
 
 
 class MobaBlock(nn.Module):
@@ -116,12 +117,15 @@ class Qwen2Attention(nn.Module):
         v = self.v_proj(x).reshape(B, T, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
         seen = keys.shape[2]
         q, k = self.rope(q, offset=seen), self.rope(k, offset=seen)
+        # the cache keeps its dtype, whatever x's (a no-op when they agree)
+        q, k, v = q.astype(keys.dtype), k.astype(keys.dtype), v.astype(values.dtype)
         if seen:
-            k = mx.concatenate([keys, k.astype(keys.dtype)], axis=2)
-            v = mx.concatenate([values, v.astype(values.dtype)], axis=2)
+            k = mx.concatenate([keys, k], axis=2)
+            v = mx.concatenate([values, v], axis=2)
         mask = _causal_mask(T, k.shape[2]) if T > 1 else None
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1)), k, v
+        out = out.astype(x.dtype).transpose(0, 2, 1, 3).reshape(B, T, -1)
+        return self.o_proj(out), k, v
 
 
 def _causal_mask(T: int, S: int):

@@ -10,6 +10,9 @@ it torch where that is installed: seconds per process).
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
@@ -30,7 +33,8 @@ class BlockStateCache:
 
     @classmethod
     def from_state(cls, state: dict | None) -> BlockStateCache:
-        """What mlx-lm's ``load_prompt_cache`` calls with a saved ``state``."""
+        """What mlx-lm's ``load_prompt_cache`` calls with a saved ``state`` (one argument in
+        the mlx-lm series pyproject.toml pins)."""
         return cls(state)
 
     def empty(self) -> bool:
@@ -47,10 +51,14 @@ class BlockStateCache:
         return sum(x.nbytes for _, x in tree_flatten(self._state or {}) if isinstance(x, mx.array))
 
 
-def register_with_mlx_lm() -> None:
+def register_with_mlx_lm(*, import_it: bool = True) -> None:
     """Make ``BlockStateCache`` known to mlx-lm's ``load_prompt_cache``, which looks cache
-    classes up by name in its own module. Idempotent; ``Model.make_cache`` calls it (mlx-lm is
-    imported then: the caches are for mlx-lm's utilities)."""
-    from mlx_lm.models import cache as mlx_lm_cache
-
-    mlx_lm_cache.BlockStateCache = BlockStateCache
+    classes up by name in its own module. Idempotent. ``Model.make_cache`` calls it (mlx-lm is
+    imported then: the caches are for mlx-lm's utilities); ``Model()`` calls it with
+    ``import_it=False``, registering only if mlx-lm's cache module is imported already, so a
+    process that imports mlx-lm, then loads a model, then a prompt cache, finds the class."""
+    module = sys.modules.get("mlx_lm.models.cache")
+    if module is None and import_it:
+        module = importlib.import_module("mlx_lm.models.cache")
+    if module is not None:
+        module.BlockStateCache = BlockStateCache

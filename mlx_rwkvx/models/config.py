@@ -77,7 +77,7 @@ class ModelConfig:
     final_norm: str = "layer"  # "layer" | "rms"
     # attention blocks
     n_q_heads: int | None = None  # None: hidden_size // head_size
-    n_kv_heads: int | None = None  # None: n_q_heads
+    n_kv_heads: int | None = None  # None: n_q_heads; Qwen2 blocks only (MoBA's are C x C)
     attn_head_dim: int | None = None  # None: hidden_size // n_q_heads
     rope_theta: float = 1e6  # Qwen2
     rms_norm_eps: float = 1e-6
@@ -168,6 +168,13 @@ class ModelConfig:
             and self.n_q_heads * self.attn_head_dim != self.hidden_size
         ):
             problems.append("moba blocks need n_q_heads * attn_head_dim == hidden_size")
+        if (
+            not problems and "qwen2" not in self.block_types and self.n_kv_heads != self.n_q_heads
+        ):  # only Qwen2 blocks group their KV heads; MoBA's projections are C x C
+            problems.append(
+                f"n_kv_heads {self.n_kv_heads} != n_q_heads {self.n_q_heads}, but only qwen2 "
+                "blocks have grouped KV heads (moba blocks have n_q_heads of them)"
+            )
         for name, allowed in (
             ("rwkv_norm", ("layer", "rms")),
             ("final_norm", ("layer", "rms")),

@@ -16,8 +16,9 @@ from mlx_rwkvx.models.attention import MobaBlock, Qwen2Block
 from mlx_rwkvx.models.cache import BlockStateCache, register_with_mlx_lm
 from mlx_rwkvx.models.config import ModelConfig
 from mlx_rwkvx.models.init import initialise
-from mlx_rwkvx.models.quantize import GROUP_SIZE, quantize_model
+from mlx_rwkvx.models.quantize import GROUP_SIZE, quantize_bits, quantize_model
 from mlx_rwkvx.models.rwkv7 import RWKV7Block, make_norm
+from mlx_rwkvx.ops.dispatch import in_transformation
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,6 +40,7 @@ class Model(nn.Module):
     def __init__(self, cfg: ModelConfig, *, init: str | None = "seeds", seed: int = 0):
         super().__init__()
         cfg = copy.deepcopy(cfg)
+        cfg.validate()  # a config edited after it was made is checked again here
         self.config = cfg
         self.model_type = "mlx_rwkvx"
         self.check_token_ids = True  # see check_tokens
@@ -56,6 +58,7 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(C, cfg.vocab_size, bias=False)
         if init is not None:
             initialise(self, init, seed)
+        register_with_mlx_lm(import_it=False)
 
     @property
     def quantization(self) -> dict | None:
@@ -66,9 +69,13 @@ class Model(nn.Module):
                 return {"group_size": module.group_size, "bits": module.bits}
         return None
 
-    def quantize(self, bits: int = 8, group_size: int = GROUP_SIZE) -> Model:
+    def quantize(self, bits=8, group_size: int = GROUP_SIZE) -> Model:
         """Quantize the large projections, head and embedding in place (``nn.QuantizedLinear``,
-        ``nn.QuantizedEmbedding``); RWKV-7's low-rank projections and the norms stay float."""
+        ``nn.QuantizedEmbedding``); RWKV-7's low-rank projections and the norms stay float.
+        ``bits``: 8 or 4 (or ``"int8"``, ``"int4"``)."""
+        bits = quantize_bits(bits)
+        if self.quantization is not None:
+            raise ValueError(f"model: already quantized ({self.quantization})")
         return quantize_model(self, bits, group_size)
 
     def init_state(self, batch: int) -> list[dict]:
@@ -84,8 +91,9 @@ class Model(nn.Module):
         """Raise a ValueError (TypeError for a non-array) unless ``tokens`` is an integer
         ``[B, T]`` array of ids in ``0 .. vocab_size - 1``. The range check reads the ids back
         from the device (a host sync): ``model.check_token_ids = False`` turns it off where the
-        caller checked them already; an id out of range then gives NaN logits, never a crash.
-        """
+        caller checked them already (and inside ``mx.compile``, where nothing can be read back,
+        the check is skipped the same way): an id out of range then gives NaN logits, never a
+        crash."""
         if not isinstance(tokens, mx.array):
             raise TypeError(
                 f"model: tokens must be an mx.array of integer ids [B, T], got "
@@ -95,8 +103,8 @@ class Model(nn.Module):
             raise ValueError(f"model: tokens must be [B, T] with B, T >= 1, got {tokens.shape}")
         if not mx.issubdtype(tokens.dtype, mx.integer):
             raise ValueError(f"model: tokens must be integer ids, got dtype {tokens.dtype}")
-        if self.check_token_ids:
-            lo, hi = mx.min(tokens).item(), mx.max(tokens).item()
+        if self.check_token_ids and not in_transformation(tokens):
+            lo, hi = mx.stack([mx.min(tokens), mx.max(tokens)]).tolist()  # one read back
             if lo < 0 or hi >= self.config.vocab_size:
                 bad = lo if lo < 0 else hi
                 raise ValueError(
@@ -119,7 +127,7 @@ class Model(nn.Module):
                 raise ValueError(f"model: state of layer {i} ({layer.kind} block): {problem}")
 
     def _embed(self, tokens: mx.array) -> mx.array:
-        if self.check_token_ids:
+        if self.check_token_ids and not in_transformation(tokens):
             return self.embed(tokens)
         # ids not checked: a bad one must not read outside the table (a crash); it gives NaN
         valid = (tokens >= 0) & (tokens < self.config.vocab_size)

@@ -111,7 +111,8 @@ class TimeMix(nn.Module):
 
     def __call__(self, x, v_first, shift, state):
         """x ``[B, T, C]`` (already normalised); ``shift [B, 1, C]`` the previous token's x;
-        ``state [B, H, N, N]`` float32. Returns (out, v_first, new shift, new state)."""
+        ``state [B, H, N, N]`` float32. Returns (out, v_first, new shift, new state); the state
+        keeps its dtypes, whatever x's."""
         B, T, C = x.shape
         H, N = self.n_heads, self.head_size
         xx = token_shift(x, shift) - x  # [B, T, C]
@@ -136,7 +137,7 @@ class TimeMix(nn.Module):
         o = o + bonus.reshape(B, T, C)
         if self.use_gate:
             o = o * self.gate(x + xx * self.x_g)
-        return self.output(o), v_first, x[:, -1:], state
+        return self.output(o), v_first, x[:, -1:].astype(shift.dtype), state
 
 
 class ChannelMix(nn.Module):
@@ -151,10 +152,10 @@ class ChannelMix(nn.Module):
 
     def __call__(self, x, shift):
         """x ``[B, T, C]``, ``shift [B, 1, C]`` the previous token's x. Returns (out, new
-        shift)."""
+        shift); the state keeps its dtype, whatever x's."""
         xx = token_shift(x, shift) - x
         k = mx.square(nn.relu(self.key(x + xx * self.x_k)))  # [B, T, F]
-        return self.value(k), x[:, -1:]
+        return self.value(k), x[:, -1:].astype(shift.dtype)
 
 
 class SwiGLU(nn.Module):

@@ -3,11 +3,11 @@ the op's environment variable, else the kernel where the device has one and it p
 self-check, else the op's own choice among its MLX paths.
 
 A kernel's self-check runs it against the exact MLX path on a tiny problem, outputs and
-gradients, once per shape class (head size, dtype). ``prepare()`` runs them all up front (the
-CLIs and the trainer call it before compiling; ``info --selfcheck`` reports it); otherwise a
-check runs the first time a shape class is used, but never inside ``mx.compile`` or another
-function transformation, where the call takes the MLX path and one warning says to call
-``prepare()`` first. A kernel that disagrees is never used again (one warning): the fallback is
+gradients, once per shape class (head size, dtype). ``prepare()`` runs them all up front (code
+that compiles calls it first; ``info --selfcheck`` reports it); otherwise a check runs the first
+time a shape class is used, but never inside ``mx.compile`` or another function
+transformation, where the call takes the MLX path and one warning says to call ``prepare()``
+first. A kernel that disagrees is never used again (one warning): the fallback is
 always exact, only slower.
 """
 
@@ -50,7 +50,8 @@ class Dispatcher:
     """One op's implementations (name -> function taking checked arguments) and the rule that
     picks one. ``self_check(key, kernel, exact)`` runs the kernel implementation against the
     exact one (``fallback``) for a shape class ``key`` and says whether they agree;
-    ``kernel_available()`` whether the device has a kernel."""
+    ``kernel_available(key)`` whether the device has a kernel (for ``key``, or at all when
+    ``key`` is None)."""
 
     def __init__(
         self,
@@ -59,7 +60,7 @@ class Dispatcher:
         *,
         env_var: str,
         fallback: str,
-        kernel_available: Callable[[], bool],
+        kernel_available: Callable[[Hashable | None], bool],
         self_check: Callable[[Hashable, Callable, Callable], bool],
     ):
         self.op, self.impls, self.env_var, self.fallback = op, impls, env_var, fallback
@@ -76,7 +77,7 @@ class Dispatcher:
         if name not in self.impls:
             source = "impl" if impl else self.env_var
             raise ValueError(f"{self.op}: {source}={name!r}: expected one of {sorted(self.impls)}")
-        if name == KERNEL and not self.kernel_available():
+        if name == KERNEL and not self.kernel_available(None):
             raise RuntimeError(f"{self.op}: {KERNEL} asked for, but this device has no kernel")
         return name
 
@@ -100,7 +101,7 @@ class Dispatcher:
         name = self.forced(impl)
         if name is not None:
             return name
-        if not self.kernel_available():
+        if not self.kernel_available(key):
             return default
         if key not in self.results and in_transformation(probe):
             if not self._warned_trace:
@@ -125,9 +126,8 @@ def prepare(
     device has no kernel). Returns ``(op, head size, dtype, passed)`` per check."""
     report = []
     for op, dispatcher in sorted(DISPATCHERS.items()):
-        if not dispatcher.kernel_available():
-            continue
         for size in head_sizes:
             for dtype in dtypes:
-                report.append((op, size, dtype, dispatcher.kernel_passes((size, dtype))))
+                if dispatcher.kernel_available((size, dtype)):
+                    report.append((op, size, dtype, dispatcher.kernel_passes((size, dtype))))
     return report

@@ -131,7 +131,7 @@ def model_fwd_np(tokens, p: dict, spec: ModelSpec, *, states=None, selections=No
         if kind == "rwkv7":
             fwd = arwkv_block_fwd_np if arwkv else rwkv7_block_fwd_np
             h, _, v_out, c = fwd(
-                h, bp, n_head=spec.n_heads, layer_id=n_rwkv, state=states.get(i), v_first=v_first
+                h, bp, n_head=spec.n_heads, rwkv_index=n_rwkv, state=states.get(i), v_first=v_first
             )
             if n_rwkv == 0:
                 v_first = v_out
@@ -179,7 +179,7 @@ def model_bwd_np(cache: dict, d_logits) -> dict:
         kind, c = cache["blocks"][i]
         if kind == "rwkv7":
             bwd = arwkv_block_bwd_np if arwkv else rwkv7_block_bwd_np
-            if c["layer_id"] == 0:
+            if c["rwkv_index"] == 0:
                 g = bwd(c, d_h, d_v_first=d_v_first)
             else:
                 g = bwd(c, d_h)
@@ -217,7 +217,7 @@ def init_model_params(rng: np.random.Generator, spec: ModelSpec) -> dict:
     for i, kind in enumerate(spec.block_types):
         if kind == "rwkv7":
             init = init_arwkv_block_params if spec.arwkv else init_rwkv7_block_params
-            bp = init(rng, C, spec.n_heads, F, layer_id=n_rwkv, **low_rank)
+            bp = init(rng, C, spec.n_heads, F, rwkv_index=n_rwkv, **low_rank)
             n_rwkv += 1
         elif kind == "moba":
             bp = init_moba_block_params(rng, C, F)

@@ -90,7 +90,7 @@ def time_mix_fwd_np(
     p: dict,
     *,
     n_head: int,
-    layer_id: int,
+    rwkv_index: int,
     x_prev=None,
     state=None,
     v_first=None,
@@ -100,7 +100,7 @@ def time_mix_fwd_np(
     """RWKV-7 time-mix of the normalised block input x ``[B, T, C]``.
 
     x_prev ``[B, C]``: token-shift carry (None = zeros); state ``[B, H, N, N]``: initial WKV
-    state (None = zeros); v_first ``[B, T, C]``: layer 0's v, an input for layer_id > 0.
+    state (None = zeros); v_first ``[B, T, C]``: layer 0's v, an input for rwkv_index > 0.
     ``use_gate=False`` drops the g gate (and x_g, g1, g2), ``use_ln_x=False`` the per-head
     group-norm (ARWKV). Returns (out ``[B, T, C]``, x_last ``[B, C]``, state_out, v_first_out,
     cache); v_first_out is v for layer 0 and the v_first passed in otherwise.
@@ -110,7 +110,7 @@ def time_mix_fwd_np(
     x_prev = np.zeros((B, C)) if x_prev is None else x_prev
     xx = token_shift_np(x, x_prev) - x  # [B, T, C]
     lerp = {n: x + xx * p[f"x_{n}"] for n in _lerp_names(use_gate)}
-    c = {"p": p, "H": H, "layer_id": layer_id, "use_gate": use_gate, "use_ln_x": use_ln_x}
+    c = {"p": p, "H": H, "rwkv_index": rwkv_index, "use_gate": use_gate, "use_ln_x": use_ln_x}
     c.update(xx=xx, lerp=lerp, state=state)
 
     r = lerp["r"] @ p["W_r"].T
@@ -130,7 +130,7 @@ def time_mix_fwd_np(
     k = k_raw * (1.0 + (a - 1.0) * p["k_a"])
     c.update(kk=kk, kk_norm=kk_norm, k=k)
 
-    if layer_id == 0:
+    if rwkv_index == 0:
         v = v_raw
         v_first_out = v
     else:
@@ -211,7 +211,7 @@ def _key_bwd(c: dict, d_k, d_kk, d_a, grads: dict):
 
 def _value_bwd(c: dict, d_v, d_v_first, grads: dict, d_lerp: dict):
     """Through the v_first mixing; returns d_v_raw (fills grads['v_first'] for layer > 0)."""
-    if c["layer_id"] == 0:
+    if c["rwkv_index"] == 0:
         return d_v if d_v_first is None else d_v + d_v_first
     p, v_sig = c["p"], c["v_sig"]
     grads["v_first"] = d_v * v_sig if d_v_first is None else d_v * v_sig + d_v_first
@@ -288,7 +288,7 @@ def _prefixed(p: dict, prefix: str) -> dict:
     return {k[len(prefix) :]: v for k, v in p.items() if k.startswith(prefix)}
 
 
-def _block_fwd(h, p, arwkv, n_head, layer_id, shift_att, shift_ffn, state, v_first):
+def _block_fwd(h, p, arwkv, n_head, rwkv_index, shift_att, shift_ffn, state, v_first):
     """``h = h + TMix(norm1(h)); h = h + FFN(norm2(h))`` for either block kind."""
     if arwkv:
         x1, ln1 = rms_norm_fwd_np(h, p["ln1_w"], eps=RMS_NORM_EPS)
@@ -298,7 +298,7 @@ def _block_fwd(h, p, arwkv, n_head, layer_id, shift_att, shift_ffn, state, v_fir
         x1,
         _prefixed(p, "att."),
         n_head=n_head,
-        layer_id=layer_id,
+        rwkv_index=rwkv_index,
         x_prev=shift_att,
         state=state,
         v_first=v_first,
@@ -315,7 +315,7 @@ def _block_fwd(h, p, arwkv, n_head, layer_id, shift_att, shift_ffn, state, v_fir
         ffn, shift_ffn_out, ffn_cache = channel_mix_fwd_np(x2, shift_ffn, _prefixed(p, "ffn."))
     cache = {
         "arwkv": arwkv,
-        "layer_id": layer_id,
+        "rwkv_index": rwkv_index,
         "ln1": ln1,
         "ln2": ln2,
         "tm": tm,
@@ -356,7 +356,7 @@ def rwkv7_block_fwd_np(
     p: dict,
     *,
     n_head: int,
-    layer_id: int,
+    rwkv_index: int,
     shift_att=None,
     shift_ffn=None,
     state=None,
@@ -369,7 +369,7 @@ def rwkv7_block_fwd_np(
     carries of the LN1 / LN2 outputs, state ``[B, H, N, N]`` the WKV state (None = zeros).
     Returns (h_out, (shift_att_out, shift_ffn_out, state_out), v_first_out, cache).
     """
-    return _block_fwd(h, p, False, n_head, layer_id, shift_att, shift_ffn, state, v_first)
+    return _block_fwd(h, p, False, n_head, rwkv_index, shift_att, shift_ffn, state, v_first)
 
 
 def rwkv7_block_bwd_np(
@@ -385,7 +385,7 @@ def arwkv_block_fwd_np(
     p: dict,
     *,
     n_head: int,
-    layer_id: int,
+    rwkv_index: int,
     shift_att=None,
     shift_ffn=None,
     state=None,
@@ -399,7 +399,7 @@ def arwkv_block_fwd_np(
     """
     if shift_ffn is not None:
         raise ValueError("arwkv_block_fwd_np: SwiGLU has no token shift; pass shift_ffn=None")
-    return _block_fwd(h, p, True, n_head, layer_id, shift_att, None, state, v_first)
+    return _block_fwd(h, p, True, n_head, rwkv_index, shift_att, None, state, v_first)
 
 
 def arwkv_block_bwd_np(
@@ -421,19 +421,19 @@ def init_time_mix_params(
     Da: int,
     Dv: int,
     Dg: int,
-    layer_id: int,
+    rwkv_index: int,
     use_gate: bool = True,
     use_ln_x: bool = True,
 ) -> dict:
     """The seeds' non-degenerate time-mix init: matrices uniform(-0.5, 0.5) * 0.3; lerps,
     w0/a0/v0/k_k/k_a/r_k * 0.5; ln_x gamma 1 + 0.2 u, beta 0.2 u. v0/v1/v2 only for
-    layer_id > 0, x_g/g1/g2 only with use_gate, ln_x_w/ln_x_b only with use_ln_x."""
+    rwkv_index > 0, x_g/g1/g2 only with use_gate, ln_x_w/ln_x_b only with use_ln_x."""
     N = C // n_head
     p = {f"x_{n}": seeded_uniform(rng, (C,), 0.5) for n in _lerp_names(use_gate)}
     for name in ("W_r", "W_k", "W_v", "W_o"):
         p[name] = seeded_uniform(rng, (C, C), 0.3)
     low_rank = {"w": Dw, "a": Da}
-    if layer_id > 0:
+    if rwkv_index > 0:
         low_rank["v"] = Dv
     for n, D in low_rank.items():
         p[f"{n}0"] = seeded_uniform(rng, (C,), 0.5)
@@ -461,7 +461,7 @@ def init_rwkv7_block_params(
     Da: int,
     Dv: int,
     Dg: int,
-    layer_id: int,
+    rwkv_index: int,
 ) -> dict:
     """Params of ``rwkv7_block_fwd_np``: LN1/LN2 (gamma 1 + 0.2 u, beta 0.2 u), 'att.', 'ffn.'."""
     p = {
@@ -470,7 +470,7 @@ def init_rwkv7_block_params(
         "ln2_w": seeded_uniform(rng, (C,), 0.2, offset=1.0),
         "ln2_b": seeded_uniform(rng, (C,), 0.2),
     }
-    att = init_time_mix_params(rng, C, n_head, Dw=Dw, Da=Da, Dv=Dv, Dg=Dg, layer_id=layer_id)
+    att = init_time_mix_params(rng, C, n_head, Dw=Dw, Da=Da, Dv=Dv, Dg=Dg, rwkv_index=rwkv_index)
     p.update({f"att.{k}": v for k, v in att.items()})
     p.update({f"ffn.{k}": v for k, v in init_channel_mix_params(rng, C, F).items()})
     return p
@@ -485,7 +485,7 @@ def init_arwkv_block_params(
     Dw: int,
     Da: int,
     Dv: int,
-    layer_id: int,
+    rwkv_index: int,
     Dg=None,
 ) -> dict:
     """Params of ``arwkv_block_fwd_np``: RMSNorm gammas, 'att.' (no gate, no ln_x), SwiGLU
@@ -502,7 +502,7 @@ def init_arwkv_block_params(
         Da=Da,
         Dv=Dv,
         Dg=0,
-        layer_id=layer_id,
+        rwkv_index=rwkv_index,
         use_gate=False,
         use_ln_x=False,
     )

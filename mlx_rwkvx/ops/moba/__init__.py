@@ -88,9 +88,5 @@ def moba_attention(q, k, v, *, chunk_size: int, top_k: int, scale=None, impl: st
     passed its self-check, else the blockwise path.
     """
     check_inputs(q, k, v, chunk_size, top_k)
-    D = q.shape[-1]
-    if kernel.available(D):
-        name = DISPATCH.pick(impl, (D, q.dtype), q, "blockwise")
-    else:
-        name = DISPATCH.forced(impl) or "blockwise"
+    name = DISPATCH.pick(impl, (q.shape[-1], q.dtype), q, "blockwise")
     return DISPATCH.impls[name](q, k, v, chunk_size, top_k, scale)

@@ -47,19 +47,45 @@ def time_major(x: mx.array) -> mx.array:
     return x.transpose(0, 2, 1, 3)
 
 
+def _check_decode(q, keys, values, key_sums, chunk_size, top_k) -> None:
+    """One ValueError naming the first argument of ``moba_decode`` that does not fit."""
+    require_arrays("moba_decode", {"q": q, "keys": keys, "values": values, "key_sums": key_sums})
+    if type(chunk_size) is not int or chunk_size < 1:
+        raise ValueError(f"moba_decode: chunk_size must be an int >= 1, got {chunk_size!r}")
+    if type(top_k) is not int:
+        raise ValueError(f"moba_decode: top_k must be an int, got {top_k!r}")
+    if q.ndim != 4 or keys.ndim != 4 or q.shape[1] != 1 or keys.shape[2] == 0:
+        raise ValueError(
+            f"moba_decode: q must be [B, 1, Hq, D] matching a non-empty cache, got q "
+            f"{tuple(q.shape)} and keys {tuple(keys.shape)}"
+        )
+    B, _, Hq, D = q.shape
+    _, Hkv, S, _ = keys.shape
+    n_chunks = -(-S // chunk_size)
+    for name, x, want in (
+        ("keys", keys, (B, Hkv, S, D)),
+        ("values", values, (B, Hkv, S, D)),
+        ("key_sums", key_sums, (B, Hkv, n_chunks, D)),
+    ):
+        if tuple(x.shape) != want:
+            raise ValueError(f"moba_decode: {name} has shape {tuple(x.shape)}, expected {want}")
+    if Hq % Hkv:
+        raise ValueError(f"moba_decode: q has {Hq} heads, not a multiple of the {Hkv} of keys")
+    if q.dtype != keys.dtype or values.dtype != keys.dtype or key_sums.dtype != mx.float32:
+        raise ValueError(
+            f"moba_decode: q, keys, values must share a dtype and key_sums be float32, got "
+            f"{q.dtype}, {keys.dtype}, {values.dtype}, {key_sums.dtype}"
+        )
+
+
 def moba_decode(q, keys, values, key_sums, *, chunk_size: int, top_k: int, scale=None):
     """MoBA attention of one new token, ``q [B, 1, Hq, D]``, against a cache that already holds
     its key and value (see ``append_kv``). Reads the key sums of the earlier chunks, then only
     the chosen chunks and the own chunk: O(n_chunks + (top_k + 1) chunk_size) per head. Equals
     the last row of ``moba_attention`` over the whole sequence; returns ``[B, 1, Hq, D]`` in q's
     dtype, computed in float32."""
-    require_arrays("moba_decode", {"q": q, "keys": keys, "values": values, "key_sums": key_sums})
-    B, n, Hq, D = q.shape
-    if n != 1 or keys.ndim != 4 or keys.shape[2] == 0 or keys.shape[0] != B or keys.shape[3] != D:
-        raise ValueError(
-            f"moba_decode: q must be [B, 1, Hq, D] matching a non-empty cache, got q "
-            f"{tuple(q.shape)} and keys {tuple(keys.shape)}"
-        )
+    _check_decode(q, keys, values, key_sums, chunk_size, top_k)
+    B, _, Hq, D = q.shape
     cs, t = chunk_size, keys.shape[2] - 1
     Hkv = keys.shape[1]
     G = Hq // Hkv

@@ -185,9 +185,10 @@ def moba_kernel_fn(chunk_size: int, scale: float):
     return _moba_kernel_fn(int(chunk_size), float(scale))
 
 
-def available(head_dim: int | None = None) -> bool:
-    """Whether this device has the MoBA kernels (for ``head_dim``, when given)."""
-    return _kernels() is not None and (head_dim is None or head_dim in HEAD_SIZES)
+def available(key=None) -> bool:
+    """Whether this device has the MoBA kernels (for ``key = (head_dim, dtype)``, when given:
+    head dims 16, 32, 64, 128)."""
+    return _kernels() is not None and (key is None or key[0] in HEAD_SIZES)
 
 
 def moba_kernel(q, k, v, *, chunk_size: int, top_k: int, scale=None) -> mx.array:
@@ -199,7 +200,7 @@ def moba_kernel(q, k, v, *, chunk_size: int, top_k: int, scale=None) -> mx.array
 
 def attention(q, k, v, chunk_size: int, top_k: int, scale=None) -> mx.array:
     """``moba_kernel`` without the argument checks (the dispatcher ran them)."""
-    if not available(q.shape[-1]):
+    if not available((q.shape[-1], q.dtype)):
         raise RuntimeError(
             f"moba_kernel needs MLX with a Metal or CUDA device and a head dim in {HEAD_SIZES} "
             f"(got {q.shape[-1]})"

@@ -89,14 +89,15 @@ def wkv7_kernel(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
     return kernel(r, log_w, k, v, a, b, state)
 
 
-def available() -> bool:
-    """Whether this device has the WKV7 kernels (Metal or CUDA)."""
+def available(key=None) -> bool:
+    """Whether this device has the WKV7 kernels (Metal or CUDA; for any ``(N, dtype)`` the
+    contract takes)."""
     return _kernels() is not None
 
 
 def kernel(r, log_w, k, v, a, b, state) -> tuple[mx.array, mx.array]:
     """``wkv7_kernel`` without the argument checks (the dispatcher ran them)."""
-    if not available():
+    if not available(None):
         raise RuntimeError(
             "wkv7_kernel needs MLX with a Metal or CUDA device; use wkv7_chunked or wkv7 here"
         )

@@ -1,9 +1,11 @@
 """Pure differentiable functions, one package per op: ``wkv7`` (the RWKV-7 recurrence) and
 ``moba`` (MoBA sparse attention), each with its contract, reference, fast path, kernel wrapper
-and dispatcher; ``dispatch.prepare()`` runs the kernels' self-checks up front. The kernel sources
-live in ``mlx_rwkvx.metal`` (importable without MLX)."""
+and dispatcher; ``dispatch.prepare()`` runs the kernels' self-checks up front; ``loss``: the
+head and cross-entropy fused. The kernel sources live in ``mlx_rwkvx.metal`` (importable
+without MLX)."""
 
 from mlx_rwkvx.ops.dispatch import prepare
+from mlx_rwkvx.ops.loss import cross_entropy_head
 from mlx_rwkvx.ops.moba import (
     append_kv,
     empty_kv,
@@ -17,6 +19,7 @@ from mlx_rwkvx.ops.wkv7 import wkv7, wkv7_chunked, wkv7_kernel, wkv7_ref, wkv7_s
 
 __all__ = [
     "append_kv",
+    "cross_entropy_head",
     "empty_kv",
     "moba_attention",
     "moba_attention_blockwise",

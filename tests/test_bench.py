@@ -60,8 +60,13 @@ EXPECTED = {
         r"^- tiny RFA INT8 peak while building, GB: [\d.]+ \(goal <= 2.3\)",
         r"^- tiny RFA INT8 peak while loading, GB: [\d.]+ \(goal <= 2.3\)",
     ],
+    "loss": [
+        r"^Verified first: fused vs dense loss [\d.e+-]+, dh [\d.e+-]+, dW [\d.e+-]+\.$",
+        r"^\| fused \| [\d.]+ s \| \d+ MiB \|$",
+        r"^- loss\+backward peak memory, dense / fused: [\d.]+ \(goal >= 8\)",
+    ],
 }
-GOAL_COUNTS = {"blas": 2, "wkv7": 5, "moba": 4, "models": 5}
+GOAL_COUNTS = {"blas": 2, "wkv7": 5, "moba": 4, "models": 5, "loss": 1}
 
 
 @pytest.fixture(scope="module")

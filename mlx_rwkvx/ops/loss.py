@@ -20,6 +20,13 @@ import mlx.core as mx
 VOCAB_BLOCK = 4096  # vocabulary entries per block: [tokens, VOCAB_BLOCK] float32 logits at a time
 
 
+def _after(x: mx.array, done: list[mx.array]) -> mx.array:
+    """``x``, to be read only once ``done`` is computed: the next block's logits then wait for
+    everything that reads this block's, so one block of logits is alive at a time (MLX would
+    otherwise be free to compute them all first)."""
+    return mx.depends(x, done)
+
+
 def _blocks(vocab: int, block: int) -> list[tuple[int, int]]:
     return [(a, min(vocab, a + block)) for a in range(0, vocab, block)]
 
@@ -55,6 +62,7 @@ def _fused(vocab: int, block: int, quant: tuple[int, int] | None):
             inside = (targets >= a) & (targets < b)
             picked = mx.take_along_axis(logits, mx.clip(targets - a, 0, b - a - 1)[:, None], -1)
             target_logit = target_logit + mx.where(inside, picked[:, 0], 0.0)
+            h32 = _after(h32, [run_sum, target_logit])
         lse = run_max + mx.log(run_sum)
         loss = mx.where(counted, lse - target_logit, 0.0).sum()
         return loss, lse
@@ -65,17 +73,20 @@ def _fused(vocab: int, block: int, quant: tuple[int, int] | None):
         g = cotangents[0] if cotangents[0] is not None else mx.array(0.0)
         lse = outputs[1]
         h32 = h.astype(mx.float32)
-        scale = mx.where(counted, g, 0.0)[:, None]  # [N, 1]: a token's share of the loss
+        scale = mx.where(counted, g, 0.0)  # [N]: a token's share of the loss
+        rows = mx.arange(h.shape[0])
         dh = mx.zeros(h32.shape)
         d_weight = []
         for a, b in _blocks(vocab, block):
             logits = logits_of(h32, weight, scales, biases, a, b)
-            d_logits = mx.exp(logits - lse[:, None])  # this block's softmax
-            onehot = mx.arange(a, b)[None, :] == targets[:, None]
-            d_logits = (d_logits - onehot) * scale  # [N, b - a]
+            d_logits = mx.exp(logits - lse[:, None]) * scale[:, None]  # softmax, [N, b - a]
+            inside = (targets >= a) & (targets < b)
+            columns = mx.clip(targets - a, 0, b - a - 1)
+            d_logits = d_logits.at[rows, columns].add(mx.where(inside, -scale, 0.0))
             if quant is None:
                 dh = dh + d_logits @ weight[a:b].astype(mx.float32)
                 d_weight.append(d_logits.T @ h32)  # [b - a, C]
+                h32 = _after(h32, [dh, d_weight[-1]])
             else:
                 group, bits = quant
                 dh = dh + mx.quantized_matmul(
@@ -87,6 +98,7 @@ def _fused(vocab: int, block: int, quant: tuple[int, int] | None):
                     group_size=group,
                     bits=bits,
                 )
+                h32 = _after(h32, [dh])
         if quant is None:
             d_w = mx.concatenate(d_weight, axis=0).astype(weight.dtype)
         else:

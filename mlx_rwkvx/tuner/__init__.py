@@ -1,0 +1,1 @@
+"""Training: adapters (LoRA, DoRA, state tuning), data, the trainer."""

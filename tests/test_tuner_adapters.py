@@ -1,0 +1,145 @@
+"""Adapter targets (presets, globs, last N blocks), LoRA/DoRA on them through mlx-lm's layers,
+state tuning, trainable counts, and the base model's fingerprint."""
+
+import mlx_rwkvx
+from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config
+from mlx_rwkvx.tuner.adapters import (
+    AdapterError,
+    adapter_tensors,
+    apply_lora,
+    default_targets,
+    enable_state_tuning,
+    fingerprint,
+    target_paths,
+    trainable_count,
+)
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.tuner.lora import LoRALinear
+from oracle.common import rel_err
+
+
+def rwkv7_cfg():
+    return ModelConfig(vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"] * 3)
+
+
+def rfa_cfg():
+    return rfa_config(
+        vocab_size=256,
+        hidden_size=64,
+        head_size=16,
+        block_types=["rwkv7", "qwen2", "rwkv7", "qwen2"],
+        intermediate_size=96,
+        n_q_heads=4,
+        n_kv_heads=2,
+    )
+
+
+def test_presets_by_family():
+    rwkv_x = Model(preset("rwkv-x-tiny"))  # rwkv7, rwkv7, moba, rwkv7, rwkv7, moba
+    assert default_targets(rwkv_x) == "attn"
+    paths = target_paths(rwkv_x, "attn")
+    assert len(paths) == 12 and all(p.split(".")[1] in ("2", "5") for p in paths)
+    assert "layers.2.ffn.key" in paths and "layers.0.ffn.key" not in paths
+    rfa = Model(rfa_cfg())
+    assert default_targets(rfa) == "qwen"
+    assert len(target_paths(rfa, "qwen")) == 14  # 7 a Qwen2 block
+    assert len(target_paths(rfa, "rwkv")) == 14  # ARWKV: 4 time-mix + SwiGLU's 3
+    rwkv7 = Model(rwkv7_cfg())
+    assert default_targets(rwkv7) == "rwkv"
+    assert len(target_paths(rwkv7, "rwkv")) == 18  # 4 time-mix + 2 channel-mix, 3 blocks
+    # all: no low-rank projection, no embedding, no head
+    every = target_paths(rwkv7, "all")
+    assert len(every) == 18 and not any(".decay." in p or ".gate." in p for p in every)
+
+
+def test_globs_and_last_layers():
+    model = Model(rfa_cfg())
+    assert target_paths(model, "layers.*.self_attn.q_proj, layers.0.tmix.key") == [
+        "layers.0.tmix.key",
+        "layers.1.self_attn.q_proj",
+        "layers.3.self_attn.q_proj",
+    ]
+    assert target_paths(model, "qwen", num_layers=1) == sorted(
+        f"layers.3.{p}"
+        for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    )  # fmt: skip
+    with pytest.raises(AdapterError, match="match no projection in the last 1 blocks"):
+        target_paths(model, "layers.0.*", num_layers=1)
+    with pytest.raises(AdapterError, match="match no projection"):
+        target_paths(model, "layers.*.nothing")
+    with pytest.raises(AdapterError, match="num_layers must be 1..4"):
+        target_paths(model, "qwen", num_layers=9)
+
+
+def test_rfa_preset_trainable_count_matches_the_seeds():
+    # rfa_train's manual: ~9.2M LoRA parameters at rank 32 on the 1.5B RFA model's 49 Qwen2
+    # projections (7 blocks x Q, K, V, O, gate, up, down); nothing is computed here
+    model = Model(preset("rfa-1.5b"), init=None)
+    paths = target_paths(model, "qwen")
+    assert len(paths) == 49
+    apply_lora(model, paths, rank=32, alpha=64)
+    # per block: (1536+1536) + 2 (1536+256) + (1536+1536) + 3 (1536+8960), times rank 32
+    assert trainable_count(model) == 7 * 32 * (2 * 3072 + 2 * 1792 + 3 * 10496) == 9_232_384
+
+
+def test_lora_starts_as_the_base_and_fuses_to_its_update():
+    model = Model(rwkv7_cfg(), seed=1)
+    tokens = mx.array([[1, 2, 3, 4, 5, 6, 7]])
+    base = model(tokens)
+    paths = target_paths(model, "rwkv")
+    apply_lora(model, paths, rank=4, alpha=8)
+    modules = dict(model.named_modules())
+    assert all(isinstance(modules[p], LoRALinear) for p in paths)
+    assert mx.array_equal(model(tokens), base)  # lora_b starts at zero
+    assert trainable_count(model) == sum(x.size for x in adapter_tensors(model).values())
+    for p in paths:  # a non-zero update, then fuse: the same logits
+        modules[p].lora_b = 0.1 * mx.random.normal(modules[p].lora_b.shape)
+    adapted = model(tokens)
+    assert not mx.allclose(adapted, base)
+    model.update_modules(tree_unflatten([(p, modules[p].fuse()) for p in paths]))
+    assert rel_err(np.array(model(tokens)), np.array(adapted)) <= 1e-5
+
+
+def test_bad_adapter_requests():
+    model = Model(rwkv7_cfg())
+    paths = target_paths(model, "rwkv")
+    with pytest.raises(AdapterError, match="rank must be an int >= 1, got 0"):
+        apply_lora(model, paths, rank=0, alpha=8)
+    with pytest.raises(AdapterError, match="dropout must be in"):
+        apply_lora(model, paths, rank=4, alpha=8, dropout=1.5)
+    quantized = Model(rwkv7_cfg()).quantize(8)
+    with pytest.raises(AdapterError, match="DoRA on a quantized base"):
+        apply_lora(quantized, target_paths(quantized, "rwkv"), rank=4, alpha=8, dora=True)
+    with pytest.raises(AdapterError, match="needs RWKV blocks"):
+        enable_state_tuning(
+            Model(rfa_config(vocab_size=64, hidden_size=32, block_types=["qwen2"], n_q_heads=4))
+        )
+
+
+def test_state_tuning_trains_the_states_only():
+    model = Model(rfa_cfg())
+    names = enable_state_tuning(model)
+    assert names == ["layers.0.tmix.state0", "layers.2.tmix.state0"]
+    assert sorted(adapter_tensors(model)) == names
+    assert trainable_count(model) == 2 * 4 * 16 * 16  # two blocks of 4 heads of 16 x 16
+
+
+def test_fingerprint_same_base_any_format_different_bases(tmp_path):
+    model = Model(ModelConfig(vocab_size=256, hidden_size=64, head_size=16,
+                              block_types=["rwkv7"] * 2), seed=3)  # fmt: skip
+    mlx_rwkvx.save(model, tmp_path / "fp32")
+    mlx_rwkvx.save(model, tmp_path / "one.safetensors")
+    want = fingerprint(model)
+    assert fingerprint(mlx_rwkvx.load(tmp_path / "fp32", dtype="bfloat16")[0]) == want
+    assert fingerprint(mlx_rwkvx.load(tmp_path / "one.safetensors", quantize="int8")[0]) == want
+    from mlx_rwkvx.io.formats import write_hf
+
+    write_hf(tmp_path / "hf", model.config, dict(tree_flatten(model.parameters())))
+    assert fingerprint(mlx_rwkvx.load(tmp_path / "hf")[0]) == want
+    other = Model(model.config, seed=4)
+    assert fingerprint(other) != want

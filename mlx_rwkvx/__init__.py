@@ -11,9 +11,9 @@ _blas.setup()
 __version__ = "0.1.0.dev0"
 
 _LAZY = {
-    "load": "mlx_rwkvx.io.load",
-    "load_model": "mlx_rwkvx.io.load",
-    "save": "mlx_rwkvx.io.load",
+    "load": "mlx_rwkvx.api",
+    "load_model": "mlx_rwkvx.api",
+    "save": "mlx_rwkvx.api",
     "configure": "mlx_rwkvx._runtime",
 }
 

@@ -143,3 +143,92 @@ def test_fingerprint_same_base_any_format_different_bases(tmp_path):
     assert fingerprint(mlx_rwkvx.load(tmp_path / "hf")[0]) == want
     other = Model(model.config, seed=4)
     assert fingerprint(other) != want
+
+
+def _trained_lora(model, kind="lora"):
+    paths = target_paths(model, default_targets(model))
+    apply_lora(model, paths, rank=4, alpha=8, dora=kind == "dora")
+    for name, x in adapter_tensors(model).items():  # as if trained: every tensor non-zero
+        model.load_weights([(name, x + 0.05 * mx.random.normal(x.shape))], strict=False)
+    return paths
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora", "state"])
+def test_adapter_file_round_trip_through_load(tmp_path, kind):
+    from mlx_rwkvx.tuner.adapters import adapter_config, save_adapter
+
+    base = Model(rfa_cfg(), seed=5)
+    mlx_rwkvx.save(base, tmp_path / "base")
+    fp = fingerprint(base)
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    if kind == "state":
+        paths = enable_state_tuning(base)
+        for name in paths:
+            base.load_weights([(name, 0.1 * mx.random.normal((4, 16, 16)))], strict=False)
+        config = adapter_config(base, fine_tune_type="state", paths=paths, base_fingerprint=fp)
+    else:
+        paths = _trained_lora(base, kind)
+        config = adapter_config(
+            base, fine_tune_type=kind, paths=paths, rank=4, alpha=8, base_fingerprint=fp
+        )
+    want = base(tokens)
+    save_adapter(tmp_path / "adapter_final.safetensors", base, config)
+    # the bare file describes itself; a folder holding it too
+    for where in (tmp_path / "adapter_final.safetensors", tmp_path):
+        model, _ = mlx_rwkvx.load(tmp_path / "base", adapter=where)
+        assert rel_err(np.array(model(tokens)), np.array(want)) <= 1e-6
+
+
+def test_adapter_for_another_base_is_refused(tmp_path):
+    from mlx_rwkvx.tuner.adapters import adapter_config, save_adapter
+
+    base = Model(rfa_cfg(), seed=5)
+    paths = _trained_lora(base)
+    config = adapter_config(
+        base, fine_tune_type="lora", paths=paths, rank=4, alpha=8, base_fingerprint="0" * 16
+    )
+    save_adapter(tmp_path / "a.safetensors", base, config)
+    mlx_rwkvx.save(Model(rfa_cfg(), seed=5), tmp_path / "base")
+    with pytest.raises(AdapterError, match="trained on another base model"):
+        mlx_rwkvx.load(tmp_path / "base", adapter=tmp_path / "a.safetensors")
+    with pytest.raises(AdapterError, match="no such adapter"):
+        mlx_rwkvx.load(tmp_path / "base", adapter=tmp_path / "nope")
+
+
+def test_saving_an_adapter_wrapped_model_is_one_clear_error(tmp_path):
+    from mlx_rwkvx.io.formats import CheckpointError
+    from mlx_rwkvx.tuner.adapters import fuse_adapters
+
+    model = Model(rwkv7_cfg(), seed=2)
+    _trained_lora(model)
+    tokens = mx.array([[1, 2, 3, 4]])
+    want = model(tokens)
+    with pytest.raises(CheckpointError, match="holds LoRA/DoRA adapters; fuse them first"):
+        mlx_rwkvx.save(model, tmp_path / "m")
+    fuse_adapters(model)
+    mlx_rwkvx.save(model, tmp_path / "m")
+    assert rel_err(np.array(mlx_rwkvx.load(tmp_path / "m")[0](tokens)), np.array(want)) <= 1e-5
+
+
+def test_mlx_lm_adapter_folder_loads(tmp_path):
+    # an adapter as mlx-lm writes it: adapters.safetensors + adapter_config.json whose keys are
+    # relative to a block and apply to the last num_layers blocks
+    import json
+
+    base = Model(rwkv7_cfg(), seed=6)
+    mlx_rwkvx.save(base, tmp_path / "base")
+    trained = Model(rwkv7_cfg(), seed=6)
+    paths = target_paths(trained, "tmix.key,tmix.value".replace("tmix", "layers.*.tmix"), 2)
+    apply_lora(trained, paths, rank=2, alpha=4)
+    for name, x in adapter_tensors(trained).items():
+        trained.load_weights([(name, x + 0.05)], strict=False)
+    (tmp_path / "ad").mkdir()
+    mx.save_safetensors(str(tmp_path / "ad" / "adapters.safetensors"), adapter_tensors(trained))
+    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps({
+        "fine_tune_type": "lora", "num_layers": 2,
+        "lora_parameters": {"rank": 2, "scale": 2.0, "dropout": 0.0,
+                            "keys": ["tmix.key", "tmix.value"]},
+    }))  # fmt: skip
+    model, _ = mlx_rwkvx.load(tmp_path / "base", adapter=tmp_path / "ad")
+    tokens = mx.array([[5, 4, 3, 2, 1]])
+    assert rel_err(np.array(model(tokens)), np.array(trained(tokens))) <= 1e-6

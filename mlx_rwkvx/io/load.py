@@ -174,10 +174,16 @@ def save(model: Model, path, *, tokenizer=None, overwrite: bool = False) -> None
     checkpoint at ``path`` is replaced only with ``overwrite=True``."""
     if not isinstance(model, Model):
         raise TypeError(f"save: expected an mlx_rwkvx Model, got {type(model).__name__}")
+    tensors = dict(tree_flatten(model.parameters()))
+    if any(n.endswith((".lora_a", ".lora_b")) for n in tensors):
+        raise CheckpointError(
+            f"{checkpoint_path(path)}: the model holds LoRA/DoRA adapters; fuse them first "
+            "(mlx_rwkvx.tuner.adapters.fuse_adapters) or save the adapter itself"
+        )
     write_native(
         path,
         model.config,
-        dict(tree_flatten(model.parameters())),
+        tensors,
         quantization=model.quantization,
         extra_files=tokenizer_files(tokenizer),
         overwrite=overwrite,

@@ -18,7 +18,11 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import os
 
+from mlx_rwkvx.io.atomic import atomic_target, check_target, save_safetensors
+from mlx_rwkvx.io.detect import read_json
+from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.models.rwkv7 import HeadNorm
 
@@ -161,3 +165,161 @@ def fingerprint(model: Model) -> str:
             h.update(path.encode())
             h.update(memoryview(module.weight.astype(mx.bfloat16).view(mx.uint16)))
     return h.hexdigest()[:16]
+
+
+# ----- adapter files ---------------------------------------------------------------------------
+
+ADAPTER_CONFIG = "adapter_config.json"
+FINAL_ADAPTER = "adapter_final.safetensors"  # the seeds' names: adapter_final, checkpoint_<step>
+MLX_LM_ADAPTER = "adapters.safetensors"  # what mlx-lm writes and reads
+
+
+def adapter_config(
+    model: Model,
+    *,
+    fine_tune_type: str,
+    paths: list[str],
+    rank: int | None = None,
+    alpha: float | None = None,
+    dropout: float = 0.0,
+    targets: str = "",
+    base_fingerprint: str,
+    **facts,
+) -> dict:
+    """``adapter_config.json``: mlx-lm's fields (``fine_tune_type``, ``num_layers``,
+    ``lora_parameters`` with ``rank``, ``scale``, ``dropout`` and the module paths as ``keys``)
+    and ours (alpha, targets, the base's fingerprint, and ``facts`` such as the init seed and
+    the tokens trained on)."""
+    config = {
+        "format": "mlx_rwkvx",
+        "fine_tune_type": fine_tune_type,
+        "num_layers": len(model.layers),
+        "targets": targets,
+        "base_fingerprint": base_fingerprint,
+        **facts,
+    }
+    if fine_tune_type in ("lora", "dora"):
+        config["lora_parameters"] = {
+            "rank": rank,
+            "scale": alpha / rank,
+            "dropout": dropout,
+            "keys": list(paths),
+        }
+        config["alpha"] = alpha
+    return config
+
+
+def save_adapter(path, model: Model, config: dict, *, overwrite: bool = True) -> None:
+    """The adapter tensors of ``model`` in one ``.safetensors`` file whose metadata carries
+    ``config`` (so a file copied alone describes itself), written atomically."""
+    path = os.fspath(path)
+    check_target(path, overwrite=overwrite, folder=False)
+    with atomic_target(path, folder=False) as tmp:
+        save_safetensors(tmp, adapter_tensors(model), {"adapter_config": json.dumps(config)})
+
+
+def read_adapter(path) -> tuple[dict, dict[str, mx.array]]:
+    """(config, tensors) of an adapter: a ``.safetensors`` file (its metadata, else the
+    ``adapter_config.json`` beside it) or a folder (``adapter_final.safetensors``, else mlx-lm's
+    ``adapters.safetensors``, with the folder's ``adapter_config.json``)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        for name in (FINAL_ADAPTER, MLX_LM_ADAPTER):
+            if os.path.exists(os.path.join(path, name)):
+                file = os.path.join(path, name)
+                break
+        else:
+            raise AdapterError(f"{path}: no {FINAL_ADAPTER} or {MLX_LM_ADAPTER} in the folder")
+    elif os.path.isfile(path):
+        file = path
+    else:
+        raise AdapterError(f"{path}: no such adapter file or folder")
+    tensors, metadata = read_safetensors(file)
+    if "adapter_config" in metadata:
+        try:
+            config = json.loads(metadata["adapter_config"])
+        except json.JSONDecodeError as e:
+            raise AdapterError(f"{file}: damaged adapter_config in its metadata ({e})") from e
+    else:
+        beside = os.path.join(os.path.dirname(file), ADAPTER_CONFIG)
+        if not os.path.exists(beside):
+            raise AdapterError(f"{file}: no adapter_config in its metadata, and no {beside}")
+        config = read_json(beside)
+    if not isinstance(config, dict):
+        raise AdapterError(f"{file}: the adapter config is not a JSON object")
+    return config, tensors
+
+
+def _paths_of(model: Model, config: dict) -> list[str]:
+    """The module paths of a LoRA/DoRA config's ``keys``: ours are full paths; mlx-lm's are
+    relative to a block and apply to each of the last ``num_layers`` blocks that has them."""
+    keys = config["lora_parameters"].get("keys") or []
+    n = len(model.layers)
+    last = range(n - min(config.get("num_layers", n), n), n)
+    modules = dict(model.named_modules())
+    paths = []
+    for key in keys:
+        if key.startswith("layers."):
+            paths.append(key)
+        else:
+            paths += [f"layers.{i}.{key}" for i in last if f"layers.{i}.{key}" in modules]
+    missing = [p for p in paths if p not in modules]
+    if missing or not paths:
+        raise AdapterError(f"the adapter's layers {missing[:4] or keys[:4]} are not in this model")
+    return paths
+
+
+def apply_adapter(model: Model, path) -> Model:
+    """Wrap ``model`` in the adapter at ``path`` (see ``read_adapter``) and load its tensors;
+    refused (AdapterError) when it was trained on another base or does not fit."""
+    config, tensors = read_adapter(path)
+    want = config.get("base_fingerprint")
+    if want and want != fingerprint(model):
+        raise AdapterError(
+            f"{os.fspath(path)}: the adapter was trained on another base model (fingerprint "
+            f"{want}, this model's {fingerprint(model)})"
+        )
+    kind = config.get("fine_tune_type", "lora")
+    if kind in ("lora", "dora"):
+        lora = config.get("lora_parameters") or {}
+        try:
+            rank, scale = int(lora["rank"]), float(lora["scale"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise AdapterError(f"{os.fspath(path)}: bad lora_parameters ({e})") from e
+        apply_lora(
+            model,
+            _paths_of(model, config),
+            rank=rank,
+            alpha=scale * rank,
+            dropout=float(lora.get("dropout", 0.0)),
+            dora=kind == "dora",
+        )
+    elif kind == "state":
+        enable_state_tuning(model)
+    else:
+        raise AdapterError(f"{os.fspath(path)}: fine_tune_type {kind!r} is not an adapter")
+    expected = {n: x.shape for n, x in adapter_tensors(model).items()}
+    wrong = sorted(set(tensors) ^ set(expected)) + [
+        n for n in tensors if n in expected and tuple(tensors[n].shape) != tuple(expected[n])
+    ]
+    if wrong:
+        raise AdapterError(f"{os.fspath(path)}: tensors that do not fit this model: {wrong[:6]}")
+    model.load_weights(list(tensors.items()), strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` holds adapter layers (to be fused, or saved as an adapter)."""
+    return any(isinstance(m, (LoRALinear, DoRALinear)) for _, m in model.named_modules())
+
+
+def fuse_adapters(model: Model) -> Model:
+    """Fold every LoRA/DoRA adapter into its base layer (mlx-lm's ``fuse``; a quantized base
+    stays quantized), in place."""
+    fused = [
+        (p, m.fuse()) for p, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))
+    ]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+    return model

@@ -488,3 +488,28 @@ def test_state_keeps_its_dtypes_in_a_mixed_precision_model():
         h, state = model.hidden(piece, state)
         assert [{k: v.dtype for k, v in s.items()} for s in state] == dtypes
     assert not np.isnan(np.array(h.astype(mx.float32))).any()
+
+
+@pytest.mark.parametrize("name", ["rwkv-x-tiny", "rfa"])
+def test_gradient_checkpointing_gives_the_same_gradients(name):
+    import mlx.nn as nn
+
+    model = Model(CONFIGS[name](), seed=2)
+    tokens = _tokens(model.config, 20)
+
+    def grads(checkpoint):
+        def loss(m):
+            return (m.hidden(tokens, checkpoint=checkpoint)[0] ** 2).sum()
+
+        return nn.value_and_grad(model, loss)(model)
+
+    (a, ga), (b, gb) = grads(False), grads(True)
+    assert a.item() == b.item()
+    ga, gb = dict(flat_params_of(ga)), dict(flat_params_of(gb))
+    assert ga.keys() == gb.keys() and all(mx.array_equal(ga[k], gb[k]) for k in ga)
+
+
+def flat_params_of(tree):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree)

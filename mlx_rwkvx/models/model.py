@@ -11,6 +11,7 @@ training can fuse head and loss and generation can run the head on the last posi
 from __future__ import annotations
 
 import copy
+import functools
 
 from mlx_rwkvx.models.attention import MobaBlock, Qwen2Block
 from mlx_rwkvx.models.cache import BlockStateCache, register_with_mlx_lm
@@ -29,6 +30,12 @@ BLOCKS = {
     "moba": lambda cfg, rwkv_index: MobaBlock(cfg),
     "qwen2": lambda cfg, rwkv_index: Qwen2Block(cfg),
 }
+
+
+def _run_block(block, params, h, v_first, state):
+    # the trainable parameters come in as arguments so that mx.checkpoint differentiates them
+    block.update(params)
+    return block(h, v_first, state)
 
 
 class Model(nn.Module):
@@ -134,13 +141,19 @@ class Model(nn.Module):
         h = self.embed(mx.where(valid, tokens, 0))
         return mx.where(valid[..., None], h, mx.array(mx.nan, h.dtype))
 
-    def hidden(self, tokens: mx.array, state: list | None = None) -> tuple[mx.array, list]:
+    def hidden(
+        self, tokens: mx.array, state: list | None = None, *, checkpoint: bool = False
+    ) -> tuple[mx.array, list]:
         """``tokens [B, T]`` after ``state`` (None: the start of a text) -> (final normalised
-        hidden states ``[B, T, C]``, before the head; the state after these tokens)."""
+        hidden states ``[B, T, C]``, before the head; the state after these tokens).
+        ``checkpoint``: each block's activations are recomputed in the backward instead of
+        kept (``mx.checkpoint``): less memory for training, one more forward of time."""
         self.check_tokens(tokens)
-        return self._hidden(tokens, state)
+        return self._hidden(tokens, state, checkpoint)
 
-    def _hidden(self, tokens: mx.array, state: list | None) -> tuple[mx.array, list]:
+    def _hidden(
+        self, tokens: mx.array, state: list | None, checkpoint: bool = False
+    ) -> tuple[mx.array, list]:
         B = tokens.shape[0]
         if state is None:
             state = self.init_state(B)
@@ -152,7 +165,11 @@ class Model(nn.Module):
         v_first = None
         new_state = []
         for layer, s in zip(self.layers, state, strict=True):
-            h, v_first, s = layer(h, v_first, s)
+            if checkpoint:
+                run = mx.checkpoint(functools.partial(_run_block, layer))
+                h, v_first, s = run(layer.trainable_parameters(), h, v_first, s)
+            else:
+                h, v_first, s = layer(h, v_first, s)
             new_state.append(s)
         return self.norm(h), new_state
 

@@ -13,7 +13,13 @@ from mlx_rwkvx.metal import sources
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI_SCRIPTS = ("mlx_rwkvx-demo", "mlx_rwkvx-info", "mlx_rwkvx-convert")
+CLI_SCRIPTS = (
+    "mlx_rwkvx-demo",
+    "mlx_rwkvx-info",
+    "mlx_rwkvx-convert",
+    "mlx_rwkvx-train",
+    "mlx_rwkvx-pretokenize",
+)
 
 
 def test_kernel_sources_readable():

@@ -1,0 +1,58 @@
+"""``python -m mlx_rwkvx.train``: LoRA, DoRA, state tuning, full fine-tuning or pretraining of
+an RWKV-7, RWKV-X or RFA model (see ``--help``; settings in ``mlx_rwkvx/tuner/config.py``).
+
+Exit codes: 0 done; 1 the loss or a gradient stopped being finite (the last checkpoint is
+kept); 2 a problem with what was given (one line, nothing written); 130 Ctrl-C (the step in
+flight finished and saved).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from mlx_rwkvx.tuner.config import TrainConfig, from_yaml, parser
+from mlx_rwkvx.tuner.trainer import NonFinite, TrainError, train
+
+import yaml
+
+
+def config_from(argv: list[str] | None) -> TrainConfig:
+    """The run's settings: defaults, then the YAML --config, then the flags."""
+    p = parser()
+    args = vars(p.parse_args(argv))
+    settings = {}
+    source = args.pop("config", None)
+    if source:
+        try:
+            with open(source) as f:
+                data = yaml.safe_load(f) or {}
+            if not isinstance(data, dict):
+                raise ValueError("expected a mapping of settings")
+            settings = from_yaml(data, source)
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            p.error(f"--config {source}: {e}")
+    settings.update(args)
+    try:
+        return TrainConfig(**settings)
+    except TypeError as e:
+        p.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = config_from(argv)
+    try:
+        out = train(cfg)
+    except TrainError as e:
+        print(f"mlx_rwkvx.train: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except NonFinite as e:
+        print(f"mlx_rwkvx.train: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("mlx_rwkvx.train: interrupted", file=sys.stderr)
+        sys.exit(130)
+    print(f"done: {out}")
+
+
+if __name__ == "__main__":
+    main()

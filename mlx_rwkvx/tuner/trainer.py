@@ -1,0 +1,560 @@
+"""The training run: model and adapters, data, the step, checkpoints, resuming, logs.
+
+The step is two functions, so that data parallelism (a later issue) can sit between them:
+``loss_and_grad(batch)`` gives the summed loss of one batch, its count of trained tokens and the
+gradients of the sum; ``apply_update(grads, count)`` divides by the count, clips the global
+norm and takes one AdamW step (``mlx.optimizers``; linear warm-up, then cosine decay).
+
+Checkpoints never lose work: every ``save_every`` steps, at the end and on Ctrl-C,
+``checkpoint_<step>.safetensors`` (the trained tensors, what ``load`` and merging read, with
+the adapter config in its metadata), ``checkpoint_<step>.state.safetensors`` (optimizer
+state, step, data position; each step's randomness comes from the seed and the step) and last
+``checkpoint_<step>.json``, the manifest that marks the checkpoint complete, each written
+atomically. ``--resume`` continues from the newest
+complete one and computes the same losses as the run that was not interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import mlx_rwkvx
+from mlx_rwkvx.io.atomic import CheckpointError, atomic_target, save_safetensors, save_text
+from mlx_rwkvx.io.tensors import read_safetensors
+from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
+from mlx_rwkvx.models import Model, ModelConfig, preset
+from mlx_rwkvx.models.config import PRESETS
+from mlx_rwkvx.ops import cross_entropy_head, prepare
+from mlx_rwkvx.tuner import data as data_mod
+from mlx_rwkvx.tuner.adapters import (
+    ADAPTER_CONFIG,
+    FINAL_ADAPTER,
+    AdapterError,
+    adapter_config,
+    apply_lora,
+    default_targets,
+    enable_state_tuning,
+    fingerprint,
+    save_adapter,
+    target_paths,
+    trainable_count,
+)
+from mlx_rwkvx.tuner.config import FINAL_LR_RATIO, TrainConfig
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import yaml
+from mlx.utils import tree_flatten, tree_unflatten
+from tqdm import tqdm
+
+METRICS = "metrics.jsonl"
+MODEL_DIR = "model"  # full fine-tuning and pretraining write a native model folder here
+ADAM_BETAS, ADAM_EPS = (0.9, 0.99), 1e-8  # RWKV's trainers (RWKV-LM, RWKV-PEFT)
+
+
+class TrainError(ValueError):
+    """A run that cannot start or go on because of what it was given (exit 2)."""
+
+
+class NonFinite(RuntimeError):
+    """The loss or a gradient stopped being finite (exit 1; the last checkpoint stays)."""
+
+
+def _crash_point(name: str, step: int) -> None:
+    """Tests kill the process here (``MLX_RWKVX_CRASH_AT=<name>:<step>``), as a power cut
+    would, to show that no work is lost."""
+    if os.environ.get("MLX_RWKVX_CRASH_AT") == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ----- model and what it trains -----------------------------------------------------------------
+
+
+def _model_config(spec: str) -> ModelConfig:
+    """A preset name or a JSON/YAML file of ModelConfig fields (--mode pretrain)."""
+    if spec in PRESETS:
+        return preset(spec)
+    if not os.path.isfile(spec):
+        raise TrainError(
+            f"--model {spec}: for --mode pretrain, a preset ({', '.join(sorted(PRESETS))}) or "
+            "a JSON/YAML model config file"
+        )
+    try:
+        with open(spec) as f:
+            if spec.endswith((".yaml", ".yml")):
+                fields = yaml.safe_load(f)
+            else:
+                fields = json.load(f)
+        return ModelConfig(**fields)
+    except (OSError, ValueError, TypeError, yaml.YAMLError) as e:
+        raise TrainError(f"--model {spec}: not a model config ({e})") from e
+
+
+def build(cfg: TrainConfig):
+    """(model with what it trains set up, tokenizer, base fingerprint, trained paths)."""
+    if cfg.mode == "pretrain":
+        model_cfg = _model_config(cfg.model)
+        model = Model(model_cfg, init=cfg.init, seed=cfg.seed)
+        tokenizer = (
+            WorldTokenizer()
+            if model_cfg.vocab_size == 65536
+            else ByteTokenizer(model_cfg.vocab_size)
+            if model_cfg.vocab_size <= 256
+            else None
+        )
+        if tokenizer is None:
+            raise TrainError(
+                f"--model {cfg.model}: vocabulary {model_cfg.vocab_size} has no built-in "
+                "tokenizer (65536: World, <= 256: bytes)"
+            )
+        if cfg.quantize:
+            raise TrainError("--mode pretrain trains every weight: --quantize does not apply")
+    else:
+        try:
+            model, tokenizer = mlx_rwkvx.load(cfg.model, quantize=cfg.quantize, dtype=cfg.dtype)
+        except CheckpointError as e:
+            raise TrainError(str(e)) from e
+    base = fingerprint(model)
+    try:
+        if cfg.mode in ("lora", "dora"):
+            targets = cfg.lora_targets or default_targets(model)
+            paths = target_paths(model, targets, cfg.num_layers)
+            apply_lora(
+                model,
+                paths,
+                rank=cfg.lora_rank,
+                alpha=cfg.lora_alpha,
+                dropout=cfg.lora_dropout,
+                dora=cfg.mode == "dora",
+            )
+        elif cfg.mode == "state":
+            paths = enable_state_tuning(model)
+        else:
+            if model.quantization is not None:
+                raise TrainError(f"--mode {cfg.mode} trains every weight: not a quantized base")
+            model.unfreeze()
+            paths = [n for n, _ in tree_flatten(model.trainable_parameters())]
+    except AdapterError as e:
+        raise TrainError(str(e)) from e
+    return model, tokenizer, base, paths
+
+
+def _head(model: Model) -> dict:
+    """The head's arrays for ``cross_entropy_head``: the tied embedding or the head layer,
+    float or quantized."""
+    layer = model.embed if model.config.tie_embeddings else model.lm_head
+    if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return dict(
+            weight=layer.weight,
+            scales=layer.scales,
+            biases=layer.biases,
+            group_size=layer.group_size,
+            bits=layer.bits,
+        )
+    return dict(weight=layer.weight)
+
+
+def batch_loss(model: Model, inputs: mx.array, targets: mx.array, checkpoint: bool = False):
+    """(sum of the token losses, number of trained tokens) of one batch."""
+    h, _ = model.hidden(inputs, checkpoint=checkpoint)
+    return cross_entropy_head(
+        h, targets=targets, ignore_index=data_mod.IGNORE_INDEX, **_head(model)
+    )
+
+
+def _no_decay(path: str, param) -> bool:
+    # RWKV's trainers decay only matrices: norms, biases, token-shift mixes, decays (w0 is the
+    # decay's up.bias) and the other per-channel vectors are not decayed
+    return param.ndim < 2 or not path.endswith(".weight")
+
+
+def make_optimizer(cfg: TrainConfig, total_steps: int):
+    """(optimizer, schedule): AdamW with linear warm-up then cosine decay to the mode's final
+    rate; for full fine-tuning and pretraining, no weight decay on norms, biases and other
+    vectors (RWKV's grouping: only matrices decay)."""
+    warmup = min(cfg.warmup, max(total_steps - 1, 0))
+    final = cfg.lr * FINAL_LR_RATIO[cfg.mode]
+    decay = optim.cosine_decay(cfg.lr, max(total_steps - warmup, 1), final)
+    # the warm-up's first step already moves (lr / warmup), its last reaches lr
+    warm = optim.linear_schedule(cfg.lr / (warmup + 1), cfg.lr, warmup) if warmup else None
+    schedule = optim.join_schedules([warm, decay], [warmup]) if warmup else decay
+    adamw = dict(learning_rate=schedule, betas=list(ADAM_BETAS), eps=ADAM_EPS)
+    if cfg.mode in ("full", "pretrain"):
+        no_decay = optim.AdamW(weight_decay=0.0, **adamw)
+        decay = optim.AdamW(weight_decay=cfg.weight_decay, **adamw)
+        return optim.MultiOptimizer([no_decay, decay], [_no_decay]), schedule
+    return optim.AdamW(weight_decay=cfg.weight_decay, **adamw), schedule
+
+
+class Step:
+    """One training step split in two (see the module docstring), compiled."""
+
+    def __init__(self, model: Model, optimizer, cfg: TrainConfig):
+        self.model, self.optimizer, self.cfg = model, optimizer, cfg
+        grad_fn = nn.value_and_grad(model, self._loss_sum)
+        state = [model.state, optimizer.state, mx.random.state]
+
+        def loss_and_grad(inputs, targets):
+            (loss, count), grads = grad_fn(model, inputs, targets)
+            return loss, count, grads
+
+        def update(grads, count):
+            grads = _scaled(grads, 1.0 / mx.maximum(count, 1).astype(mx.float32))
+            if cfg.grad_clip > 0:
+                grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+            optimizer.update(model, grads)
+
+        self.loss_and_grad = mx.compile(loss_and_grad, inputs=state, outputs=state)
+        self.apply_update = mx.compile(update, inputs=state, outputs=state)
+
+    def _loss_sum(self, model, inputs, targets):
+        loss, count = batch_loss(model, inputs, targets, self.cfg.grad_checkpoint)
+        return loss, count
+
+    def __call__(self, micro_batches) -> tuple[float, int, float]:
+        """(loss sum, trained tokens, gradient norm) of one optimizer step over its
+        micro-batches; NonFinite before anything is updated if a value is not finite."""
+        total_loss, total_count, grads = 0.0, 0, None
+        for inputs, targets in micro_batches:
+            loss, count, g = self.loss_and_grad(mx.array(inputs), mx.array(targets))
+            grads = g if grads is None else _added(grads, g)
+            total_loss += loss
+            total_count += count
+        norm = _global_norm(grads) / mx.maximum(total_count, 1)  # of the mean's gradient
+        mx.eval(total_loss, total_count, grads, norm)
+        loss_value, count_value, norm_value = float(total_loss), int(total_count), norm.item()
+        if not math.isfinite(loss_value):
+            raise NonFinite(f"the loss is {loss_value}")
+        if not math.isfinite(norm_value):
+            raise NonFinite(f"the gradient norm is {norm_value}")
+        self.apply_update(grads, mx.array(count_value))
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        return loss_value, count_value, norm_value
+
+
+def _scaled(tree, factor):
+    return tree_unflatten([(k, v * factor) for k, v in tree_flatten(tree)])
+
+
+def _added(a, b):
+    return tree_unflatten(
+        [(k, x + y) for (k, x), (_, y) in zip(tree_flatten(a), tree_flatten(b), strict=True)]
+    )
+
+
+def _global_norm(tree) -> mx.array:
+    return mx.sqrt(sum(mx.sum(mx.square(v.astype(mx.float32))) for _, v in tree_flatten(tree)))
+
+
+# ----- checkpoints ------------------------------------------------------------------------------
+
+
+def _checkpoint_names(step: int) -> dict[str, str]:
+    base = f"checkpoint_{step}"
+    return {
+        "weights": f"{base}.safetensors",
+        "state": f"{base}.state.safetensors",
+        "manifest": f"{base}.json",
+    }
+
+
+def newest_checkpoint(out: Path) -> int | None:
+    """The step of the newest complete checkpoint in ``out`` (its manifest written last, every
+    file it names present), or None."""
+    steps = []
+    for path in out.glob("checkpoint_*.json"):
+        try:
+            step = int(path.stem.split("_", 1)[1])
+            manifest = json.loads(path.read_text())
+        except (ValueError, OSError):
+            continue
+        if manifest.get("complete") and all((out / f).exists() for f in manifest["files"]):
+            steps.append(step)
+    return max(steps) if steps else None
+
+
+def save_checkpoint(out: Path, run) -> None:
+    """The three files of one checkpoint, the manifest last; each atomically."""
+    names = _checkpoint_names(run.step)
+    save_adapter(out / names["weights"], run.model, run.adapter_config())
+    state = dict(tree_flatten(run.optimizer.state))
+    meta = {"step": str(run.step), "position": json.dumps(run.position), "tokens": str(run.tokens)}
+    with atomic_target(str(out / names["state"]), folder=False) as tmp:
+        save_safetensors(tmp, state, meta)
+    _crash_point("save", run.step)  # weights and state written, the manifest not yet
+    manifest = {"complete": True, "step": run.step, "files": [names["weights"], names["state"]]}
+    with atomic_target(str(out / names["manifest"]), folder=False) as tmp:
+        save_text(tmp, json.dumps(manifest))
+
+
+def load_checkpoint(out: Path, step: int, run) -> None:
+    names = _checkpoint_names(step)
+    weights, _ = read_safetensors(str(out / names["weights"]))
+    run.model.load_weights(list(weights.items()), strict=False)
+    state, meta = read_safetensors(str(out / names["state"]))
+    run.optimizer.state = tree_unflatten(list(state.items()))
+    run.step, run.tokens = int(meta["step"]), int(meta["tokens"])
+    run.position = json.loads(meta["position"])
+    mx.eval(run.model.parameters(), run.optimizer.state)
+
+
+# ----- the run ----------------------------------------------------------------------------------
+
+
+class Run:
+    """What a training run holds between steps (what a checkpoint saves)."""
+
+    def __init__(self, cfg, model, tokenizer, base, paths, optimizer, schedule):
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        self.base, self.paths = base, paths
+        self.optimizer, self.schedule = optimizer, schedule
+        self.step, self.tokens = 0, 0
+        self.position = {"epoch": 0, "batch": 0}
+
+    def adapter_config(self) -> dict:
+        cfg = self.cfg
+        kind = cfg.mode if cfg.mode in ("lora", "dora", "state") else "full"
+        return adapter_config(
+            self.model,
+            fine_tune_type=kind,
+            paths=self.paths if kind != "full" else [],
+            rank=cfg.lora_rank,
+            alpha=cfg.lora_alpha,
+            dropout=cfg.lora_dropout,
+            targets=cfg.lora_targets or "",
+            base_fingerprint=self.base,
+            seed=cfg.seed,
+            tokens_trained=self.tokens,
+            steps=self.step,
+        )
+
+
+def _check_output(out: Path, resume: bool) -> None:
+    holds_run = out.exists() and any(
+        p.name == METRICS or p.name.startswith("checkpoint_") or p.name == FINAL_ADAPTER
+        for p in out.iterdir()
+    )
+    if holds_run and not resume:
+        raise TrainError(f"--output {out}: holds another run; pass --resume or choose a folder")
+    if resume and not holds_run:
+        raise TrainError(f"--output {out}: --resume, but there is no run to continue there")
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--output {out}: is a file")
+
+
+def _examples(cfg, tokenizer, vocab, split="train", path=None):
+    reasons = []
+    try:
+        examples, skipped = data_mod.load_examples(
+            path or cfg.data,
+            tokenizer,
+            split=split,
+            sql=cfg.sql,
+            max_seq_len=cfg.max_seq_len,
+            skip_bad=cfg.skip_bad,
+            vocab_size=vocab,
+            on_skip=reasons.append,
+        )
+    except data_mod.DataError as e:
+        raise TrainError(str(e)) from e
+    if skipped:
+        print(f"skipped {skipped} bad examples of {path or cfg.data} ({split}):", file=sys.stderr)
+        for reason in reasons[:10]:
+            print(f"  {reason}", file=sys.stderr)
+    return examples
+
+
+def evaluate(model: Model, examples, batch_size: int) -> float:
+    """The mean token loss over ``examples`` (no gradients)."""
+    total, count = 0.0, 0
+    for inputs, targets in data_mod.batches(examples, batch_size=batch_size, seed=0, epoch=0):
+        loss, n = batch_loss(model, mx.array(inputs), mx.array(targets))
+        total, count = total + loss.item(), count + n.item()
+    return total / max(count, 1)
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Run training as ``cfg`` says; returns the output folder. TrainError for what the user
+    can fix (nothing written), NonFinite when the loss or gradients stop being finite."""
+    cfg = cfg.resolved()
+    for name in ("model", "data", "output"):
+        if not getattr(cfg, name):
+            raise TrainError(f"--{name} is required")
+    out = Path(cfg.output)
+    _check_output(out, cfg.resume)
+    mlx_rwkvx.configure()
+    mx.random.seed(cfg.seed)
+    model, tokenizer, base, paths = build(cfg)
+    prepare(dtypes=(mx.float32, mx.bfloat16))  # kernels checked before anything compiles
+    family = set(model.config.block_types)
+    if cfg.max_seq_len is None:
+        cfg.max_seq_len = 256 if "qwen2" in family else 512  # rfa_train / rx_train
+    vocab = model.config.vocab_size
+    train_examples = _examples(cfg, tokenizer, vocab)
+    val_examples = _validation(cfg, tokenizer, vocab)
+    per_epoch = max(1, data_mod.count_batches(train_examples, cfg.batch_size) // cfg.grad_accum)
+    total = cfg.iters or cfg.epochs * per_epoch
+    optimizer, schedule = make_optimizer(cfg, total)
+    run = Run(cfg, model, tokenizer, base, paths, optimizer, schedule)
+    if cfg.resume:
+        step = newest_checkpoint(out)
+        if step is None:
+            raise TrainError(f"--output {out}: no complete checkpoint to resume from")
+        optimizer.init(model.trainable_parameters())
+        load_checkpoint(out, step, run)
+    out.mkdir(parents=True, exist_ok=True)
+    print(
+        f"{cfg.mode}: {trainable_count(model):,} trainable parameters "
+        f"({len(paths)} tensors or layers), {len(train_examples)} examples, {total} steps"
+        + (f", resuming at step {run.step}" if cfg.resume else "")
+    )
+    step_fn = Step(model, optimizer, cfg)
+    stop = _Interrupt()
+    try:
+        _loop(run, step_fn, train_examples, val_examples, total, out, stop)
+    finally:
+        stop.restore()
+    _finish(run, val_examples, out)
+    return out
+
+
+def _validation(cfg, tokenizer, vocab):
+    """--val-data, else the data folder's valid split (valid.jsonl or valid.bin), if any."""
+    if cfg.val_data:
+        return _examples(cfg, tokenizer, vocab, "valid", cfg.val_data)
+    try:
+        found = data_mod.find_split(cfg.data, "valid") if os.path.isdir(cfg.data) else None
+    except data_mod.DataError as e:
+        raise TrainError(str(e)) from e
+    return _examples(cfg, tokenizer, vocab, "valid", found) if found else []
+
+
+class _Interrupt:
+    """Ctrl-C during training: finish the step, save, stop (a second Ctrl-C is the usual)."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, *_):
+        self.requested = True
+        signal.signal(signal.SIGINT, self._old)
+
+    def restore(self):
+        signal.signal(signal.SIGINT, self._old)
+
+
+def _micro_batches(run, examples):
+    """Micro-batches from the run's data position on, epoch after epoch."""
+    cfg = run.cfg
+    while True:
+        epoch, start = run.position["epoch"], run.position["batch"]
+        for i, batch in enumerate(
+            data_mod.batches(
+                examples, batch_size=cfg.batch_size, seed=cfg.seed, epoch=epoch, start=start
+            )
+        ):
+            run.position = {"epoch": epoch, "batch": start + i + 1}
+            yield batch
+        run.position = {"epoch": epoch + 1, "batch": 0}
+
+
+def _loop(run, step_fn, examples, val_examples, total, out, stop):
+    cfg = run.cfg
+    metrics = open(out / METRICS, "a")  # noqa: SIM115 (closed below, flushed every line)
+    stream = _micro_batches(run, examples)
+    started, seen = time.perf_counter(), 0
+    bar = tqdm(total=total, initial=run.step, unit="step", dynamic_ncols=True, leave=False)
+    try:
+        while run.step < total:
+            batch = [next(stream) for _ in range(cfg.grad_accum)]
+            lr = float(run.schedule(run.step))
+            # each step's randomness (dropout) from the seed and the step alone: a resumed run
+            # draws what the uninterrupted one drew, with no random state to save
+            mx.random.seed(cfg.seed * 1_000_003 + run.step)
+            try:
+                loss, count, norm = step_fn(batch)
+            except NonFinite as e:
+                last = newest_checkpoint(out)
+                kept = f"checkpoint_{last}" if last is not None else "no checkpoint yet"
+                raise NonFinite(f"step {run.step + 1}: {e}; stopped (kept: {kept})") from None
+            run.step += 1
+            run.tokens += count
+            seen += sum(int(inputs.size) for inputs, _ in batch)
+            bar.update(1)
+            _crash_point("step", run.step)
+            record = {"step": run.step, "loss": loss / max(count, 1), "grad_norm": norm,
+                      "lr": lr, "tokens": run.tokens}  # fmt: skip
+            if run.step % cfg.log_every == 0 or run.step == total:
+                record["tokens_per_s"] = seen / max(time.perf_counter() - started, 1e-9)
+                record["peak_memory_gb"] = mx.get_peak_memory() / 1e9
+                bar.write(
+                    f"step {run.step}/{total}: loss {record['loss']:.4f}, lr {lr:.2e}, "
+                    f"{record['tokens_per_s']:.0f} tok/s, peak {record['peak_memory_gb']:.2f} GB"
+                )
+            if val_examples and cfg.val_every and run.step % cfg.val_every == 0:
+                record["val_loss"] = evaluate(run.model, val_examples, cfg.batch_size)
+                bar.write(f"step {run.step}: validation loss {record['val_loss']:.4f}")
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if run.step % cfg.save_every == 0 or stop.requested:
+                save_checkpoint(out, run)
+            if stop.requested:
+                bar.write(f"interrupted: saved checkpoint_{run.step}", file=sys.stderr)
+                raise KeyboardInterrupt
+    finally:
+        bar.close()
+        metrics.close()
+
+
+def _finish(run, val_examples, out: Path) -> None:
+    cfg = run.cfg
+    if newest_checkpoint(out) != run.step:
+        save_checkpoint(out, run)
+    if val_examples:
+        loss = evaluate(run.model, val_examples, cfg.batch_size)
+        print(f"validation loss {loss:.4f}")
+        with open(out / METRICS, "a") as f:
+            f.write(json.dumps({"step": run.step, "val_loss": loss}) + "\n")
+    if cfg.mode in ("lora", "dora", "state"):
+        config = run.adapter_config()
+        save_adapter(out / FINAL_ADAPTER, run.model, config)
+        with atomic_target(str(out / ADAPTER_CONFIG), folder=False) as tmp:
+            save_text(tmp, json.dumps({**config, "train": asdict(cfg)}, indent=2))
+        print(f"wrote {out / FINAL_ADAPTER}")
+    else:
+        mlx_rwkvx.save(run.model, out / MODEL_DIR, tokenizer=run.tokenizer, overwrite=True)
+        print(f"wrote {out / MODEL_DIR}")
+    if cfg.plot:
+        _plot(out)
+
+
+def _plot(out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed (pip install 'mlx_rwkvx[plot]')")
+        return
+    rows = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(*zip(*train, strict=True), label="train")
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.savefig(out / "loss.png", dpi=100)
+    print(f"wrote {out / 'loss.png'}")

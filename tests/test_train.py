@@ -1,0 +1,250 @@
+"""``python -m mlx_rwkvx.train`` on tiny models made here: every mode runs and writes what it
+should, LoRA learns a memorisable set, LoRA gradients equal the float64 oracle's, a run killed
+(also during a save) resumes to the same losses, Ctrl-C saves, a non-finite loss stops with its
+step, and mistakes are one line with exit 2 and nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx_rwkvx
+from mlx_rwkvx import train as train_cli
+from mlx_rwkvx.models import Model, preset, rfa_config
+from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
+from mlx_rwkvx.tuner.config import TrainConfig
+from mlx_rwkvx.tuner.trainer import batch_loss, train
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from model_params import from_oracle, oracle_params
+from oracle.common import rel_err
+from oracle.lm import cross_entropy_bwd_np, cross_entropy_fwd_np
+from oracle.model import model_bwd_np, model_fwd_np, spec_of
+
+FACTS = [f"{a}+{b}={a + b}" for a, b in [(1, 2), (3, 4), (5, 6), (7, 1), (2, 9), (4, 4)]]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A tiny RWKV-X base and a memorisable data set (the byte tokenizer)."""
+    root = tmp_path_factory.mktemp("train")
+    mlx_rwkvx.save(Model(preset("rwkv-x-tiny"), seed=0), root / "base")
+    lines = [json.dumps({"prompt": f[: f.index("=") + 1], "completion": f[f.index("=") + 1 :]})
+             for f in FACTS]  # fmt: skip
+    (root / "data").mkdir()
+    (root / "data" / "train.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "data" / "valid.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    return root
+
+
+def _cfg(ws, out, **kw):
+    fields = dict(model=str(ws / "base"), data=str(ws / "data"), output=str(out), lora_rank=4,
+                  lora_alpha=8, batch_size=3, lr=2e-2, warmup=2, iters=8, log_every=4,
+                  save_every=2)  # fmt: skip
+    fields.update(kw)
+    return TrainConfig(**fields)
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """Training loss by step (the last record of a step: a resumed run repeats some)."""
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_lora_learns_a_memorisable_set(workspace, tmp_path):
+    out = train(_cfg(workspace, tmp_path / "run", iters=40, save_every=100))
+    losses = _losses(out)
+    assert losses[40] <= 0.5 * losses[1], losses
+    files = sorted(p.name for p in out.iterdir())
+    assert {"adapter_final.safetensors", "adapter_config.json", "metrics.jsonl"} <= set(files)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["fine_tune_type"] == "lora" and config["lora_parameters"]["scale"] == 2.0
+    assert config["tokens_trained"] > 0 and len(config["lora_parameters"]["keys"]) == 12
+    # the adapter loads onto the base and gives the trained model's logits
+    model, _ = mlx_rwkvx.load(workspace / "base", adapter=out / "adapter_final.safetensors")
+    tokens = mx.array([list(b"3+4=")])
+    trained = Model(preset("rwkv-x-tiny"), seed=0)
+    apply_lora(trained, target_paths(trained, "attn"), rank=4, alpha=8)
+    trained.load_weights(str(out / "adapter_final.safetensors"), strict=False)
+    assert rel_err(np.array(model(tokens)), np.array(trained(tokens))) <= 1e-6
+
+
+@pytest.mark.parametrize("mode", ["dora", "state", "full"])
+def test_other_modes_run_and_write_their_outputs(workspace, tmp_path, mode):
+    lr = {"state": 0.5, "dora": 1e-2, "full": 1e-3}[mode]
+    out = train(_cfg(workspace, tmp_path / mode, mode=mode, iters=4, lr=lr))
+    losses = _losses(out)
+    assert len(losses) == 4 and all(np.isfinite(list(losses.values())))
+    if mode == "full":
+        model, tok = mlx_rwkvx.load(out / "model")
+        assert model.config.block_types == preset("rwkv-x-tiny").block_types
+    else:
+        config = json.loads((out / "adapter_config.json").read_text())
+        assert config["fine_tune_type"] == mode
+        model, _ = mlx_rwkvx.load(workspace / "base", adapter=out)
+        assert model(mx.array([[1, 2, 3]])).shape == (1, 3, 256)
+
+
+def test_pretrain_from_a_preset(tmp_path, workspace):
+    out = train(
+        TrainConfig(model="rwkv-x-tiny", mode="pretrain", data=str(workspace / "data"),
+                    output=str(tmp_path / "pre"), iters=3, batch_size=2, log_every=1)
+    )  # fmt: skip
+    assert len(_losses(out)) == 3
+    model, _ = mlx_rwkvx.load(out / "model")
+    assert model.config.vocab_size == 256
+
+
+def test_lora_gradients_equal_the_oracles():
+    # dL/dA = s G^T B^T and dL/dB = s A^T G^T, G the oracle's gradient of the adapted weight
+    cfg = rfa_config(vocab_size=40, hidden_size=32, head_size=16, intermediate_size=48,
+                     block_types=["rwkv7", "qwen2"], n_q_heads=4, n_kv_heads=2,
+                     decay_low_rank=8, a_low_rank=8, v_low_rank=8, gate_low_rank=16)  # fmt: skip
+    model = Model(cfg, seed=3)
+    paths = target_paths(model, "all")
+    apply_lora(model, paths, rank=2, alpha=6)
+    modules = dict(model.named_modules())
+    rng = np.random.default_rng(0)
+    for p in paths:  # a trained-looking adapter: B non-zero
+        modules[p].lora_b = mx.array(0.2 * rng.standard_normal(modules[p].lora_b.shape), mx.float32)
+    tokens = mx.array(rng.integers(0, 40, (2, 9)))
+    targets = mx.array(rng.integers(0, 40, (2, 9)))
+
+    def loss(m):
+        total, count = batch_loss(m, tokens, targets)
+        return total / count
+
+    _, grads = nn.value_and_grad(model, loss)(model)
+    grads = dict(tree_flatten(grads))
+    # the oracle runs the same model with each adapted weight folded in
+    fused = Model(cfg, seed=3)
+    s = 3.0
+    for p in paths:
+        lora = modules[p]
+        delta = s * (np.array(lora.lora_a) @ np.array(lora.lora_b)).T
+        layer = dict(fused.named_modules())[p]
+        layer.weight = mx.array(np.array(layer.weight) + delta, mx.float32)
+    params = oracle_params(fused, block_types=cfg.block_types)
+    logits, cache = model_fwd_np(np.array(tokens), params, spec_of(cfg))
+    _, ce = cross_entropy_fwd_np(logits, np.array(targets))
+    g_ref = model_bwd_np(cache, cross_entropy_bwd_np(ce))
+    weights = from_oracle(g_ref, [f"{p}.weight" for p in paths], block_types=cfg.block_types)
+    for p in paths:
+        G = weights[f"{p}.weight"]
+        a, b = np.array(modules[p].lora_a, np.float64), np.array(modules[p].lora_b, np.float64)
+        assert rel_err(np.array(grads[f"{p}.lora_a"]), s * G.T @ b.T) <= 1e-4, p
+        assert rel_err(np.array(grads[f"{p}.lora_b"]), s * a.T @ G.T) <= 1e-4, p
+
+
+def _run_cli(args, env=None, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_rwkvx.train", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        **kw,
+    )
+
+
+def _cli_args(ws, out, iters=8):
+    return ["--model", ws / "base", "--data", ws / "data", "--output", out, "--lora-rank", 4,
+            "--lora-alpha", 8, "--batch-size", 3, "--lr", 2e-2, "--warmup", 2, "--iters", iters,
+            "--save-every", 2, "--log-every", 4]  # fmt: skip
+
+
+@pytest.mark.parametrize("crash", ["step:5", "save:4"])
+def test_resume_after_sigkill_gives_the_same_losses(workspace, tmp_path, crash):
+    whole = _run_cli(_cli_args(workspace, tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    killed = _run_cli(_cli_args(workspace, tmp_path / "run"), env={"MLX_RWKVX_CRASH_AT": crash})
+    assert killed.returncode == -signal.SIGKILL
+    if crash == "save:4":  # killed inside the save: checkpoint_4 has no manifest
+        assert not (tmp_path / "run" / "checkpoint_4.json").exists()
+    again = _run_cli(_cli_args(workspace, tmp_path / "run") + ["--resume"])
+    assert again.returncode == 0, again.stderr
+    want, got = _losses(tmp_path / "whole"), _losses(tmp_path / "run")
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-6 * abs(want[step]), (step, got, want)
+
+
+def test_ctrl_c_saves_and_exits(workspace, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_rwkvx.train", *map(str, _cli_args(workspace, out, 10_000))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while not (out / "checkpoint_2.json").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted: saved checkpoint_" in err
+    step = max(int(p.stem.split("_")[1]) for p in out.glob("checkpoint_*.json"))
+    assert (out / f"checkpoint_{step}.safetensors").exists() and step >= 2
+
+
+def test_non_finite_loss_stops_with_the_step(workspace, tmp_path):
+    out = tmp_path / "nan"
+    run = _run_cli(_cli_args(workspace, out) + ["--lr", "1e30", "--grad-clip", "0"])
+    assert run.returncode == 1, run.stderr
+    line = run.stderr.strip().splitlines()[-1]
+    assert "step " in line and ("nan" in line or "inf" in line) and "stopped (kept:" in line
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (["--model", "nope"], "nope: no such file or folder"),
+        (["--lora-rank", "0"], "rank must be an int >= 1"),
+        (["--lora-targets", "layers.*.nothing"], "match no projection"),
+        (["--mode", "dora", "--quantize"], "DoRA on a quantized base"),
+        (["--data", "/nonexistent.jsonl"], "no such file"),
+    ],
+)
+def test_mistakes_are_one_line_and_exit_2(workspace, tmp_path, change, message):
+    out = tmp_path / "out"
+    run = _run_cli(_cli_args(workspace, out) + change)
+    assert run.returncode == 2, run.stderr
+    lines = [x for x in run.stderr.strip().splitlines() if x]
+    assert len(lines) == 1 and message in lines[0], run.stderr
+    assert not out.exists()
+
+
+def test_an_output_folder_holding_another_run(workspace, tmp_path):
+    out = tmp_path / "out"
+    assert _run_cli(_cli_args(workspace, out, iters=2)).returncode == 0
+    before = sorted(p.name for p in out.iterdir())
+    run = _run_cli(_cli_args(workspace, out, iters=2))
+    assert run.returncode == 2 and "holds another run; pass --resume" in run.stderr
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_yaml_config_and_mlx_lm_names(workspace, tmp_path):
+    # an mlx-lm LoRA config reads as is; a flag beats the file
+    config = tmp_path / "lora.yaml"
+    config.write_text(
+        f"model: {workspace / 'base'}\ndata: {workspace / 'data'}\ntrain: true\n"
+        f"adapter_path: {tmp_path / 'out'}\nfine_tune_type: lora\nbatch_size: 3\niters: 2\n"
+        "learning_rate: 1e-3\nlora_parameters: {rank: 4, scale: 2.0, dropout: 0.0}\n"
+    )
+    cfg = train_cli.config_from(["--config", str(config), "--iters", "3"])
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lr, cfg.iters) == (4, 8.0, 1e-3, 3)
+    assert cfg.output == str(tmp_path / "out") and cfg.mode == "lora"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lr: 1e-3\nwarp_speed: 9\n")
+    with pytest.raises(SystemExit) as e:
+        train_cli.config_from(["--config", str(bad)])
+    assert e.value.code == 2

@@ -43,6 +43,7 @@ def workspace(tmp_path_factory):
     (root / "data").mkdir()
     (root / "data" / "train.jsonl").write_text("\n".join(lines) + "\n")
     (root / "data" / "valid.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    (root / "data" / "test.jsonl").write_text("\n".join(lines[2:4]) + "\n")
     return root
 
 
@@ -61,9 +62,11 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 def test_lora_learns_a_memorisable_set(workspace, tmp_path):
-    out = train(_cfg(workspace, tmp_path / "run", iters=40, save_every=100))
+    out = train(_cfg(workspace, tmp_path / "run", iters=40, save_every=100, test=True))
     losses = _losses(out)
     assert losses[40] <= 0.5 * losses[1], losses
+    final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["step"] == 40 and final["val_loss"] > 0 and final["test_loss"] > 0
     files = sorted(p.name for p in out.iterdir())
     assert {"adapter_final.safetensors", "adapter_config.json", "metrics.jsonl"} <= set(files)
     config = json.loads((out / "adapter_config.json").read_text())

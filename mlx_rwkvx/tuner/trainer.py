@@ -519,11 +519,21 @@ def _finish(run, val_examples, out: Path) -> None:
     cfg = run.cfg
     if newest_checkpoint(out) != run.step:
         save_checkpoint(out, run)
+    final = {}
     if val_examples:
-        loss = evaluate(run.model, val_examples, cfg.batch_size)
-        print(f"validation loss {loss:.4f}")
+        final["val_loss"] = evaluate(run.model, val_examples, cfg.batch_size)
+        print(f"validation loss {final['val_loss']:.4f}")
+    if cfg.test:
+        found = data_mod.find_split(cfg.data, "test") if os.path.isdir(cfg.data) else None
+        if found is None:
+            print(f"--test: {cfg.data} has no test split (test.jsonl or test.bin)", file=sys.stderr)
+        else:
+            examples = _examples(cfg, run.tokenizer, run.model.config.vocab_size, "test", found)
+            final["test_loss"] = evaluate(run.model, examples, cfg.batch_size)
+            print(f"test loss {final['test_loss']:.4f}")
+    if final:
         with open(out / METRICS, "a") as f:
-            f.write(json.dumps({"step": run.step, "val_loss": loss}) + "\n")
+            f.write(json.dumps({"step": run.step, **final}) + "\n")
     if cfg.mode in ("lora", "dora", "state"):
         config = run.adapter_config()
         save_adapter(out / FINAL_ADAPTER, run.model, config)

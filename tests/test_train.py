@@ -251,3 +251,35 @@ def test_yaml_config_and_mlx_lm_names(workspace, tmp_path):
     with pytest.raises(SystemExit) as e:
         train_cli.config_from(["--config", str(bad)])
     assert e.value.code == 2
+
+
+def test_int8_base_lora_gradients_are_those_of_its_dequantized_twin(tmp_path):
+    # LoRA on QuantizedLinear bases: the adapters' gradients (through the quantized matmuls'
+    # input gradients) equal those of a float model holding the dequantized weights
+    cfg = rfa_config(vocab_size=64, hidden_size=64, head_size=16, intermediate_size=128,
+                     block_types=["rwkv7", "qwen2"], n_q_heads=4, n_kv_heads=2)  # fmt: skip
+    mlx_rwkvx.save(Model(cfg, seed=4), tmp_path / "fp")
+    q, _ = mlx_rwkvx.load(tmp_path / "fp", quantize="int8")
+    twin, _ = mlx_rwkvx.load(tmp_path / "fp")
+    for path, module in q.named_modules():  # the twin: each quantized layer, dequantized
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(module.weight, module.scales, module.biases, 64, 8)
+            dict(twin.named_modules())[path].weight = w
+    paths = target_paths(q, "all")
+    for m in (q, twin):
+        mx.random.seed(1)  # the same adapter init in both
+        apply_lora(m, paths, rank=4, alpha=8)
+        for name, x in sorted(dict(tree_flatten(m.trainable_parameters())).items()):
+            m.load_weights([(name, x + 0.01)], strict=False)
+    rng = np.random.default_rng(2)
+    tokens, targets = (mx.array(rng.integers(0, 64, (2, 12))) for _ in "tt")
+
+    def grads(m):
+        return dict(
+            tree_flatten(nn.value_and_grad(m, lambda m: batch_loss(m, tokens, targets)[0])(m)[1])
+        )
+
+    gq, gt = grads(q), grads(twin)
+    assert gq.keys() == gt.keys() and len(gq) == 2 * len(paths)
+    for name in gq:
+        assert rel_err(np.array(gq[name]), np.array(gt[name])) <= 1e-5, name

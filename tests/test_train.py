@@ -107,18 +107,26 @@ def test_pretrain_from_a_preset(tmp_path, workspace):
     assert model.config.vocab_size == 256
 
 
-def test_lora_gradients_equal_the_oracles():
-    # dL/dA = s G^T B^T and dL/dB = s A^T G^T, G the oracle's gradient of the adapted weight
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_adapter_gradients_equal_the_oracles(dora):
+    # The oracle runs the model with every adapted weight folded in: W' = W + s (A B)^T for
+    # LoRA; W' = (m / n) V with V = W + s (A B)^T, n its row norms (held fixed, as mlx-lm's
+    # DoRALinear does) for DoRA. From the oracle's gradient G of W': dL/dV = G (LoRA) or
+    # (m / n) G (DoRA), dL/dm = sum_i G V / n, dL/dA = s dV^T B^T, dL/dB = s A^T dV^T.
     cfg = rfa_config(vocab_size=40, hidden_size=32, head_size=16, intermediate_size=48,
                      block_types=["rwkv7", "qwen2"], n_q_heads=4, n_kv_heads=2,
                      decay_low_rank=8, a_low_rank=8, v_low_rank=8, gate_low_rank=16)  # fmt: skip
     model = Model(cfg, seed=3)
     paths = target_paths(model, "all")
-    apply_lora(model, paths, rank=2, alpha=6)
+    apply_lora(model, paths, rank=2, alpha=6, dora=dora)
+    s = 3.0
     modules = dict(model.named_modules())
     rng = np.random.default_rng(0)
-    for p in paths:  # a trained-looking adapter: B non-zero
-        modules[p].lora_b = mx.array(0.2 * rng.standard_normal(modules[p].lora_b.shape), mx.float32)
+    for p in paths:  # a trained-looking adapter: B non-zero, m off the base's norms
+        layer = modules[p]
+        layer.lora_b = mx.array(0.2 * rng.standard_normal(layer.lora_b.shape), mx.float32)
+        if dora:
+            layer.m = layer.m * mx.array(1 + 0.1 * rng.standard_normal(layer.m.shape), mx.float32)
     tokens = mx.array(rng.integers(0, 40, (2, 9)))
     targets = mx.array(rng.integers(0, 40, (2, 9)))
 
@@ -128,24 +136,30 @@ def test_lora_gradients_equal_the_oracles():
 
     _, grads = nn.value_and_grad(model, loss)(model)
     grads = dict(tree_flatten(grads))
-    # the oracle runs the same model with each adapted weight folded in
     fused = Model(cfg, seed=3)
-    s = 3.0
+    folded = {}
     for p in paths:
-        lora = modules[p]
-        delta = s * (np.array(lora.lora_a) @ np.array(lora.lora_b)).T
-        layer = dict(fused.named_modules())[p]
-        layer.weight = mx.array(np.array(layer.weight) + delta, mx.float32)
+        layer = modules[p]
+        a, b = np.array(layer.lora_a, np.float64), np.array(layer.lora_b, np.float64)
+        V = np.array(layer.linear.weight, np.float64) + s * (a @ b).T
+        factor = np.array(layer.m, np.float64) / np.linalg.norm(V, axis=1) if dora else None
+        folded[p] = (a, b, V, factor)
+        W = V * factor[:, None] if dora else V
+        dict(fused.named_modules())[p].weight = mx.array(W, mx.float32)
     params = oracle_params(fused, block_types=cfg.block_types)
     logits, cache = model_fwd_np(np.array(tokens), params, spec_of(cfg))
     _, ce = cross_entropy_fwd_np(logits, np.array(targets))
     g_ref = model_bwd_np(cache, cross_entropy_bwd_np(ce))
     weights = from_oracle(g_ref, [f"{p}.weight" for p in paths], block_types=cfg.block_types)
     for p in paths:
+        a, b, V, factor = folded[p]
         G = weights[f"{p}.weight"]
-        a, b = np.array(modules[p].lora_a, np.float64), np.array(modules[p].lora_b, np.float64)
-        assert rel_err(np.array(grads[f"{p}.lora_a"]), s * G.T @ b.T) <= 1e-4, p
-        assert rel_err(np.array(grads[f"{p}.lora_b"]), s * a.T @ G.T) <= 1e-4, p
+        dV = G * factor[:, None] if dora else G
+        assert rel_err(np.array(grads[f"{p}.lora_a"]), s * dV.T @ b.T) <= 1e-4, p
+        assert rel_err(np.array(grads[f"{p}.lora_b"]), s * a.T @ dV.T) <= 1e-4, p
+        if dora:
+            dm = (G * V).sum(axis=1) / np.linalg.norm(V, axis=1)
+            assert rel_err(np.array(grads[f"{p}.m"]), dm) <= 1e-4, p
 
 
 def _run_cli(args, env=None, **kw):

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx_rwkvx  # first: it loads OpenBLAS before mlx.core
@@ -1077,6 +1079,217 @@ def render_loss(r: dict) -> list[str]:
     ]
 
 
+TRAIN = {
+    "full": dict(
+        shapes={
+            "0.1B": dict(layers=12, C=768, vocab=65536, T=512, batch=4, ours=3, theirs=2),
+            "recurrent": dict(layers=4, C=256, vocab=4096, T=2048, batch=1, ours=3, theirs=1),
+        },
+        rank=32,
+        matmul_n=2048,
+        int8_T=256,
+    ),
+    "quick": dict(
+        shapes={
+            "0.1B": dict(layers=2, C=128, vocab=1024, T=64, batch=2, ours=2, theirs=2),
+            "recurrent": dict(layers=2, C=64, vocab=512, T=128, batch=1, ours=2, theirs=1),
+        },
+        rank=4,
+        matmul_n=256,
+        int8_T=32,
+    ),
+}
+# mlx-lm's rwkv7 names of our "rwkv" LoRA targets: the same projections on both sides
+MLX_LM_RWKV_TARGETS = ["attn.r_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "ffn.key",
+                       "ffn.value"]  # fmt: skip
+
+
+def _train_bound_flops(cfg, tokens: int) -> float:
+    """Forward plus input-gradient FLOPs of every projection and the head (frozen weights need
+    no weight gradient), plus WKV7's forward and backward (3x the chunked forward's matmuls)."""
+    from mlx_rwkvx.models import Model
+
+    model = Model(cfg, init=None)  # shapes only
+    linear = _linear_params(model)
+    wkv = 3 * chunked_flops(tokens, cfg.n_heads, cfg.head_size) * len(cfg.block_types)
+    return 2 * 2 * linear * tokens + wkv
+
+
+def _time_steps(step, n: int) -> float:
+    step()  # compiles
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _train_shape(shape: dict, rank: int, tmp: str) -> dict:
+    """LoRA steps of ours and of mlx-lm's trainer machinery on the same weights and batch."""
+    from mlx_rwkvx.models import Model, ModelConfig
+    from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
+    from mlx_rwkvx.tuner.config import TrainConfig
+    from mlx_rwkvx.tuner.trainer import Step, make_optimizer
+
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx_lm.tuner.trainer import default_loss
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    cfg = ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["C"],
+                      block_types=["rwkv7"] * shape["layers"])  # fmt: skip
+    model = Model(cfg, seed=0)
+    mx.eval(model.parameters())
+    theirs = _mlx_lm_twin(model, tmp)
+    B, T = shape["batch"], shape["T"]
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    # ours: the trainer's own step
+    apply_lora(model, target_paths(model, "rwkv"), rank=rank, alpha=2.0 * rank)
+    tcfg = TrainConfig(mode="lora", lr=1e-4, warmup=0)
+    optimizer, _ = make_optimizer(tcfg.resolved(), 100)
+    step = Step(model, optimizer, tcfg.resolved())
+    ours_loss = step([(inputs, targets)])[0] / (B * T)
+    # mlx-lm: its LoRA layers, loss and a compiled step as its trainer builds them
+    theirs.freeze()
+    keys = MLX_LM_RWKV_TARGETS
+    linear_to_lora_layers(theirs, len(theirs.layers), {"rank": rank, "scale": 2.0,
+                                                       "dropout": 0.0, "keys": keys})  # fmt: skip
+    opt = optim.AdamW(learning_rate=1e-4)
+    loss_grad = nn.value_and_grad(theirs, default_loss)
+    state = [theirs.state, opt.state]
+    batch = mx.array(tokens)
+    lengths = mx.array([[1, T]] * B)
+
+    @functools.partial(mx.compile, inputs=state, outputs=state)
+    def their_step(batch, lengths):
+        (loss, _), grads = loss_grad(theirs, batch, lengths)
+        opt.update(theirs, grads)
+        return loss
+
+    their_loss = their_step(batch, lengths).item()
+    if not abs(ours_loss - their_loss) <= 1e-3 * abs(their_loss):
+        raise VerificationFailed(f"first LoRA loss: ours {ours_loss}, mlx-lm {their_loss}")
+    ours_t = _time_steps(lambda: step([(inputs, targets)]), shape["ours"])
+    theirs_t = _time_steps(lambda: mx.eval(their_step(batch, lengths)), shape["theirs"])
+    return {
+        "shape": shape,
+        "loss": ours_loss,
+        "mlx_lm_loss": their_loss,
+        "ours_s": ours_t,
+        "mlx_lm_s": theirs_t,
+        "bound_flops": _train_bound_flops(cfg, B * T),
+    }
+
+
+def int8_train_worker(quick: bool = False) -> dict:
+    """INT8 LoRA on the RFA preset, loaded from a bf16 checkpoint with --quantize: the
+    process's peak resident memory over a training step (and its time)."""
+    import resource
+    import tempfile
+
+    from mlx_rwkvx.io.load import save
+    from mlx_rwkvx.models.build import build
+    from mlx_rwkvx.tuner.config import TrainConfig
+    from mlx_rwkvx.tuner.data import write_bin
+    from mlx_rwkvx.tuner.trainer import train
+
+    cfg = _rfa_config(quick)
+    T = TRAIN["quick" if quick else "full"]["int8_T"]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build(cfg, quantize=None, init=None)
+        model.set_dtype(mx.bfloat16)
+        save(model, tmp + "/bf16")
+        del model
+        rng = np.random.default_rng(0)
+        write_bin(tmp + "/data.bin", [rng.integers(0, cfg.vocab_size, T + 1) for _ in range(2)])
+        mx.clear_cache()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        t0 = time.perf_counter()
+        train(TrainConfig(model=tmp + "/bf16", data=tmp + "/data.bin", output=tmp + "/out",
+                          quantize="int8", iters=1, batch_size=1, max_seq_len=T,
+                          save_every=10))  # fmt: skip
+        elapsed = time.perf_counter() - t0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_rss": peak, "rss_before_training": before, "seconds": elapsed, "T": T}
+
+
+def measure_train(quick: bool = False) -> dict:
+    """LoRA training speed against the bound and mlx-lm's trainer; INT8 memory (subprocess)."""
+    import tempfile
+
+    cfg = _sizes(TRAIN, quick)
+    rate = matmul_gflops(cfg["matmul_n"])
+    shapes = {}
+    for name, shape in cfg["shapes"].items():
+        with tempfile.TemporaryDirectory() as tmp:
+            shapes[name] = _train_shape(shape, cfg["rank"], tmp)
+        print(name, shapes[name])
+    args = [sys.executable, str(Path(__file__)), "_int8-train-worker"] + (
+        ["--quick"] if quick else []
+    )
+    done = subprocess.run(args, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise VerificationFailed(f"INT8 training worker failed: {done.stderr[-2000:]}")
+    int8 = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        "matmul_gflops": rate,
+        "matmul_n": cfg["matmul_n"],
+        "rank": cfg["rank"],
+        "shapes": shapes,
+        "int8": int8,
+        "int8_preset": "rfa-1.5b" if not quick else "tiny",
+    }
+
+
+def render_train(r: dict) -> list[str]:
+    lines = [
+        "Verified first: the first LoRA step's loss, ours vs mlx-lm's on the same weights "
+        "and batch: "
+        + ", ".join(
+            f"{n} {s['loss']:.5f} vs {s['mlx_lm_loss']:.5f}" for n, s in r["shapes"].items()
+        )
+        + ".",
+        "",
+        f"LoRA rank {r['rank']} on every RWKV block's receptance, key, value, output and "
+        "channel-mix key and value (mlx-lm: the same projections), AdamW, float32, one step = "
+        "forward, backward and update of one batch (best of the timed steps after a compiling "
+        f"one). Bound: forward + input-gradient FLOPs of every projection and the head, plus "
+        f"WKV7's forward and backward, at the {r['matmul_gflops']:.0f} GFLOP/s of a "
+        f"{r['matmul_n']}^3 fp32 matmul measured in this run.",
+        "",
+        "| shape | tokens/step | ours s/step | mlx-lm s/step | speed-up | bound s/step | "
+        "of bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    goals = []
+    for name, s in r["shapes"].items():
+        sh = s["shape"]
+        tokens = sh["batch"] * sh["T"]
+        bound = s["bound_flops"] / (r["matmul_gflops"] * 1e9)
+        lines.append(
+            f"| {name}: {sh['layers']} x C={sh['C']}, vocab {sh['vocab']}, T={sh['T']}, batch "
+            f"{sh['batch']} | {tokens} | {s['ours_s']:.2f} | {s['mlx_lm_s']:.2f} | "
+            f"{s['mlx_lm_s'] / s['ours_s']:.1f}x | {bound:.2f} | {bound / s['ours_s']:.0%} |"
+        )
+        if name == "0.1B":
+            goals.append((f"{name} LoRA tokens/s / bound", bound / s["ours_s"], 0.7, True))
+        else:
+            goals.append((f"{name} LoRA vs mlx-lm", s["mlx_lm_s"] / s["ours_s"], 20, True))
+    q = r["int8"]
+    lines += [
+        "",
+        f"INT8 LoRA on the {r['int8_preset']} RFA config (random weights saved in bf16, loaded "
+        f"with --quantize), T={q['T']}, batch 1, one step through `train()`: peak resident "
+        f"memory of the process {q['peak_rss'] / 1e9:.2f} GB ({q['rss_before_training'] / 1e9:.2f}"
+        f" GB before training), {q['seconds']:.0f} s for the run.",
+    ]
+    goals.append(("INT8 RFA LoRA peak resident memory, GB", q["peak_rss"] / 1e9, 3.0, False))
+    return lines + goal_lines(goals)
+
+
 SECTIONS = {
     "blas": (
         measure_blas,
@@ -1091,6 +1304,7 @@ SECTIONS = {
         "prefill and decode vs mlx-lm and the physical bounds",
     ),
     "loss": (measure_loss, render_loss, "fused head + cross-entropy vs the dense one, memory"),
+    "train": (measure_train, render_train, "LoRA steps vs the bound and mlx-lm; INT8 memory"),
 }
 
 
@@ -1112,6 +1326,9 @@ def main(argv=None) -> None:
         return
     if argv and argv[0] == "_rfa-int8-worker":
         print(json.dumps(rfa_int8_worker(quick="--quick" in argv[1:])))
+        return
+    if argv and argv[0] == "_int8-train-worker":
+        print(json.dumps(int8_train_worker(quick="--quick" in argv[1:])))
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter

@@ -60,13 +60,18 @@ EXPECTED = {
         r"^- tiny RFA INT8 peak while building, GB: [\d.]+ \(goal <= 2.3\)",
         r"^- tiny RFA INT8 peak while loading, GB: [\d.]+ \(goal <= 2.3\)",
     ],
+    "train": [
+        r"^Verified first: the first LoRA step's loss, ours vs mlx-lm's on the same weights ",
+        r"^\| recurrent: 2 x C=64, vocab 512, T=128, batch 1 \| 128 \| [\d.]+ \| [\d.]+ \|",
+        r"^- INT8 RFA LoRA peak resident memory, GB: [\d.]+ \(goal <= 3\)",
+    ],
     "loss": [
         r"^Verified first: fused vs dense loss [\d.e+-]+, dh [\d.e+-]+, dW [\d.e+-]+\.$",
         r"^\| fused \| [\d.]+ s \| \d+ MiB \|$",
         r"^- loss\+backward peak memory, dense / fused: [\d.]+ \(goal >= 8\)",
     ],
 }
-GOAL_COUNTS = {"blas": 2, "wkv7": 5, "moba": 4, "models": 5, "loss": 1}
+GOAL_COUNTS = {"blas": 2, "wkv7": 5, "moba": 4, "models": 5, "loss": 1, "train": 3}
 
 
 @pytest.fixture(scope="module")

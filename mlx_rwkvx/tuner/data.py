@@ -453,7 +453,10 @@ def load_examples(
         )
     kind = _kind(file, sql)
     if kind != "bin" and tokenizer is None:
-        raise DataError(f"{file}: text data needs a tokenizer")
+        raise DataError(
+            f"{file}: text data needs a tokenizer, and the model has none (no tokenizer.json "
+            "beside it): pre-tokenize the data, or put the tokenizer beside the model"
+        )
     if vocab_size is None:
         vocab_size = getattr(tokenizer, "vocab_size", None)
     limit = min(vocab_size or MAX_TOKEN_ID + 1, MAX_TOKEN_ID + 1)

@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx_rwkvx
 from mlx_rwkvx.io.atomic import CheckpointError, atomic_target, save_safetensors, save_text
 from mlx_rwkvx.io.tensors import read_safetensors
-from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
+from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer, load_tokenizer
 from mlx_rwkvx.models import Model, ModelConfig, preset
 from mlx_rwkvx.models.config import PRESETS
 from mlx_rwkvx.ops import cross_entropy_head, prepare
@@ -119,9 +119,15 @@ def build(cfg: TrainConfig):
             raise TrainError("--mode pretrain trains every weight: --quantize does not apply")
     else:
         try:
-            model, tokenizer = mlx_rwkvx.load(cfg.model, quantize=cfg.quantize, dtype=cfg.dtype)
+            model, _ = mlx_rwkvx.load(
+                cfg.model, quantize=cfg.quantize, dtype=cfg.dtype, tokenizer=False
+            )
         except CheckpointError as e:
             raise TrainError(str(e)) from e
+        try:  # pre-tokenized data needs none: a text data set says so if it lacks one
+            tokenizer = load_tokenizer(cfg.model, model.config.vocab_size)
+        except ValueError:
+            tokenizer = None
     base = fingerprint(model)
     try:
         if cfg.mode in ("lora", "dora"):

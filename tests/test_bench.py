@@ -62,7 +62,7 @@ EXPECTED = {
     ],
     "train": [
         r"^Verified first: the first LoRA step's loss, ours vs mlx-lm's on the same weights ",
-        r"^\| recurrent: 2 x C=64, vocab 512, T=128, batch 1 \| 128 \| [\d.]+ \| [\d.]+ \|",
+        r"^\| recurrent: 2 x C=64, vocab 512, T=128, batch 1 \| \d+ \| \d+ \(1, 128\) \|",
         r"^- INT8 RFA LoRA peak resident memory, GB: [\d.]+ \(goal <= 3\)",
     ],
     "loss": [

@@ -157,6 +157,7 @@ def pretokenize(args) -> None:
         raise UsageError("--tokenizer is needed to tokenize text")
     tokenizer = open_tokenizer(args.tokenizer) if args.tokenizer is not None else None
 
+    ready = []  # every split read and checked before any file is written
     for _, file, outputs in jobs:
         shown = []
 
@@ -191,9 +192,10 @@ def pretokenize(args) -> None:
                 "trained on too"
             )
         try:
-            shards = split_shards(examples, weights) if weights else [examples]
+            ready.append((outputs, split_shards(examples, weights) if weights else [examples]))
         except ValueError as e:
             raise UsageError(str(e)) from e
+    for outputs, shards in ready:
         for out, shard in zip(outputs, shards, strict=True):
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
             write_bin(out, [e.tokens for e in shard])

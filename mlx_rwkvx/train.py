@@ -20,7 +20,7 @@ def config_from(argv: list[str] | None) -> TrainConfig:
     """The run's settings: defaults, then the YAML --config, then the flags."""
     p = parser()
     args = vars(p.parse_args(argv))
-    settings = {}
+    settings, notes = {}, []
     source = args.pop("config", None)
     if source:
         try:
@@ -28,14 +28,15 @@ def config_from(argv: list[str] | None) -> TrainConfig:
                 data = yaml.safe_load(f) or {}
             if not isinstance(data, dict):
                 raise ValueError("expected a mapping of settings")
-            settings = from_yaml(data, source)
+            settings = from_yaml(data, notes)
         except (OSError, ValueError, yaml.YAMLError) as e:
             p.error(f"--config {source}: {e}")
+    for note in notes:
+        print(f"note: --config {source}: {note}", file=sys.stderr)
+    if "lora_alpha" in args:  # the command line's alpha beats the file's scale
+        settings.pop("lora_scale", None)
     settings.update(args)
-    try:
-        return TrainConfig(**settings)
-    except TypeError as e:
-        p.error(str(e))
+    return TrainConfig(**settings)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,7 @@ from mlx_rwkvx import train as train_cli
 from mlx_rwkvx.models import Model, preset, rfa_config
 from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.trainer import batch_loss, train
+from mlx_rwkvx.tuner.trainer import TrainError, batch_loss, train
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -178,15 +178,19 @@ def _cli_args(ws, out, iters=8):
             "--save-every", 2, "--log-every", 4]  # fmt: skip
 
 
-@pytest.mark.parametrize("crash", ["step:5", "save:4"])
-def test_resume_after_sigkill_gives_the_same_losses(workspace, tmp_path, crash):
-    whole = _run_cli(_cli_args(workspace, tmp_path / "whole"))
+@pytest.mark.parametrize(
+    ("crash", "mode"), [("step:5", "lora"), ("save:4", "lora"), ("step:5", "full")]
+)
+def test_resume_after_sigkill_gives_the_same_losses(workspace, tmp_path, crash, mode):
+    extra = ["--mode", "full", "--lr", "1e-3"] if mode == "full" else []
+    whole = _run_cli(_cli_args(workspace, tmp_path / "whole") + extra)
     assert whole.returncode == 0, whole.stderr
-    killed = _run_cli(_cli_args(workspace, tmp_path / "run"), env={"MLX_RWKVX_CRASH_AT": crash})
+    killed = _run_cli(_cli_args(workspace, tmp_path / "run") + extra,
+                      env={"MLX_RWKVX_CRASH_AT": crash})  # fmt: skip
     assert killed.returncode == -signal.SIGKILL
     if crash == "save:4":  # killed inside the save: checkpoint_4 has no manifest
         assert not (tmp_path / "run" / "checkpoint_4.json").exists()
-    again = _run_cli(_cli_args(workspace, tmp_path / "run") + ["--resume"])
+    again = _run_cli(_cli_args(workspace, tmp_path / "run") + extra + ["--resume"])
     assert again.returncode == 0, again.stderr
     want, got = _losses(tmp_path / "whole"), _losses(tmp_path / "run")
     assert sorted(got) == sorted(want)
@@ -225,7 +229,7 @@ def test_non_finite_loss_stops_with_the_step(workspace, tmp_path):
     ("change", "message"),
     [
         (["--model", "nope"], "nope: no such file or folder"),
-        (["--lora-rank", "0"], "rank must be an int >= 1"),
+        (["--lora-rank", "0"], "lora-rank must be >= 1, got 0"),
         (["--lora-targets", "layers.*.nothing"], "match no projection"),
         (["--mode", "dora", "--quantize"], "DoRA on a quantized base"),
         (["--data", "/nonexistent.jsonl"], "no such file"),
@@ -258,7 +262,7 @@ def test_yaml_config_and_mlx_lm_names(workspace, tmp_path):
         "learning_rate: 1e-3\nlora_parameters: {rank: 4, scale: 2.0, dropout: 0.0}\n"
     )
     cfg = train_cli.config_from(["--config", str(config), "--iters", "3"])
-    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lr, cfg.iters) == (4, 8.0, 1e-3, 3)
+    assert (cfg.lora_rank, cfg.resolved().lora_alpha, cfg.lr, cfg.iters) == (4, 8.0, 1e-3, 3)
     assert cfg.output == str(tmp_path / "out") and cfg.mode == "lora"
     bad = tmp_path / "bad.yaml"
     bad.write_text("lr: 1e-3\nwarp_speed: 9\n")
@@ -297,3 +301,137 @@ def test_int8_base_lora_gradients_are_those_of_its_dequantized_twin(tmp_path):
     assert gq.keys() == gt.keys() and len(gq) == 2 * len(paths)
     for name in gq:
         assert rel_err(np.array(gq[name]), np.array(gt[name])) <= 1e-5, name
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (["--save-every", "0"], "save-every must be >= 1"),
+        (["--log-every", "0"], "log-every must be >= 1"),
+        (["--grad-accum", "0"], "grad-accum must be >= 1"),
+        (["--batch-size", "0"], "batch-size must be >= 1"),
+        (["--max-seq-len", "0"], "max-seq-len must be >= 2"),
+        (["--warmup", "-3"], "warmup must be >= 0"),
+        (["--iters", "-1"], "iters must be >= 1"),
+        (["--epochs", "0", "--iters", "2"], "epochs must be >= 1"),
+        (["--lr", "0"], "lr must be > 0"),
+        (["--num-layers", "-2"], "num-layers must be >= 1"),
+        (["--lora-dropout", "1"], "lora-dropout must be < 1"),
+        (["--grad-checkpoint", "--lora-dropout", "0.1"], "other dropout masks"),
+        (["--mode", "state", "--lora-targets", "attn"], "no --lora-targets"),
+        (["--mode", "pretrain", "--dtype", "bfloat16"], "no --dtype"),
+    ],
+)
+def test_settings_out_of_range_are_one_line(workspace, tmp_path, capsys, change, message):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        train_cli.main([str(a) for a in _cli_args(workspace, out)] + change)
+    assert e.value.code == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x]
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not out.exists()
+
+
+def test_output_that_is_a_file(workspace, tmp_path):
+    (tmp_path / "f").write_text("mine")
+    with pytest.raises(TrainError, match="is a file"):
+        train(_cfg(workspace, tmp_path / "f"))
+    assert (tmp_path / "f").read_text() == "mine"
+
+
+def test_resume_refuses_other_settings_and_keeps_the_run(workspace, tmp_path):
+    out = train(_cfg(workspace, tmp_path / "run", iters=2))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with pytest.raises(TrainError, match=r"lora-rank 4 \(now 8\)"):
+        train(_cfg(workspace, out, iters=4, lora_rank=8, resume=True))
+    with pytest.raises(TrainError, match=r"batch-size 3 \(now 2\)"):
+        train(_cfg(workspace, out, iters=4, batch_size=2, resume=True))
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    train(_cfg(workspace, out, iters=4, resume=True))  # the same settings go on
+    assert sorted(_losses(out)) == [1, 2, 3, 4]
+
+
+def test_a_run_that_died_before_its_first_checkpoint_can_start_again(workspace, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": NaN}\n{"step": 2, "lo')
+    with pytest.raises(TrainError, match="no complete checkpoint"):
+        train(_cfg(workspace, out, iters=2, resume=True))
+    train(_cfg(workspace, out, iters=2))
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
+
+
+def test_dropout_is_off_in_evaluation_and_in_a_loaded_adapter(workspace, tmp_path):
+    from mlx_rwkvx.tuner.data import Example
+    from mlx_rwkvx.tuner.trainer import evaluate
+
+    out = train(_cfg(workspace, tmp_path / "run", iters=2, lora_dropout=0.5))
+    model, _ = mlx_rwkvx.load(workspace / "base", adapter=out)
+    tokens = mx.array([list(b"3+4=7")])
+    assert not model.training
+    assert np.array_equal(np.array(model(tokens)), np.array(model(tokens)))
+    model.train()  # as during training: evaluate turns dropout off, then back on
+    ids = np.array(list(b"1+2=3"), np.int32)
+    example = Example(tokens=ids, trained=np.arange(len(ids)) > 0)
+    assert evaluate(model, [example], 1) == evaluate(model, [example], 1)
+    assert model.training
+
+
+def test_bad_test_split_stops_the_start(workspace, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.jsonl", "valid.jsonl"):
+        (data / name).write_bytes((workspace / "data" / name).read_bytes())
+    (data / "test.jsonl").write_text('{"text": "fine"}\n{"text": \n')
+    with pytest.raises(TrainError, match="test.jsonl"):
+        train(_cfg(workspace, tmp_path / "out", data=str(data), test=True))
+    assert not (tmp_path / "out").exists()
+
+
+def test_grad_checkpoint_trains_the_same(workspace, tmp_path):
+    plain = train(_cfg(workspace, tmp_path / "plain", iters=3))
+    again = train(_cfg(workspace, tmp_path / "ckpt", iters=3, grad_checkpoint=True))
+    a, b = _losses(plain), _losses(again)
+    assert a.keys() == b.keys()
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (a, b)
+
+
+def test_mlx_lm_default_config_reads(workspace, tmp_path, capsys):
+    # mlx-lm's own defaults, every key, as its lora command would dump them
+    import yaml
+    from mlx_lm.lora import CONFIG_DEFAULTS
+
+    settings = dict(CONFIG_DEFAULTS, model=str(workspace / "base"), data=str(workspace / "data"),
+                    adapter_path=str(tmp_path / "out"), num_layers=-1)  # fmt: skip
+    config = tmp_path / "mlx_lm.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    cfg = train_cli.config_from(["--config", str(config)])
+    assert cfg.output == str(tmp_path / "out") and cfg.batch_size == 4 and cfg.iters == 1000
+    assert (cfg.lora_rank, cfg.lora_scale, cfg.lora_dropout) == (8, 20.0, 0.0)
+    assert cfg.weight_decay == 0.0  # mlx-lm's "adam"
+    resolved = cfg.resolved()
+    assert resolved.lora_alpha == 160.0 and resolved.num_layers is None
+    # the command line's rank keeps the file's scale; its alpha beats the file's scale
+    cfg = train_cli.config_from(["--config", str(config), "--rank", "4"])
+    assert cfg.resolved().lora_alpha == 80
+    cfg = train_cli.config_from(["--config", str(config), "--lora-alpha", "3"])
+    assert cfg.resolved().lora_alpha == 3
+    for key, value in [("optimizer", "muon"), ("lr_schedule", {"name": "cosine_decay"}),
+                       ("resume_adapter_file", "a.safetensors")]:  # fmt: skip
+        config.write_text(yaml.safe_dump(dict(settings, **{key: value})))
+        with pytest.raises(SystemExit):
+            train_cli.config_from(["--config", str(config)])
+        assert key in capsys.readouterr().err
+
+
+def test_relative_targets_as_mlx_lm_names_them(workspace):
+    model, _ = mlx_rwkvx.load(workspace / "base")
+    from mlx_rwkvx.tuner.adapters import target_paths as paths_of
+
+    assert paths_of(model, "attn.q_proj", 2) == [
+        f"layers.{i}.attn.q_proj" for i in range(len(model.layers) - 2, len(model.layers))
+        if model.layers[i].kind == "moba"
+    ]  # fmt: skip

@@ -232,3 +232,43 @@ def test_mlx_lm_adapter_folder_loads(tmp_path):
     model, _ = mlx_rwkvx.load(tmp_path / "base", adapter=tmp_path / "ad")
     tokens = mx.array([[5, 4, 3, 2, 1]])
     assert rel_err(np.array(model(tokens)), np.array(trained(tokens))) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "lora_parameters, num_layers",
+    [
+        ({"rank": 4, "scale": 2.0, "dropout": 0.0}, -1),  # mlx-lm's default: every Linear
+        ({"rank": 2, "scale": 20.0, "dropout": 0.0, "keys": ["attn.k_proj", "ffn.value"]}, 2),
+    ],
+)
+def test_adapter_trained_by_mlx_lm_on_its_rwkv7_loads(tmp_path, lora_parameters, num_layers):
+    # mlx-lm's own machinery: its rwkv7 model reads our Hugging Face export, its
+    # linear_to_lora_layers wraps it, and the adapter is saved as its trainer saves one
+    import json
+
+    from mlx_rwkvx.convert import convert
+
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    base = Model(rwkv7_cfg(), seed=7)
+    mlx_rwkvx.save(base, tmp_path / "native")
+    convert(tmp_path / "native", tmp_path / "hf", to="hf")
+    theirs, _ = load_model(tmp_path / "hf")
+    theirs.freeze()
+    linear_to_lora_layers(theirs, num_layers, lora_parameters)
+    trained = tree_flatten(theirs.trainable_parameters())
+    assert trained and all(n.startswith("model.layers.") for n, _ in trained)
+    theirs.update(tree_unflatten([(n, mx.random.normal(x.shape) * 0.1) for n, x in trained]))
+    (tmp_path / "ad").mkdir()
+    adapter = dict(tree_flatten(theirs.trainable_parameters()))
+    mx.save_safetensors(str(tmp_path / "ad" / "adapters.safetensors"), adapter)
+    config = {"model": str(tmp_path / "hf"), "fine_tune_type": "lora", "num_layers": num_layers,
+              "lora_parameters": lora_parameters, "batch_size": 4, "iters": 1000}  # fmt: skip
+    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps(config))
+
+    ours, _ = mlx_rwkvx.load(tmp_path / "hf", adapter=tmp_path / "ad")
+    tokens = mx.array([[5, 4, 3, 2, 1, 9, 200]])
+    want = np.array(theirs(tokens))
+    assert rel_err(np.array(ours(tokens)), want) <= 1e-5
+    assert rel_err(np.array(ours(tokens)), np.array(base(tokens))) > 1e-3  # it did change them

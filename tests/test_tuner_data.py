@@ -570,6 +570,11 @@ def test_pretokenize_folder(tmp_path, byte_tok):
     train, _ = load_examples(str(tmp_path / "dst"), byte_tok)
     assert byte_tok.decode(train[0].tokens) == "User: a\n\nAssistant: b\n\n"
     assert train[0].trained[1:].all()  # the binary carries no mask
+    # a bad split anywhere: nothing is written, so the rerun after the fix is not refused
+    (src / "valid.jsonl").write_text('{"text": "v"}\n{"text": \n')
+    with pytest.raises(CliError, match=r"valid\.jsonl:2: not valid JSON"):
+        run_cli("--tokenizer", "bytes", "--data", src, "--output", tmp_path / "dst2")
+    assert not (tmp_path / "dst2").exists()
 
 
 def test_pretokenize_cli_errors(tmp_path):

@@ -22,6 +22,7 @@ import os
 
 from mlx_rwkvx.io.atomic import atomic_target, check_target, save_safetensors
 from mlx_rwkvx.io.detect import read_json
+from mlx_rwkvx.io.names import DROP, hf_rwkv7_rule
 from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.models.rwkv7 import HeadNorm
@@ -56,6 +57,20 @@ def default_targets(model: Model) -> str:
     return "attn" if "moba" in kinds else "qwen" if "qwen2" in kinds else "rwkv"
 
 
+def native_path(model: Model, path: str) -> str:
+    """Our module path for ``path`` written in mlx-lm's (Hugging Face's) names: RWKV-7's
+    ``model.layers.3.attn.k_proj`` is our ``layers.3.tmix.key``; paths already ours, and
+    Qwen2/MoBA paths with mlx-lm's ``model.`` prefix, map to themselves."""
+    modules = dict(model.named_modules())
+    for candidate in (path, path.removeprefix("model.")):
+        if candidate in modules:
+            return candidate
+    mapped = hf_rwkv7_rule(path + ".weight")
+    if mapped and mapped != DROP and mapped[1] is None and mapped[0].endswith(".weight"):
+        return mapped[0].removesuffix(".weight")
+    return path
+
+
 def _projections(model: Model):
     """(path, module) of every adaptable projection: Linear or QuantizedLinear, not RWKV-7's
     low-rank ones, inside a block."""
@@ -88,8 +103,12 @@ def target_paths(model: Model, targets: str, num_layers: int | None = None) -> l
                 hit = True
             elif pattern in _PRESETS:
                 hit = inner in _PRESETS[pattern].get(kind, ())
-            else:
-                hit = fnmatch.fnmatchcase(path, pattern)
+            else:  # a glob over paths, or a block-relative name (ours or mlx-lm's)
+                hit = (
+                    fnmatch.fnmatchcase(path, pattern)
+                    or fnmatch.fnmatchcase(inner, pattern)
+                    or native_path(model, f"model.layers.{index}.{pattern}") == path
+                )
             if hit:
                 found.append(path)
                 break
@@ -250,23 +269,18 @@ def read_adapter(path) -> tuple[dict, dict[str, mx.array]]:
     return config, tensors
 
 
-def _paths_of(model: Model, config: dict) -> list[str]:
-    """The module paths of a LoRA/DoRA config's ``keys``: ours are full paths; mlx-lm's are
-    relative to a block and apply to each of the last ``num_layers`` blocks that has them."""
-    keys = config["lora_parameters"].get("keys") or []
-    n = len(model.layers)
-    last = range(n - min(config.get("num_layers", n), n), n)
-    modules = dict(model.named_modules())
-    paths = []
-    for key in keys:
-        if key.startswith("layers."):
-            paths.append(key)
-        else:
-            paths += [f"layers.{i}.{key}" for i in last if f"layers.{i}.{key}" in modules]
-    missing = [p for p in paths if p not in modules]
-    if missing or not paths:
-        raise AdapterError(f"the adapter's layers {missing[:4] or keys[:4]} are not in this model")
-    return paths
+def _native_tensors(model: Model, tensors: dict) -> tuple[list[str], dict[str, mx.array]]:
+    """(the wrapped module paths, the tensors under our paths) of an adapter file: ours name
+    our paths; mlx-lm's name its model's (``model.layers.3.attn.k_proj.lora_a``). The file's
+    tensors say which layers it adapts, whatever its config's ``keys`` and ``num_layers``."""
+    renamed = {}
+    for name, x in tensors.items():
+        module, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        if leaf not in (*ADAPTER_LEAVES, "state0"):
+            raise AdapterError(f"{name!r} is not an adapter tensor (lora_a, lora_b, m, state0)")
+        renamed[f"{native_path(model, module)}.{leaf}"] = x
+    paths = sorted({n.rsplit(".", 1)[0] for n in renamed if not n.endswith(".state0")})
+    return paths, renamed
 
 
 def apply_adapter(model: Model, path) -> Model:
@@ -280,15 +294,24 @@ def apply_adapter(model: Model, path) -> Model:
             f"{want}, this model's {fingerprint(model)})"
         )
     kind = config.get("fine_tune_type", "lora")
+    paths, tensors = _native_tensors(model, tensors)
     if kind in ("lora", "dora"):
         lora = config.get("lora_parameters") or {}
         try:
             rank, scale = int(lora["rank"]), float(lora["scale"])
         except (KeyError, TypeError, ValueError) as e:
             raise AdapterError(f"{os.fspath(path)}: bad lora_parameters ({e})") from e
+        modules = dict(model.named_modules())
+        missing = [p for p in paths if p not in modules]
+        if missing or not paths:
+            raise AdapterError(
+                f"{os.fspath(path)}: the adapter's layers {missing[:4]} are not in this model"
+                if missing
+                else f"{os.fspath(path)}: the adapter holds no LoRA tensors"
+            )
         apply_lora(
             model,
-            _paths_of(model, config),
+            paths,
             rank=rank,
             alpha=scale * rank,
             dropout=float(lora.get("dropout", 0.0)),
@@ -305,6 +328,7 @@ def apply_adapter(model: Model, path) -> Model:
     if wrong:
         raise AdapterError(f"{os.fspath(path)}: tensors that do not fit this model: {wrong[:6]}")
     model.load_weights(list(tensors.items()), strict=False)
+    model.eval()  # LoRA dropout is for training
     mx.eval(model.parameters())
     return model
 

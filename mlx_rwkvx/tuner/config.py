@@ -39,15 +39,18 @@ class TrainConfig:
                      choices=MODES)  # fmt: skip
     lora_rank: int = _opt("LoRA rank", "rank", default=32)
     lora_alpha: float = _opt("LoRA alpha (scale = alpha / rank)", default=64.0)
+    lora_scale: float = _opt("LoRA scale, mlx-lm's way of giving alpha (alpha = scale * rank); "
+                             "--lora-alpha on the command line beats it")  # fmt: skip
     lora_dropout: float = _opt("dropout on the LoRA input", default=0.0)
     lora_targets: str = _opt(
         "adapter targets: attn, qwen, rwkv, all, or comma-separated module globs (default: "
         "the family's: RWKV-X attn, RFA qwen, RWKV-7 rwkv)"
     )
-    num_layers: int = _opt("adapt only the last N blocks (default: all)")
+    num_layers: int = _opt("adapt only the last N blocks (default: all; -1: all, as mlx-lm)")
     lr: float = _opt("peak learning rate (default per mode: lora/dora/full 2e-5, state 1.0, "
                      "pretrain 6e-4)", "learning_rate")  # fmt: skip
-    weight_decay: float = _opt("AdamW weight decay", default=0.01)
+    weight_decay: float = _opt("AdamW weight decay of the trained matrices (default: 0.01; "
+                               "state tuning 0)")  # fmt: skip
     epochs: int = _opt("passes over the training data", default=3)
     iters: int = _opt("training steps (overrides --epochs)")
     max_seq_len: int = _opt("tokens per example (default: 512 RWKV-X/RWKV-7, 256 RFA)",
@@ -60,7 +63,9 @@ class TrainConfig:
     val_data: str = _opt("validation data (default: the data folder's valid.jsonl, if any)")
     val_every: int = _opt("validation loss every N steps (0: at the end only)", "steps_per_eval",
                           default=0)  # fmt: skip
+    val_batches: int = _opt("batches of each validation (default: all; -1: all)")
     test: bool = _opt("evaluate on the test split at the end", default=False)
+    test_batches: int = _opt("batches of the test evaluation (default: all; -1: all)")
     grad_clip: float = _opt("global gradient-norm clip (0: none)", default=1.0)
     quantize: str = _opt("train on INT8 (or int4) base weights", choices=("int8", "int4"))
     dtype: str = _opt("base weights' dtype: float32, bfloat16, float16 (default: as stored)",
@@ -78,59 +83,171 @@ class TrainConfig:
     plot: bool = _opt("write loss.png (needs matplotlib: the plot extra)", default=False)
 
     def resolved(self) -> TrainConfig:
-        """A copy with the per-mode defaults filled in."""
+        """A copy with the per-mode defaults filled in; ValueError naming a setting out of
+        its range."""
+        _check(self)
+        all_ = lambda n: None if n == -1 else n  # noqa: E731 (mlx-lm's -1: all)
         return dataclasses.replace(
             self,
             lr=self.lr if self.lr is not None else DEFAULT_LR[self.mode],
             warmup=self.warmup if self.warmup is not None else DEFAULT_WARMUP.get(self.mode, 100),
+            # the trained state is a vector per head, not a matrix: RWKV's trainers never
+            # decay those
+            weight_decay=self.weight_decay
+            if self.weight_decay is not None
+            else (0.0 if self.mode == "state" else 0.01),
+            lora_alpha=self.lora_scale * self.lora_rank
+            if self.lora_scale is not None
+            else self.lora_alpha,
+            lora_scale=None,
+            num_layers=all_(self.num_layers),
+            val_batches=all_(self.val_batches),
+            test_batches=all_(self.test_batches),
         )
 
 
-# mlx-lm's YAML keys that map to ours with a change of meaning or shape
-_MLX_LM_IGNORED = {"train"}  # mlx-lm's "train: true": training is what this command does
+# (setting, lowest value, whether the lowest is allowed); None values are "default"
+_RANGES = [
+    ("lora_rank", 1, True), ("lora_alpha", 0, False), ("lora_scale", 0, False),
+    ("lora_dropout", 0, True), ("lr", 0, False), ("weight_decay", 0, True), ("epochs", 1, True),
+    ("iters", 1, True), ("max_seq_len", 2, True), ("batch_size", 1, True),
+    ("grad_accum", 1, True), ("warmup", 0, True), ("save_every", 1, True),
+    ("log_every", 1, True), ("val_every", 0, True), ("grad_clip", 0, True),
+    ("num_layers", 1, True), ("val_batches", 1, True), ("test_batches", 1, True),
+]  # fmt: skip
+_MINUS_ONE_IS_ALL = ("num_layers", "val_batches", "test_batches")  # mlx-lm's convention
 
 
-def from_yaml(data: dict, source: str) -> dict:
+def _check(cfg: TrainConfig) -> None:
+    for f in fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        want = {"int": int, "float": (int, float), "bool": bool, "str": str}[f.type]
+        if value is not None and (not isinstance(value, want) or (
+            f.type != "bool" and isinstance(value, bool))):  # fmt: skip
+            raise ValueError(f"{f.name} must be {f.type}, got {value!r}")
+        if value is not None and "choices" in f.metadata and value not in f.metadata["choices"]:
+            raise ValueError(f"{f.name} must be one of {f.metadata['choices']}, got {value!r}")
+    for name, low, inclusive in _RANGES:
+        value = getattr(cfg, name)
+        if value == -1 and name in _MINUS_ONE_IS_ALL:
+            continue
+        if value is not None and (value < low or (value == low and not inclusive)):
+            bound = f">= {low}" if inclusive else f"> {low}"
+            raise ValueError(f"{name.replace('_', '-')} must be {bound}, got {value}")
+    if not cfg.lora_dropout < 1:
+        raise ValueError(f"lora-dropout must be < 1, got {cfg.lora_dropout}")
+    if cfg.grad_checkpoint and cfg.lora_dropout:
+        raise ValueError(
+            "--grad-checkpoint with --lora-dropout: the recomputed blocks would draw other "
+            "dropout masks than the forward did (wrong gradients); use one of them"
+        )
+    if cfg.mode == "state" and (cfg.lora_targets or cfg.num_layers is not None):
+        raise ValueError("--mode state trains every RWKV block's state: no --lora-targets or "
+                         "--num-layers")  # fmt: skip
+    if cfg.mode == "pretrain" and cfg.dtype:
+        raise ValueError("--mode pretrain trains a new model in float32: no --dtype")
+    if cfg.mode == "pretrain" and cfg.quantize:
+        raise ValueError("--mode pretrain trains every weight: no --quantize")
+
+
+# mlx-lm's LoRA config keys with no flag of ours: accepted as mlx-lm writes them by default,
+# refused (with what to do instead) when they ask for something this trainer does not do
+_MLX_LM_KEYS = {
+    "train": (True, False, None),  # training is what this command does
+    "optimizer": ("adam", "adamw"),  # AdamW (a weight decay of 0 is Adam)
+    "optimizer_config": None,  # checked below
+    "resume_adapter_file": (None,),
+    "lr_schedule": (None,),
+    "mask_prompt": (True, False),  # chat and prompt/completion data train on answers only
+    "clear_cache_threshold": None,
+    "report_to": (None, ""),
+    "project_name": None,
+    "trust_remote_code": (False,),
+    "wandb": (None,),
+    "config": (None,),  # mlx-lm dumps its --config path among the settings
+}
+_MLX_LM_INSTEAD = {
+    "optimizer": "this trainer uses AdamW (optimizer: adamw or adam)",
+    "resume_adapter_file": "to continue a run, pass --resume with its --output folder",
+    "lr_schedule": "the schedule is linear warm-up then cosine decay: set --warmup and --lr",
+    "report_to": "metrics go to metrics.jsonl in the output folder",
+    "trust_remote_code": "no code from a checkpoint is ever run",
+    "wandb": "metrics go to metrics.jsonl in the output folder",
+    "config": "a config file cannot name another one",
+}
+
+
+def from_yaml(data: dict, notes: list[str] | None = None) -> dict:
     """Our fields from a YAML config (ours, or mlx-lm's LoRA config). ValueError naming an
-    unknown key."""
+    unknown key or a value of the wrong type; ``notes`` collects how mlx-lm settings were
+    read."""
+    notes = [] if notes is None else notes
     names = {f.name: f.name for f in fields(TrainConfig)}
     for f in fields(TrainConfig):
         for alias in f.metadata["aliases"]:
             names[alias] = f.name
     out = {}
     for key, value in data.items():
-        key = key.replace("-", "_")
-        if key in _MLX_LM_IGNORED:
+        key = str(key).replace("-", "_")
+        if key in _MLX_LM_KEYS:
+            allowed = _MLX_LM_KEYS[key]
+            if allowed is not None and value not in allowed:
+                raise ValueError(f"{key}: {value!r} is not supported; {_MLX_LM_INSTEAD[key]}")
+            if key == "optimizer_config" and isinstance(value, dict):
+                out.update(_optimizer_config(value, data.get("optimizer", "adam")))
+            if key == "mask_prompt" and value is False:
+                notes.append("mask_prompt: false is ignored: chat and prompt/completion data "
+                             "train on the answers only")  # fmt: skip
             continue
         if key == "lora_parameters" and isinstance(value, dict):  # mlx-lm's block
-            if "rank" in value:
-                out["lora_rank"] = value["rank"]
-            if "scale" in value:
-                out["lora_alpha"] = value["scale"] * value.get("rank", TrainConfig.lora_rank)
-            if "dropout" in value:
-                out["lora_dropout"] = value["dropout"]
+            for inner, ours in (("rank", "lora_rank"), ("scale", "lora_scale"),
+                                ("alpha", "lora_alpha"), ("dropout", "lora_dropout")):  # fmt: skip
+                if inner in value:
+                    out[ours] = _typed(ours, value[inner])
             if value.get("keys"):
-                out["lora_targets"] = ",".join(value["keys"])
+                out["lora_targets"] = ",".join(map(str, value["keys"]))
+            unknown = set(value) - {"rank", "scale", "alpha", "dropout", "keys"}
+            if unknown:
+                raise ValueError(f"lora_parameters: unknown setting {sorted(unknown)[0]!r}")
             continue
         if key not in names:
-            raise ValueError(f"{source}: unknown setting {key!r}")
-        out[names[key]] = _typed(names[key], value, source)
+            raise ValueError(f"unknown setting {key!r}")
+        out[names[key]] = _typed(names[key], value)
     return out
 
 
-def _typed(name: str, value, source: str):
+def _optimizer_config(config: dict, optimizer: str) -> dict:
+    """mlx-lm's ``optimizer_config``: only the chosen optimizer's block counts; of AdamW's
+    settings this trainer takes the weight decay (betas and eps are RWKV's)."""
+    chosen = config.get(optimizer) or {}
+    if not isinstance(chosen, dict):
+        raise ValueError(f"optimizer_config.{optimizer}: expected a mapping")
+    other = set(chosen) - {"weight_decay"}
+    if other:
+        raise ValueError(
+            f"optimizer_config.{optimizer}: {sorted(other)} not supported (only weight_decay; "
+            "betas and eps are RWKV's trainers' 0.9, 0.99 and 1e-8)"
+        )
+    if "weight_decay" in chosen:
+        return {"weight_decay": _typed("weight_decay", chosen["weight_decay"])}
+    return {"weight_decay": 0.0} if optimizer == "adam" else {}
+
+
+def _typed(name: str, value):
     """``value`` as the field's type: YAML 1.1 reads ``1e-5`` (no dot) as a string, and
     mlx-lm's configs write learning rates so."""
     kind = {f.name: f.type for f in fields(TrainConfig)}[name]
-    convert = {"int": int, "float": float, "bool": bool}.get(kind)
-    if value is None or convert is None or isinstance(value, convert):
+    convert = {"int": int, "float": float, "bool": bool, "str": str}[kind]
+    if value is None or (isinstance(value, convert) and not (
+        kind != "bool" and isinstance(value, bool))):  # fmt: skip
         return value
-    if kind == "bool" or (kind == "int" and isinstance(value, float)):
-        raise ValueError(f"{source}: {name} must be {kind}, got {value!r}")
+    if kind in ("bool", "str") or isinstance(value, bool) or (
+        kind == "int" and isinstance(value, float)):  # fmt: skip
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
     try:
         return convert(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{source}: {name} must be {kind}, got {value!r}") from None
+        raise ValueError(f"{name} must be {kind}, got {value!r}") from None
 
 
 def parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx_rwkvx
 from mlx_rwkvx.io.atomic import CheckpointError, atomic_target, save_safetensors, save_text
 from mlx_rwkvx.io.tensors import read_safetensors
-from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer, load_tokenizer
+from mlx_rwkvx.io.tokenizers import WORLD_VOCAB, ByteTokenizer, WorldTokenizer, load_tokenizer
 from mlx_rwkvx.models import Model, ModelConfig, preset
 from mlx_rwkvx.models.config import PRESETS
 from mlx_rwkvx.ops import cross_entropy_head, prepare
@@ -38,6 +38,7 @@ from mlx_rwkvx.tuner.adapters import (
     FINAL_ADAPTER,
     AdapterError,
     adapter_config,
+    adapter_tensors,
     apply_lora,
     default_targets,
     enable_state_tuning,
@@ -115,8 +116,6 @@ def build(cfg: TrainConfig):
                 f"--model {cfg.model}: vocabulary {model_cfg.vocab_size} has no built-in "
                 "tokenizer (65536: World, <= 256: bytes)"
             )
-        if cfg.quantize:
-            raise TrainError("--mode pretrain trains every weight: --quantize does not apply")
     else:
         try:
             model, _ = mlx_rwkvx.load(
@@ -126,7 +125,9 @@ def build(cfg: TrainConfig):
             raise TrainError(str(e)) from e
         try:  # pre-tokenized data needs none: a text data set says so if it lacks one
             tokenizer = load_tokenizer(cfg.model, model.config.vocab_size)
-        except ValueError:
+        except ValueError as e:
+            if _tokenizer_files(cfg.model):  # there is one, and it is broken or foreign
+                raise TrainError(str(e)) from e
             tokenizer = None
     base = fingerprint(model)
     try:
@@ -151,6 +152,11 @@ def build(cfg: TrainConfig):
     except AdapterError as e:
         raise TrainError(str(e)) from e
     return model, tokenizer, base, paths
+
+
+def _tokenizer_files(path: str) -> list[str]:
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    return [n for n in ("tokenizer.json", WORLD_VOCAB) if os.path.exists(os.path.join(folder, n))]
 
 
 def _head(model: Model) -> dict:
@@ -189,7 +195,7 @@ def make_optimizer(cfg: TrainConfig, total_steps: int):
     warmup = min(cfg.warmup, max(total_steps - 1, 0))
     final = cfg.lr * FINAL_LR_RATIO[cfg.mode]
     decay = optim.cosine_decay(cfg.lr, max(total_steps - warmup, 1), final)
-    # the warm-up's first step already moves (lr / warmup), its last reaches lr
+    # the warm-up's first step already moves (lr / (warmup + 1)); step `warmup` reaches lr
     warm = optim.linear_schedule(cfg.lr / (warmup + 1), cfg.lr, warmup) if warmup else None
     schedule = optim.join_schedules([warm, decay], [warmup]) if warmup else decay
     adamw = dict(learning_rate=schedule, betas=list(ADAM_BETAS), eps=ADAM_EPS)
@@ -287,12 +293,33 @@ def newest_checkpoint(out: Path) -> int | None:
     return max(steps) if steps else None
 
 
+def trained_tensors(model: Model, mode: str) -> dict[str, mx.array]:
+    """What a run trains, under the model's paths: the adapter's tensors, or for full
+    fine-tuning and pretraining every trainable weight."""
+    if mode in ("full", "pretrain"):
+        return dict(tree_flatten(model.trainable_parameters()))
+    return adapter_tensors(model)
+
+
+# settings that decide what the trained tensors are and which batches come next: a run
+# resumes only with the ones it was started with
+RESUME_FIXED = ("mode", "lora_rank", "lora_alpha", "lora_targets", "num_layers", "quantize",
+                "dtype", "init", "sql", "skip_bad", "max_seq_len", "batch_size", "grad_accum",
+                "seed")  # fmt: skip
+
+
 def save_checkpoint(out: Path, run) -> None:
     """The three files of one checkpoint, the manifest last; each atomically."""
     names = _checkpoint_names(run.step)
-    save_adapter(out / names["weights"], run.model, run.adapter_config())
+    if run.cfg.mode in ("full", "pretrain"):
+        with atomic_target(str(out / names["weights"]), folder=False) as tmp:
+            config = json.dumps(run.adapter_config())
+            save_safetensors(tmp, trained_tensors(run.model, "full"), {"adapter_config": config})
+    else:
+        save_adapter(out / names["weights"], run.model, run.adapter_config())
     state = dict(tree_flatten(run.optimizer.state))
-    meta = {"step": str(run.step), "position": json.dumps(run.position), "tokens": str(run.tokens)}
+    meta = {"step": str(run.step), "position": json.dumps(run.position), "tokens": str(run.tokens),
+            "train": json.dumps(asdict(run.cfg)), "base": run.base}  # fmt: skip
     with atomic_target(str(out / names["state"]), folder=False) as tmp:
         save_safetensors(tmp, state, meta)
     _crash_point("save", run.step)  # weights and state written, the manifest not yet
@@ -302,10 +329,32 @@ def save_checkpoint(out: Path, run) -> None:
 
 
 def load_checkpoint(out: Path, step: int, run) -> None:
+    """Restore ``run`` from checkpoint ``step``: TrainError when it was made by a run with
+    other settings (see RESUME_FIXED) or on another base, or its tensors do not fit."""
     names = _checkpoint_names(step)
-    weights, _ = read_safetensors(str(out / names["weights"]))
-    run.model.load_weights(list(weights.items()), strict=False)
     state, meta = read_safetensors(str(out / names["state"]))
+    then = json.loads(meta.get("train", "{}"))
+    changed = [k for k in RESUME_FIXED if k in then and then[k] != getattr(run.cfg, k)]
+    if changed:
+        was = ", ".join(f"{k.replace('_', '-')} {then[k]!r} (now {getattr(run.cfg, k)!r})"
+                        for k in changed)  # fmt: skip
+        raise TrainError(f"--resume: checkpoint_{step} was trained with {was}; resume with the "
+                         "run's settings or start a new --output")  # fmt: skip
+    if meta.get("base", run.base) != run.base:
+        raise TrainError(f"--resume: checkpoint_{step} was trained on another base model")
+    others = [k for k in ("lr", "warmup", "weight_decay", "grad_clip", "iters", "epochs", "data")
+              if k in then and then[k] != getattr(run.cfg, k)]  # fmt: skip
+    if others:
+        print(f"note: resuming with other {', '.join(others)} than checkpoint_{step}'s run",
+              file=sys.stderr)  # fmt: skip
+    weights, _ = read_safetensors(str(out / names["weights"]))
+    expected = {n: tuple(x.shape) for n, x in trained_tensors(run.model, run.cfg.mode).items()}
+    wrong = sorted(set(weights) ^ set(expected)) + sorted(
+        n for n in weights if n in expected and tuple(weights[n].shape) != expected[n]
+    )
+    if wrong:
+        raise TrainError(f"--resume: checkpoint_{step}'s tensors do not fit this run: {wrong[:4]}")
+    run.model.load_weights(list(weights.items()), strict=False)
     run.optimizer.state = tree_unflatten(list(state.items()))
     run.step, run.tokens = int(meta["step"]), int(meta["tokens"])
     run.position = json.loads(meta["position"])
@@ -344,16 +393,18 @@ class Run:
 
 
 def _check_output(out: Path, resume: bool) -> None:
-    holds_run = out.exists() and any(
-        p.name == METRICS or p.name.startswith("checkpoint_") or p.name == FINAL_ADAPTER
-        for p in out.iterdir()
-    )
-    if holds_run and not resume:
-        raise TrainError(f"--output {out}: holds another run; pass --resume or choose a folder")
-    if resume and not holds_run:
-        raise TrainError(f"--output {out}: --resume, but there is no run to continue there")
+    """A new run needs a folder holding no run's work (a run that stopped before its first
+    checkpoint left none: its metrics are replaced); --resume needs a complete checkpoint."""
     if out.exists() and not out.is_dir():
         raise TrainError(f"--output {out}: is a file")
+    holds_work = out.exists() and (
+        newest_checkpoint(out) is not None
+        or any((out / name).exists() for name in (FINAL_ADAPTER, MODEL_DIR))
+    )
+    if holds_work and not resume:
+        raise TrainError(f"--output {out}: holds another run; pass --resume or choose a folder")
+    if resume and newest_checkpoint(out) is None:
+        raise TrainError(f"--output {out}: --resume, but there is no complete checkpoint there")
 
 
 def _examples(cfg, tokenizer, vocab, split="train", path=None):
@@ -378,19 +429,31 @@ def _examples(cfg, tokenizer, vocab, split="train", path=None):
     return examples
 
 
-def evaluate(model: Model, examples, batch_size: int) -> float:
-    """The mean token loss over ``examples`` (no gradients)."""
+def evaluate(model: Model, examples, batch_size: int, max_batches: int | None = None) -> float:
+    """The mean token loss over ``examples`` (the first ``max_batches`` batches, in a fixed
+    order) with dropout off."""
     total, count = 0.0, 0
-    for inputs, targets in data_mod.batches(examples, batch_size=batch_size, seed=0, epoch=0):
-        loss, n = batch_loss(model, mx.array(inputs), mx.array(targets))
-        total, count = total + loss.item(), count + n.item()
+    was_training = model.training
+    model.eval()
+    try:
+        stream = data_mod.batches(examples, batch_size=batch_size, seed=0, epoch=0)
+        for i, (inputs, targets) in enumerate(stream):
+            if max_batches is not None and i >= max_batches:
+                break
+            loss, n = batch_loss(model, mx.array(inputs), mx.array(targets))
+            total, count = total + loss.item(), count + n.item()
+    finally:
+        model.train(was_training)
     return total / max(count, 1)
 
 
 def train(cfg: TrainConfig) -> Path:
     """Run training as ``cfg`` says; returns the output folder. TrainError for what the user
     can fix (nothing written), NonFinite when the loss or gradients stop being finite."""
-    cfg = cfg.resolved()
+    try:
+        cfg = cfg.resolved()
+    except ValueError as e:
+        raise TrainError(str(e)) from e
     for name in ("model", "data", "output"):
         if not getattr(cfg, name):
             raise TrainError(f"--{name} is required")
@@ -406,6 +469,7 @@ def train(cfg: TrainConfig) -> Path:
     vocab = model.config.vocab_size
     train_examples = _examples(cfg, tokenizer, vocab)
     val_examples = _validation(cfg, tokenizer, vocab)
+    test_examples = _test_split(cfg, tokenizer, vocab)  # read now: bad data stops the start
     per_epoch = max(1, data_mod.count_batches(train_examples, cfg.batch_size) // cfg.grad_accum)
     total = cfg.iters or cfg.epochs * per_epoch
     optimizer, schedule = make_optimizer(cfg, total)
@@ -417,6 +481,7 @@ def train(cfg: TrainConfig) -> Path:
         optimizer.init(model.trainable_parameters())
         load_checkpoint(out, step, run)
     out.mkdir(parents=True, exist_ok=True)
+    _keep_metrics(out / METRICS, run.step)
     print(
         f"{cfg.mode}: {trainable_count(model):,} trainable parameters "
         f"({len(paths)} tensors or layers), {len(train_examples)} examples, {total} steps"
@@ -428,8 +493,38 @@ def train(cfg: TrainConfig) -> Path:
         _loop(run, step_fn, train_examples, val_examples, total, out, stop)
     finally:
         stop.restore()
-    _finish(run, val_examples, out)
+    _finish(run, val_examples, test_examples, out)
     return out
+
+
+def _test_split(cfg, tokenizer, vocab):
+    """--test: the data folder's test split (None: asked for, but there is none)."""
+    if not cfg.test:
+        return []
+    try:
+        found = data_mod.find_split(cfg.data, "test") if os.path.isdir(cfg.data) else None
+    except data_mod.DataError as e:
+        raise TrainError(str(e)) from e
+    if found is None:
+        print(f"--test: {cfg.data} has no test split (test.jsonl or test.bin)", file=sys.stderr)
+        return []
+    return _examples(cfg, tokenizer, vocab, "test", found)
+
+
+def _keep_metrics(path: Path, step: int) -> None:
+    """The metrics of the steps up to ``step`` (a new run: none; a resumed one: those of the
+    checkpoint it continues from, not those of the steps the interruption lost)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except (ValueError, AttributeError):  # a line the interruption cut short
+            continue
+    with atomic_target(str(path), folder=False) as tmp:
+        save_text(tmp, "".join(line + "\n" for line in kept))
 
 
 def _validation(cfg, tokenizer, vocab):
@@ -507,7 +602,9 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
                     f"{record['tokens_per_s']:.0f} tok/s, peak {record['peak_memory_gb']:.2f} GB"
                 )
             if val_examples and cfg.val_every and run.step % cfg.val_every == 0:
-                record["val_loss"] = evaluate(run.model, val_examples, cfg.batch_size)
+                record["val_loss"] = evaluate(
+                    run.model, val_examples, cfg.batch_size, cfg.val_batches
+                )
                 bar.write(f"step {run.step}: validation loss {record['val_loss']:.4f}")
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -521,22 +618,17 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
         metrics.close()
 
 
-def _finish(run, val_examples, out: Path) -> None:
+def _finish(run, val_examples, test_examples, out: Path) -> None:
     cfg = run.cfg
     if newest_checkpoint(out) != run.step:
         save_checkpoint(out, run)
     final = {}
     if val_examples:
-        final["val_loss"] = evaluate(run.model, val_examples, cfg.batch_size)
+        final["val_loss"] = evaluate(run.model, val_examples, cfg.batch_size, cfg.val_batches)
         print(f"validation loss {final['val_loss']:.4f}")
-    if cfg.test:
-        found = data_mod.find_split(cfg.data, "test") if os.path.isdir(cfg.data) else None
-        if found is None:
-            print(f"--test: {cfg.data} has no test split (test.jsonl or test.bin)", file=sys.stderr)
-        else:
-            examples = _examples(cfg, run.tokenizer, run.model.config.vocab_size, "test", found)
-            final["test_loss"] = evaluate(run.model, examples, cfg.batch_size)
-            print(f"test loss {final['test_loss']:.4f}")
+    if test_examples:
+        final["test_loss"] = evaluate(run.model, test_examples, cfg.batch_size, cfg.test_batches)
+        print(f"test loss {final['test_loss']:.4f}")
     if final:
         with open(out / METRICS, "a") as f:
             f.write(json.dumps({"step": run.step, **final}) + "\n")

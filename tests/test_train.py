@@ -435,3 +435,13 @@ def test_relative_targets_as_mlx_lm_names_them(workspace):
         f"layers.{i}.attn.q_proj" for i in range(len(model.layers) - 2, len(model.layers))
         if model.layers[i].kind == "moba"
     ]  # fmt: skip
+
+
+def test_no_mask_prompt_trains_on_the_prompts_too(workspace, tmp_path, capsys):
+    counts = {}
+    for flag in ("--mask-prompt", "--no-mask-prompt"):
+        out = tmp_path / flag
+        train_cli.main([str(a) for a in _cli_args(workspace, out, iters=2)] + [flag])
+        counts[flag] = json.loads((out / "adapter_config.json").read_text())["tokens_trained"]
+    # the completions ("3\n\n" after "User: 1+2=\n\nAssistant:") are a few tokens of each
+    assert counts["--no-mask-prompt"] > 3 * counts["--mask-prompt"] > 0, counts

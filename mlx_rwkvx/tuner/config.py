@@ -77,6 +77,8 @@ class TrainConfig:
                         default=False)  # fmt: skip
     grad_checkpoint: bool = _opt("recompute each block in the backward (less memory)",
                                  default=False)  # fmt: skip
+    mask_prompt: bool = _opt("the loss on answers only: chat assistant turns, completions "
+                             "(--no-mask-prompt: on every token)", default=True)  # fmt: skip
     sql: str = _opt("with an SQLite --data: a query returning (conversation, role, content)")
     skip_bad: bool = _opt("skip bad examples (counted and reported) instead of stopping",
                           default=False)  # fmt: skip
@@ -158,7 +160,6 @@ _MLX_LM_KEYS = {
     "optimizer_config": None,  # checked below
     "resume_adapter_file": (None,),
     "lr_schedule": (None,),
-    "mask_prompt": (True, False),  # chat and prompt/completion data train on answers only
     "clear_cache_threshold": None,
     "report_to": (None, ""),
     "project_name": None,
@@ -195,9 +196,6 @@ def from_yaml(data: dict, notes: list[str] | None = None) -> dict:
                 raise ValueError(f"{key}: {value!r} is not supported; {_MLX_LM_INSTEAD[key]}")
             if key == "optimizer_config" and isinstance(value, dict):
                 out.update(_optimizer_config(value, data.get("optimizer", "adam")))
-            if key == "mask_prompt" and value is False:
-                notes.append("mask_prompt: false is ignored: chat and prompt/completion data "
-                             "train on the answers only")  # fmt: skip
             continue
         if key == "lora_parameters" and isinstance(value, dict):  # mlx-lm's block
             for inner, ours in (("rank", "lora_rank"), ("scale", "lora_scale"),
@@ -263,7 +261,7 @@ def parser() -> argparse.ArgumentParser:
         flags += [f"--{a.replace('_', '-')}" for a in f.metadata["aliases"]]
         kwargs = {"dest": f.name, "help": f.metadata["help"], "default": argparse.SUPPRESS}
         if f.type == "bool":
-            kwargs["action"] = "store_true"
+            kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
         else:
             kwargs["type"] = {"int": int, "float": float}.get(f.type, str)
             if "choices" in f.metadata:

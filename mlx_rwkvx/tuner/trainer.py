@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import mlx_rwkvx
@@ -52,6 +52,7 @@ from mlx_rwkvx.tuner.config import FINAL_LR_RATIO, TrainConfig
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
@@ -304,8 +305,8 @@ def trained_tensors(model: Model, mode: str) -> dict[str, mx.array]:
 # settings that decide what the trained tensors are and which batches come next: a run
 # resumes only with the ones it was started with
 RESUME_FIXED = ("mode", "lora_rank", "lora_alpha", "lora_targets", "num_layers", "quantize",
-                "dtype", "init", "sql", "skip_bad", "max_seq_len", "batch_size", "grad_accum",
-                "seed")  # fmt: skip
+                "dtype", "init", "sql", "skip_bad", "mask_prompt", "max_seq_len", "batch_size",
+                "grad_accum", "seed")  # fmt: skip
 
 
 def save_checkpoint(out: Path, run) -> None:
@@ -422,6 +423,8 @@ def _examples(cfg, tokenizer, vocab, split="train", path=None):
         )
     except data_mod.DataError as e:
         raise TrainError(str(e)) from e
+    if not cfg.mask_prompt:  # every token after the first is a target
+        examples = [replace(e, trained=np.arange(len(e.tokens)) > 0) for e in examples]
     if skipped:
         print(f"skipped {skipped} bad examples of {path or cfg.data} ({split}):", file=sys.stderr)
         for reason in reasons[:10]:

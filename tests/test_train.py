@@ -405,15 +405,21 @@ def test_mlx_lm_default_config_reads(workspace, tmp_path, capsys):
     from mlx_lm.lora import CONFIG_DEFAULTS
 
     settings = dict(CONFIG_DEFAULTS, model=str(workspace / "base"), data=str(workspace / "data"),
-                    adapter_path=str(tmp_path / "out"), num_layers=-1)  # fmt: skip
+                    adapter_path=str(tmp_path / "out"))  # fmt: skip
     config = tmp_path / "mlx_lm.yaml"
     config.write_text(yaml.safe_dump(settings))
     cfg = train_cli.config_from(["--config", str(config)])
     assert cfg.output == str(tmp_path / "out") and cfg.batch_size == 4 and cfg.iters == 1000
     assert (cfg.lora_rank, cfg.lora_scale, cfg.lora_dropout) == (8, 20.0, 0.0)
-    assert cfg.weight_decay == 0.0  # mlx-lm's "adam"
+    assert cfg.weight_decay == 0.0 and not cfg.mask_prompt  # mlx-lm's "adam", its default
+    assert cfg.num_layers == 16  # more than the tiny model's 6 blocks: all of them
     resolved = cfg.resolved()
-    assert resolved.lora_alpha == 160.0 and resolved.num_layers is None
+    assert resolved.lora_alpha == 160.0
+    train_cli.main(["--config", str(config), "--iters", "2"])  # it trains as it is
+    written = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert written["lora_parameters"]["scale"] == 20.0 and written["steps"] == 2
+    config.write_text(yaml.safe_dump(dict(settings, num_layers=-1)))
+    assert train_cli.config_from(["--config", str(config)]).resolved().num_layers is None
     # the command line's rank keeps the file's scale; its alpha beats the file's scale
     cfg = train_cli.config_from(["--config", str(config), "--rank", "4"])
     assert cfg.resolved().lora_alpha == 80

@@ -83,11 +83,12 @@ def _projections(model: Model):
 
 def target_paths(model: Model, targets: str, num_layers: int | None = None) -> list[str]:
     """The module paths ``targets`` (a preset or comma-separated globs) names in the last
-    ``num_layers`` blocks (all when None). AdapterError if it names nothing."""
+    ``num_layers`` blocks (all when None or more than the model has). AdapterError if it names
+    nothing."""
     n = len(model.layers)
-    if num_layers is not None and (type(num_layers) is not int or not 1 <= num_layers <= n):
-        raise AdapterError(f"num_layers must be 1..{n} (this model's blocks), got {num_layers}")
-    first = n - (num_layers or n)
+    if num_layers is not None and (type(num_layers) is not int or num_layers < 1):
+        raise AdapterError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    first = max(n - (num_layers or n), 0)  # more than the model's blocks: all (as mlx-lm)
     found = []
     patterns = [p.strip() for p in targets.split(",") if p.strip()] if targets else []
     if not patterns:

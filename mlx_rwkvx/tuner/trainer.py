@@ -501,7 +501,7 @@ def train(cfg: TrainConfig) -> Path:
 
 
 def _test_split(cfg, tokenizer, vocab):
-    """--test: the data folder's test split (None: asked for, but there is none)."""
+    """--test: the data folder's test split (none there: said, and nothing to evaluate)."""
     if not cfg.test:
         return []
     try:

@@ -1237,7 +1237,7 @@ def int8_checkpoint_worker(folder: str, quick: bool = False) -> dict:
     return {"T": T}
 
 
-def int8_train_worker(folder: str, quick: bool = False) -> dict:
+def int8_train_worker(folder: str, quick: bool = False, grad_checkpoint: bool = False) -> dict:
     """One INT8 LoRA training step through ``train()`` on the checkpoint above: the process's
     peak resident memory and the run's time."""
     import resource
@@ -1250,9 +1250,10 @@ def int8_train_worker(folder: str, quick: bool = False) -> dict:
     # cache, the resident memory is what the step needs (Metal manages its own)
     mx.set_cache_limit(0)
     t0 = time.perf_counter()
-    settings = dict(quantize="int8", iters=1, batch_size=1, max_seq_len=T, save_every=10)
-    train(TrainConfig(model=folder + "/bf16", data=folder + "/data.bin", output=folder + "/out",
-                      **settings))  # fmt: skip
+    settings = dict(quantize="int8", iters=1, batch_size=1, max_seq_len=T, save_every=10,
+                    grad_checkpoint=grad_checkpoint)  # fmt: skip
+    out = folder + ("/out_checkpoint" if grad_checkpoint else "/out")
+    train(TrainConfig(model=folder + "/bf16", data=folder + "/data.bin", output=out, **settings))
     return {
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "mlx_peak": mx.get_peak_memory(),
@@ -1261,16 +1262,24 @@ def int8_train_worker(folder: str, quick: bool = False) -> dict:
     }
 
 
-def _worker(name: str, *args, quick: bool) -> dict:
+def _start(name: str, *args, quick: bool) -> subprocess.Popen:
     cmd = [sys.executable, str(Path(__file__)), name, *args] + (["--quick"] if quick else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise VerificationFailed(f"{name} failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(name: str, proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise VerificationFailed(f"{name} failed: {err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _worker(name: str, *args, quick: bool) -> dict:
+    return _result(name, _start(name, *args, quick=quick))
 
 
 def measure_train(quick: bool = False) -> dict:
-    """LoRA training speed against the bound and mlx-lm's trainer; INT8 memory (subprocess)."""
+    """LoRA training speed against the bound and mlx-lm's trainer (verified first)."""
     import tempfile
 
     cfg = _sizes(TRAIN, quick)
@@ -1294,8 +1303,13 @@ def measure_train_int8(quick: bool = False) -> dict:
         err = rel_err(int8_logits.astype(np.float64), bf16_logits.astype(np.float64))
         if not err <= 0.1:
             raise VerificationFailed(f"INT8 logits vs bf16: relative error {err:.3g}")
-        int8 = _worker("_int8-train-worker", tmp, quick=quick)
-    return {**int8, "int8_vs_bf16": err, "preset": "rfa-1.5b" if not quick else "tiny"}
+        # with and without --grad-checkpoint, side by side (each a process of its own, each
+        # mostly one core: MLX's CPU quantized matmul is single-threaded)
+        name = "_int8-train-worker"
+        plain = _start(name, tmp, quick=quick)
+        checkpointed = _start(name, tmp, "--grad-checkpoint", quick=quick)
+        runs = {"plain": _result(name, plain), "grad_checkpoint": _result(name, checkpointed)}
+    return {"runs": runs, "int8_vs_bf16": err, "preset": "rfa-1.5b" if not quick else "tiny"}
 
 
 def render_train(r: dict) -> list[str]:
@@ -1346,13 +1360,24 @@ def render_train_int8(q: dict) -> list[str]:
         f"bf16, logits of 4 tokens: relative error {q['int8_vs_bf16']:.2e}.",
         "",
         f"INT8 LoRA (the default targets, rank 32) on the {q['preset']} RFA config (random "
-        f"weights saved in bf16, loaded with --quantize), T={q['T']}, batch 1, one step through "
-        "`train()` in a process of its own with MLX's buffer cache off: peak resident memory "
-        f"{q['peak_rss'] / 1e9:.2f} GB (MLX's own peak {q['mlx_peak'] / 1e9:.2f} GB), "
-        f"{q['seconds']:.0f} s for the run (loading, quantizing, compiling, the step, saving).",
+        "weights saved in bf16, loaded with --quantize), batch 1, one step through `train()`, "
+        "with and without --grad-checkpoint, each in a process of its own (the two side by "
+        "side) with MLX's buffer cache off; the time is the whole run's (loading, quantizing, "
+        "compiling, the step, saving).",
+        "",
+        "| run | T | peak resident | MLX's own peak | run time |",
+        "|---|---|---|---|---|",
     ]
-    goal = [("INT8 RFA LoRA peak resident memory, GB", q["peak_rss"] / 1e9, 3.0, False)]
-    return lines + goal_lines(goal)
+    goals = []
+    for name, r in q["runs"].items():
+        flag = "--grad-checkpoint" if name == "grad_checkpoint" else "default"
+        lines.append(
+            f"| {flag} | {r['T']} | {r['peak_rss'] / 1e9:.2f} GB | {r['mlx_peak'] / 1e9:.2f} GB "
+            f"| {r['seconds']:.0f} s |"
+        )
+        goals.append((f"INT8 RFA LoRA ({flag}) peak resident memory, GB",
+                      r["peak_rss"] / 1e9, 3.0, False))  # fmt: skip
+    return lines + goal_lines(goals)
 
 
 SECTIONS = {
@@ -1400,7 +1425,8 @@ def main(argv=None) -> None:
     for name, worker in (("_int8-checkpoint-worker", int8_checkpoint_worker),
                          ("_int8-train-worker", int8_train_worker)):  # fmt: skip
         if argv and argv[0] == name:
-            print(json.dumps(worker(argv[1], quick="--quick" in argv[2:])))
+            flags = {"grad_checkpoint": True} if "--grad-checkpoint" in argv[2:] else {}
+            print(json.dumps(worker(argv[1], quick="--quick" in argv[2:], **flags)))
             return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter

@@ -14,10 +14,15 @@ from mlx_rwkvx.io.tensors import read_rows
 from mlx_rwkvx.io.tokenizers import load_tokenizer, tokenizer_files
 from mlx_rwkvx.models.init import ROW_BLOCK_BYTES
 from mlx_rwkvx.models.model import Model
-from mlx_rwkvx.models.quantize import GROUP_SIZE, quantizable, quantize_bits, quantize_model
+from mlx_rwkvx.models.quantize import (
+    GROUP_SIZE,
+    quantizable,
+    quantize_bits,
+    quantize_model,
+    quantize_modules,
+)
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -117,7 +122,7 @@ def _model_of(path: str, ckpt, bits: int | None, quantize, dtype) -> Model:
             # any other is reported below as an unexpected tensor
     if stored:  # a checkpoint saved quantized: its tensors are already (weight, scales, biases)
         group, bits_ = stored["group_size"], stored["bits"]
-        nn.quantize(model, group, bits_, class_predicate=quantizable(group))
+        quantize_modules(model, group, bits_, quantizable(group))
         bits = None
     _check_tensors(path, dict(tree_flatten(model.parameters())), tensors)
     cast = {n for n, x in tensors.items() if x.dtype == mx.float64 or (dtype and _floating(x))}

@@ -27,6 +27,50 @@ def quantize_bits(quantize) -> int | None:
 
 
 GROUP_SIZE = 64
+HALF = (mx.bfloat16, mx.float16)
+
+
+def _on_cpu() -> bool:
+    return mx.default_device().type == mx.cpu
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` that multiplies half-precision inputs in float32 on the CPU.
+
+    MLX's CPU quantized matmul accumulates bf16/f16 inputs in that type: 4-10% off the exact
+    product at widths 1536-8960, where a dense bf16 matmul is 0.2% off, and ~8x slower than the
+    same product in float32 (mlx 0.32; Metal's accumulates in float32 already, so the GPU path
+    is unchanged). The output keeps the input's dtype."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.dtype in HALF and _on_cpu():
+            return super().__call__(x.astype(mx.float32)).astype(x.dtype)
+        return super().__call__(x)
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose use as a tied head multiplies in float32 on the CPU (see
+    ``QuantizedLinear``)."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if x.dtype in HALF and _on_cpu():
+            return super().as_linear(x.astype(mx.float32)).astype(x.dtype)
+        return super().as_linear(x)
+
+
+_OURS = {nn.QuantizedLinear: QuantizedLinear, nn.QuantizedEmbedding: QuantizedEmbedding}
+
+
+def quantize_modules(model: nn.Module, group_size: int, bits: int, predicate) -> None:
+    """``nn.quantize`` of the modules ``predicate(path, module)`` picks, as the classes above
+    (subclasses of MLX's: mlx-lm's LoRA layers and ``isinstance`` checks take them as they
+    are)."""
+    nn.quantize(model, group_size, bits, class_predicate=predicate)
+    for _, module in model.named_modules():
+        if type(module) in _OURS:  # the same fields, one method more: the class is swapped
+            module.__class__ = _OURS[type(module)]
+
+
 # RWKV-7's low-rank projections are small and sensitive: they stay in floating point
 _LOW_RANK = (".decay.", ".iclr.", ".value_mix.", ".gate.")
 
@@ -82,7 +126,7 @@ def quantize_model(
     predicate = quantizable(group_size)
     targets = {p for p, m in model.named_modules() if predicate(p, m)}
     sources = {p: weights(p, m) for p, m in model.named_modules() if p in targets and weights}
-    nn.quantize(model, group_size, bits, class_predicate=lambda p, m: p in targets)
+    quantize_modules(model, group_size, bits, lambda p, m: p in targets)
     for path, module in model.named_modules():
         if path not in targets:
             continue

@@ -83,6 +83,21 @@ class MobaBlock(nn.Module):
             },
         )
 
+    def trim_state(self, state: dict, max_tokens: int) -> dict:
+        """The state with its KV cache cut to at most the last ``max_tokens`` tokens, whole
+        chunks dropped from the front so that the kept ones stay aligned with their key sums
+        (MoBA has no positions: what is kept attends as it did)."""
+        S, cs = state["keys"].shape[2], self.attn.chunk_size
+        if S <= max_tokens:
+            return state
+        drop = -(-(S - max_tokens) // cs) * cs
+        return {
+            **state,
+            "keys": state["keys"][:, :, drop:],
+            "values": state["values"][:, :, drop:],
+            "key_sums": state["key_sums"][:, :, drop // cs :],
+        }
+
     def __call__(self, h, v_first, state):
         """h ``[B, T, C]`` -> (h, v_first, new state)."""
         a, (keys, values, key_sums) = self.attn(
@@ -160,6 +175,24 @@ class Qwen2Block(nn.Module):
         S = keys.shape[2] if isinstance(keys, mx.array) and keys.ndim == 4 else 0
         shape = (batch, attn.n_kv, S, attn.head_dim)
         return state_problem(state, {"keys": shape, "values": shape})
+
+    def trim_state(self, state: dict, max_tokens: int) -> dict:
+        """The state with its KV cache cut to its last ``max_tokens`` tokens. The kept keys
+        are rotated back by the dropped count (RoPE composes: rotating by ``-d`` moves a key
+        from position ``p`` to ``p - d``), so that the cache's length stays the next token's
+        position and every query-key distance is what it was."""
+        keys, values = state["keys"], state["values"]
+        B, H, S, D = keys.shape
+        if S <= max_tokens:
+            return state
+        drop = S - max_tokens
+        kept = keys[:, :, drop:].astype(mx.float32)
+        # one position per row: every key turns by the same -drop angles
+        moved = self.self_attn.rope(kept.reshape(B, H * max_tokens, 1, D), offset=-drop)
+        return {
+            "keys": moved.reshape(B, H, max_tokens, D).astype(keys.dtype),
+            "values": values[:, :, drop:],
+        }
 
     def __call__(self, h, v_first, state):
         """h ``[B, T, C]`` -> (h, v_first, new state)."""

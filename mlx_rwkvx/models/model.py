@@ -89,6 +89,23 @@ class Model(nn.Module):
         """The state at the start of a text: one dict of arrays per block."""
         return [layer.init_state(batch) for layer in self.layers]
 
+    def trim_state(self, state: list[dict], max_tokens: int) -> list[dict]:
+        """``state`` with every attention block's KV cache cut to (at most) its last
+        ``max_tokens`` tokens: a sliding window that keeps memory flat over a long text; RWKV
+        blocks' states are unchanged (constant-size)."""
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"model: max_tokens must be a positive int, got {max_tokens!r}")
+        first = state[0] if isinstance(state, (list, tuple)) and state else None
+        arrays = (
+            [a for a in first.values() if isinstance(a, mx.array)]
+            if isinstance(first, dict)
+            else []
+        )
+        self.check_state(state, arrays[0].shape[0] if arrays and arrays[0].ndim else 1)
+        return [
+            layer.trim_state(s, max_tokens) for layer, s in zip(self.layers, state, strict=True)
+        ]
+
     def make_cache(self) -> list[BlockStateCache]:
         """mlx-lm's cache: one ``BlockStateCache`` per block, filled on first use."""
         register_with_mlx_lm()

@@ -230,6 +230,10 @@ class RWKV7Block(nn.Module):
     def state_problem(self, state, batch: int) -> str | None:
         return state_problem(state, self._state_shapes(batch))
 
+    def trim_state(self, state: dict, max_tokens: int) -> dict:
+        """The state as it is: an RWKV block's is the same size after any number of tokens."""
+        return state
+
     def __call__(self, h, v_first, state):
         """h ``[B, T, C]`` -> (h, v_first, new state)."""
         dh, v_first, tmix_shift, wkv = self.tmix(

@@ -23,6 +23,7 @@ DEFAULT_LR = {"lora": 2e-5, "dora": 2e-5, "full": 2e-5, "state": 1.0, "pretrain"
 # to zero; RWKV-PEFT's 1 -> 0.01 for states; a tenth for pretraining (our choice)
 FINAL_LR_RATIO = {"lora": 0.0, "dora": 0.0, "full": 0.0, "state": 0.01, "pretrain": 0.1}
 DEFAULT_WARMUP = {"state": 10}  # else the seeds' 100
+DEFAULT_MAX_CACHE = 2048  # the seeds' KV cache length
 
 
 def _opt(help: str, *aliases: str, default=None, **kw):
@@ -53,8 +54,17 @@ class TrainConfig:
                                "state tuning 0)")  # fmt: skip
     epochs: int = _opt("passes over the training data", default=3)
     iters: int = _opt("training steps (overrides --epochs)")
-    max_seq_len: int = _opt("tokens per example (default: 512 RWKV-X/RWKV-7, 256 RFA)",
+    max_seq_len: int = _opt("tokens per example, or per segment with --carry-state (default: "
+                            "512 RWKV-X/RWKV-7, 256 RFA)",
                             "max_seq_length")  # fmt: skip
+    carry_state: bool = _opt(
+        "train a document longer than --max-seq-len as consecutive segments of that length, "
+        "the state carried from one to the next with the gradient stopped at the boundary "
+        "(RWKV's infctx); one optimizer step per batch of whole documents",
+        default=False,
+    )
+    max_cache: int = _opt("with --carry-state: the attention blocks' KV cache keeps the last N "
+                          "tokens (a sliding window; default: 2048, the seeds')")  # fmt: skip
     batch_size: int = _opt("examples per step", default=1)
     grad_accum: int = _opt("micro-batches per step", "grad_accumulation_steps", default=1)
     warmup: int = _opt("linear warm-up steps (default: 100; state tuning 10)")
@@ -103,6 +113,7 @@ class TrainConfig:
             else self.lora_alpha,
             lora_scale=None,
             num_layers=all_(self.num_layers),
+            max_cache=self.max_cache if self.max_cache is not None else DEFAULT_MAX_CACHE,
             val_batches=all_(self.val_batches),
             test_batches=all_(self.test_batches),
         )
@@ -116,6 +127,7 @@ _RANGES = [
     ("grad_accum", 1, True), ("warmup", 0, True), ("save_every", 1, True),
     ("log_every", 1, True), ("val_every", 0, True), ("grad_clip", 0, True),
     ("num_layers", 1, True), ("val_batches", 1, True), ("test_batches", 1, True),
+    ("max_cache", 1, True),
 ]  # fmt: skip
 _MINUS_ONE_IS_ALL = ("num_layers", "val_batches", "test_batches")  # mlx-lm's convention
 
@@ -146,6 +158,8 @@ def _check(cfg: TrainConfig) -> None:
     if cfg.mode == "state" and (cfg.lora_targets or cfg.num_layers is not None):
         raise ValueError("--mode state trains every RWKV block's state: no --lora-targets or "
                          "--num-layers")  # fmt: skip
+    if cfg.max_cache is not None and not cfg.carry_state:
+        raise ValueError("--max-cache sets the KV window of --carry-state: pass both, or neither")
     if cfg.mode == "pretrain" and cfg.dtype:
         raise ValueError("--mode pretrain trains a new model in float32: no --dtype")
     if cfg.mode == "pretrain" and cfg.quantize:

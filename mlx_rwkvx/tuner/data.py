@@ -22,9 +22,9 @@ to be a token prefix of the whole conversation's tokens; a template that rewrite
 (or a tokenizer that merges text across a turn's edge) is an error, never a wrong mask.
 
 An ``Example`` keeps a whole document until it is truncated to ``max_seq_len + 1`` tokens (the
-inputs then hold ``max_seq_len``): carrying the state across segments of a long document can
-later cut the same examples into segments instead. Bad data (a malformed line, an empty example,
-a missing field, a token id beyond the vocabulary, a truncated ``.bin``) raises one
+inputs then hold ``max_seq_len``); with ``max_seq_len=None`` it stays whole, and the trainer's
+``--carry-state`` cuts its batches into segments instead. Bad data (a malformed line, an
+empty example, a missing field, a token id beyond the vocabulary, a truncated ``.bin``) raises one
 ``DataError`` naming the file and the line, row or record, or is skipped and counted
 (``skip_bad``).
 """

@@ -60,6 +60,9 @@ from tqdm import tqdm
 METRICS = "metrics.jsonl"
 MODEL_DIR = "model"  # full fine-tuning and pretraining write a native model folder here
 ADAM_BETAS, ADAM_EPS = (0.9, 0.99), 1e-8  # RWKV's trainers (RWKV-LM, RWKV-PEFT)
+# a batch's length is rounded up to a multiple of this (padding the loss skips): fewer distinct
+# shapes, so the compiled step is traced a few times rather than once per length
+PAD_MULTIPLE = 32
 
 
 class TrainError(ValueError):
@@ -177,10 +180,26 @@ def _head(model: Model) -> dict:
 
 def batch_loss(model: Model, inputs: mx.array, targets: mx.array, checkpoint: bool = False):
     """(sum of the token losses, number of trained tokens) of one batch."""
-    h, _ = model.hidden(inputs, checkpoint=checkpoint)
-    return cross_entropy_head(
+    loss, count, _ = segment_loss(model, inputs, targets, None, checkpoint)
+    return loss, count
+
+
+def segment_loss(model: Model, inputs, targets, state=None, checkpoint: bool = False):
+    """(sum of the token losses, number of trained tokens, the state after) of one batch that
+    continues from ``state`` (None: the start of its texts)."""
+    h, state = model.hidden(inputs, state, checkpoint=checkpoint)
+    loss, count = cross_entropy_head(
         h, targets=targets, ignore_index=data_mod.IGNORE_INDEX, **_head(model)
     )
+    return loss, count, state
+
+
+def segments(inputs, targets, length: int | None):
+    """A batch's columns cut into consecutive segments of ``length`` (None: the batch whole)."""
+    T = inputs.shape[1]
+    if length is None or T <= length:
+        return [(inputs, targets)]
+    return [(inputs[:, a : a + length], targets[:, a : a + length]) for a in range(0, T, length)]
 
 
 def _no_decay(path: str, param) -> bool:
@@ -208,16 +227,28 @@ def make_optimizer(cfg: TrainConfig, total_steps: int):
 
 
 class Step:
-    """One training step split in two (see the module docstring), compiled."""
+    """One training step split in two (see the module docstring), compiled.
+
+    With ``--carry-state`` a batch is trained a segment of ``max_seq_len`` columns at a time:
+    each segment starts from the state the previous one ended with (its KV caches cut to
+    ``max_cache`` tokens), given as an input, so no gradient crosses the boundary; the
+    segments' gradients add up to the step's. The compiled functions see a bounded number of
+    shapes (segments and windows of fixed lengths), so they are traced a few times, not per
+    step."""
 
     def __init__(self, model: Model, optimizer, cfg: TrainConfig):
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
         grad_fn = nn.value_and_grad(model, self._loss_sum)
         state = [model.state, optimizer.state, mx.random.state]
+        carry = cfg.carry_state
 
-        def loss_and_grad(inputs, targets):
-            (loss, count), grads = grad_fn(model, inputs, targets)
-            return loss, count, grads
+        def first(inputs, targets):  # the start of the texts: the model's own initial state
+            (loss, count, after), grads = grad_fn(model, inputs, targets, None)
+            return (loss, count, grads, after) if carry else (loss, count, grads)
+
+        def carried(inputs, targets, before):
+            (loss, count, after), grads = grad_fn(model, inputs, targets, before)
+            return loss, count, grads, after
 
         def update(grads, count):
             grads = _scaled(grads, 1.0 / mx.maximum(count, 1).astype(mx.float32))
@@ -225,12 +256,32 @@ class Step:
                 grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
             optimizer.update(model, grads)
 
-        self.loss_and_grad = mx.compile(loss_and_grad, inputs=state, outputs=state)
+        self.first = mx.compile(first, inputs=state, outputs=state)
+        self.carried = mx.compile(carried, inputs=state, outputs=state)
         self.apply_update = mx.compile(update, inputs=state, outputs=state)
 
-    def _loss_sum(self, model, inputs, targets):
-        loss, count = batch_loss(model, inputs, targets, self.cfg.grad_checkpoint)
-        return loss, count
+    def _loss_sum(self, model, inputs, targets, before):
+        return segment_loss(model, inputs, targets, before, self.cfg.grad_checkpoint)
+
+    def loss_and_grad(self, inputs: mx.array, targets: mx.array):
+        """(summed loss, trained tokens, gradients of the sum) of one micro-batch, segment by
+        segment with --carry-state (each evaluated before the next: memory holds one)."""
+        cfg = self.cfg
+        parts = segments(inputs, targets, cfg.max_seq_len if cfg.carry_state else None)
+        if len(parts) == 1:
+            return self.first(inputs, targets)[:3]
+        loss, count, grads, state = None, None, None, None
+        for i, (x, y) in enumerate(parts):
+            if state is None:
+                part, n, g, state = self.first(x, y)
+            else:
+                part, n, g, state = self.carried(x, y, state)
+            loss, count = (part, n) if loss is None else (loss + part, count + n)
+            grads = g if grads is None else _added(grads, g)
+            if i + 1 < len(parts):
+                state = self.model.trim_state(state, cfg.max_cache)
+                mx.eval(loss, count, grads, state)
+        return loss, count, grads
 
     def __call__(self, micro_batches) -> tuple[float, int, float]:
         """(loss sum, trained tokens, gradient norm) of one optimizer step over its
@@ -306,7 +357,7 @@ def trained_tensors(model: Model, mode: str) -> dict[str, mx.array]:
 # resumes only with the ones it was started with
 RESUME_FIXED = ("mode", "lora_rank", "lora_alpha", "lora_targets", "num_layers", "quantize",
                 "dtype", "init", "sql", "skip_bad", "mask_prompt", "max_seq_len", "batch_size",
-                "grad_accum", "seed")  # fmt: skip
+                "grad_accum", "seed", "carry_state", "max_cache")  # fmt: skip
 
 
 def save_checkpoint(out: Path, run) -> None:
@@ -416,7 +467,7 @@ def _examples(cfg, tokenizer, vocab, split="train", path=None):
             tokenizer,
             split=split,
             sql=cfg.sql,
-            max_seq_len=cfg.max_seq_len,
+            max_seq_len=None if cfg.carry_state else cfg.max_seq_len,  # else: whole, in segments
             skip_bad=cfg.skip_bad,
             vocab_size=vocab,
             on_skip=reasons.append,
@@ -432,19 +483,34 @@ def _examples(cfg, tokenizer, vocab, split="train", path=None):
     return examples
 
 
-def evaluate(model: Model, examples, batch_size: int, max_batches: int | None = None) -> float:
+def evaluate(
+    model: Model,
+    examples,
+    batch_size: int,
+    max_batches: int | None = None,
+    segment: int | None = None,
+    max_cache: int | None = None,
+) -> float:
     """The mean token loss over ``examples`` (the first ``max_batches`` batches, in a fixed
-    order) with dropout off."""
+    order) with dropout off; ``segment``: long texts a segment of that many tokens at a time,
+    the state carried (its KV caches cut to ``max_cache`` tokens), as --carry-state trains."""
     total, count = 0.0, 0
     was_training = model.training
     model.eval()
     try:
-        stream = data_mod.batches(examples, batch_size=batch_size, seed=0, epoch=0)
+        stream = data_mod.batches(
+            examples, batch_size=batch_size, seed=0, epoch=0, pad_to_multiple=PAD_MULTIPLE
+        )
         for i, (inputs, targets) in enumerate(stream):
             if max_batches is not None and i >= max_batches:
                 break
-            loss, n = batch_loss(model, mx.array(inputs), mx.array(targets))
-            total, count = total + loss.item(), count + n.item()
+            state = None
+            for x, y in segments(mx.array(inputs), mx.array(targets), segment):
+                if state is not None and max_cache is not None:
+                    state = model.trim_state(state, max_cache)
+                loss, n, state = segment_loss(model, x, y, state)
+                mx.eval(loss, n, state)
+                total, count = total + loss.item(), count + n.item()
     finally:
         model.train(was_training)
     return total / max(count, 1)
@@ -490,6 +556,13 @@ def train(cfg: TrainConfig) -> Path:
         f"({len(paths)} tensors or layers), {len(train_examples)} examples, {total} steps"
         + (f", resuming at step {run.step}" if cfg.resume else "")
     )
+    if cfg.carry_state:
+        longest = max(len(e) for e in train_examples) - 1
+        print(
+            f"carry-state: texts of up to {longest:,} tokens, in segments of {cfg.max_seq_len} "
+            f"(at most {-(-longest // cfg.max_seq_len)} a text); attention KV window "
+            f"{cfg.max_cache} tokens"
+        )
     step_fn = Step(model, optimizer, cfg)
     stop = _Interrupt()
     try:
@@ -563,7 +636,12 @@ def _micro_batches(run, examples):
         epoch, start = run.position["epoch"], run.position["batch"]
         for i, batch in enumerate(
             data_mod.batches(
-                examples, batch_size=cfg.batch_size, seed=cfg.seed, epoch=epoch, start=start
+                examples,
+                batch_size=cfg.batch_size,
+                seed=cfg.seed,
+                epoch=epoch,
+                start=start,
+                pad_to_multiple=PAD_MULTIPLE,
             )
         ):
             run.position = {"epoch": epoch, "batch": start + i + 1}
@@ -605,9 +683,7 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
                     f"{record['tokens_per_s']:.0f} tok/s, peak {record['peak_memory_gb']:.2f} GB"
                 )
             if val_examples and cfg.val_every and run.step % cfg.val_every == 0:
-                record["val_loss"] = evaluate(
-                    run.model, val_examples, cfg.batch_size, cfg.val_batches
-                )
+                record["val_loss"] = _evaluate(run, val_examples, cfg.val_batches)
                 bar.write(f"step {run.step}: validation loss {record['val_loss']:.4f}")
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -621,16 +697,24 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
         metrics.close()
 
 
+def _evaluate(run, examples, max_batches) -> float:
+    cfg = run.cfg
+    if not cfg.carry_state:
+        return evaluate(run.model, examples, cfg.batch_size, max_batches)
+    return evaluate(run.model, examples, cfg.batch_size, max_batches, cfg.max_seq_len,
+                    cfg.max_cache)  # fmt: skip
+
+
 def _finish(run, val_examples, test_examples, out: Path) -> None:
     cfg = run.cfg
     if newest_checkpoint(out) != run.step:
         save_checkpoint(out, run)
     final = {}
     if val_examples:
-        final["val_loss"] = evaluate(run.model, val_examples, cfg.batch_size, cfg.val_batches)
+        final["val_loss"] = _evaluate(run, val_examples, cfg.val_batches)
         print(f"validation loss {final['val_loss']:.4f}")
     if test_examples:
-        final["test_loss"] = evaluate(run.model, test_examples, cfg.batch_size, cfg.test_batches)
+        final["test_loss"] = _evaluate(run, test_examples, cfg.test_batches)
         print(f"test loss {final['test_loss']:.4f}")
     if final:
         with open(out / METRICS, "a") as f:

@@ -59,6 +59,14 @@ def _np(x) -> np.ndarray:
     return np.array(x.astype(mx.float32), dtype=np.float64)
 
 
+@pytest.mark.parametrize("style", sorted(RWKV_CFGS))
+def test_rwkv_block_with_a_zero_kk_head(style):
+    """A head whose ``k * k_k`` is zero (k_k = 0 in a model built without an init): finite
+    gradients, the oracle's (F.normalize's: 1 / floor there). MLX's ``linalg.norm`` has a 0/0
+    gradient at zero, which made every gradient before such a block NaN."""
+    test_rwkv_block(style, 2, 17, "float32", zero_head=True)
+
+
 def _check_grads(block, kind, g_params, g_acts, ref, act_names, what, dtype, may_be_zero=()):
     """Our gradients (parameters by path, activations by name) against the oracle's."""
     names = list(flat_params(block))
@@ -82,12 +90,14 @@ WHEN = [(T, "float32") for T in TS] + [(17, "bfloat16")]
 @pytest.mark.parametrize(("T", "dtype"), WHEN)
 @pytest.mark.parametrize("rwkv_index", [0, 2])
 @pytest.mark.parametrize("style", sorted(RWKV_CFGS))
-def test_rwkv_block(style, rwkv_index, T, dtype):
+def test_rwkv_block(style, rwkv_index, T, dtype, zero_head=False):
     """RWKV7Block (and its ARWKV variant) with every carry given: token shifts, WKV state and
     (index > 0) v_first; cotangents on every output, v_first included."""
     cfg = RWKV_CFGS[style]()
     block = Model(cfg, seed=rwkv_index + 1).layers[rwkv_index]
     C, H, N = cfg.hidden_size, cfg.n_heads, cfg.head_size
+    if zero_head:  # the first head's k_k = 0: its kk is zero, the normalisation at its floor
+        block.tmix.k_k = block.tmix.k_k * (mx.arange(C) >= N)
     arwkv = style == "arwkv"
     rng = np.random.default_rng(10 * T + rwkv_index)
     acts = {

@@ -123,7 +123,10 @@ class TimeMix(nn.Module):
         log_w = (-DECAY_SCALE * mx.sigmoid(z)).reshape(B, T, H, N)
         a = mx.sigmoid(self.iclr(x + xx * self.x_a)).reshape(B, T, H, N)
         kk = (k * self.k_k.reshape(H, N)).astype(mx.float32)
-        kk = kk / mx.maximum(mx.linalg.norm(kk, axis=-1, keepdims=True), KK_NORM_FLOOR)
+        # max(|kk|, floor) as sqrt(max(|kk|^2, floor^2)): the same values, and a zero gradient
+        # (not 0/0 = NaN, norm's) where a head's kk is zero (k_k = 0 in a fresh model)
+        squares = mx.sum(mx.square(kk), axis=-1, keepdims=True)
+        kk = kk / mx.sqrt(mx.maximum(squares, KK_NORM_FLOOR**2))
         kk = kk.astype(k.dtype)  # [B, T, H, N], unit length per head
         k = k * (1 + (a - 1) * self.k_a.reshape(H, N))
         if self.rwkv_index == 0:

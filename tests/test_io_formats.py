@@ -252,6 +252,21 @@ def test_int8_layers_in_bf16_are_as_exact_as_bf16(tied):
         assert err <= 4e-3, (type(layer).__name__, err)  # bf16 output rounding: ~2e-3
 
 
+def test_int8_layers_stay_ours_through_adapters_and_fusing():
+    """mlx-lm's LoRALinear wraps our quantized layer as it is, and its ``fuse`` re-quantizes
+    as MLX's class: ``fuse_adapters`` turns it back (the CPU float32 product stays)."""
+    from mlx_rwkvx.models.quantize import QuantizedEmbedding, QuantizedLinear
+    from mlx_rwkvx.tuner.adapters import apply_lora, fuse_adapters, target_paths
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, head_size=32, block_types=["rwkv7"])
+    model = Model(cfg, seed=1).quantize(bits=8)
+    apply_lora(model, target_paths(model, "rwkv"), rank=2, alpha=4)
+    assert type(model.layers[0].tmix.key.linear) is QuantizedLinear
+    fuse_adapters(model)
+    kinds = {type(m) for _, m in model.named_modules() if "Quantized" in type(m).__name__}
+    assert kinds == {QuantizedLinear, QuantizedEmbedding}
+
+
 def _write_native(tmp_path, change):
     model = Model(rwkv7_cfg(), seed=1)
     tensors = params(model)

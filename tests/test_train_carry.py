@@ -55,31 +55,32 @@ def _block_run(block, x, state):
 
 @pytest.mark.parametrize("kind", ["moba", "qwen2"])
 @pytest.mark.parametrize("window", [16, 21, 40])
-def test_trimmed_cache_attends_as_a_fresh_run_on_the_window(kind, window):
-    """A block continued after its cache was cut to ``window`` tokens gives what the block
-    gives run fresh on the kept tokens (a block's keys depend on its input alone: MoBA keeps
-    whole chunks, Qwen2's kept keys are turned back to positions from 0)."""
+@pytest.mark.parametrize(("S", "T"), [(48, 12), (45, 12), (45, 1)])
+def test_trimmed_cache_attends_as_a_fresh_run_on_the_window(kind, window, S, T):
+    """A block continued after its cache of ``S`` tokens was cut to ``window`` gives what the
+    block gives run fresh on the kept tokens (a block's keys depend on its input alone: MoBA
+    keeps whole chunks, a partial last one included; Qwen2's kept keys are turned back to
+    positions from 0), for a segment of ``T`` tokens and for one token (the decode path)."""
     cfg = FAMILIES["rwkv-x" if kind == "moba" else "rfa"]
     block = (MobaBlock if kind == "moba" else Qwen2Block)(cfg)
     mx.eval(block.parameters())
-    x = mx.random.normal((2, 48 + 12, cfg.hidden_size), key=mx.random.key(1))
-    _, state = _block_run(block, x[:, :48], block.init_state(2))
+    x = mx.random.normal((2, S + T, cfg.hidden_size), key=mx.random.key(1))
+    _, state = _block_run(block, x[:, :S], block.init_state(2))
     trimmed = block.trim_state(state, window)
     kept = trimmed["keys"].shape[2]
     assert kept <= window and trimmed["values"].shape[2] == kept
-    if kind == "moba":  # whole chunks dropped: the most that fits in whole chunks of 8
-        assert kept == 48 - -(-(48 - window) // 8) * 8
+    assert not block.state_problem(trimmed, 2)
+    if kind == "moba":  # whole chunks of 8 dropped from the front: the most that fits
+        assert kept == S - -(-(S - window) // 8) * 8
         assert trimmed["key_sums"].shape[2] == -(-kept // 8)
-        assert not block.state_problem(trimmed, 2)
     else:
-        assert kept == min(window, 48)
-    y, _ = _block_run(block, x[:, 48:], trimmed)
-    fresh, _ = _block_run(block, x[:, 48 - kept :], block.init_state(2))
+        assert kept == min(window, S)
+    y, _ = _block_run(block, x[:, S:], trimmed)
+    fresh, _ = _block_run(block, x[:, S - kept :], block.init_state(2))
     assert rel_err(np.array(y), np.array(fresh[:, kept:])) <= 1e-5
     # not a vacuous check: the untrimmed cache attends to more and gives other outputs
-    if kept < 48:
-        full, _ = _block_run(block, x[:, 48:], state)
-        assert rel_err(np.array(full), np.array(y)) > 1e-3
+    full, _ = _block_run(block, x[:, S:], state)
+    assert rel_err(np.array(full), np.array(y)) > 1e-3
 
 
 def test_trim_state_keeps_rwkv_states_and_checks_its_arguments():
@@ -113,17 +114,28 @@ def test_carried_segments_give_the_whole_texts_loss(family):
     assert rel_err(np.array(loss), np.array(whole)) <= 1e-5
 
 
+@pytest.mark.parametrize("trained", ["lora", "state", "state-checkpointed"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gradient_stops_at_each_segment_boundary(family):
-    """The step's LoRA gradients equal those of one function over all the segments with
-    ``stop_gradient`` on the state between them (another formulation of truncated
-    backpropagation), and differ from full backpropagation through the whole text."""
+def test_gradient_stops_at_each_segment_boundary(family, trained):
+    """The step's gradients (LoRA; or the trained initial state, which only the first segment
+    starts from) equal those of one function over all the segments with ``stop_gradient`` on
+    the state between them (another formulation of truncated backpropagation), and differ
+    from full backpropagation through the whole text."""
     model = Model(FAMILIES[family], seed=2)
-    apply_lora(model, target_paths(model, "all"), rank=2, alpha=4)
     rng = np.random.default_rng(0)
-    for _, layer in model.named_modules():  # B non-zero: every adapter tensor gets a gradient
-        if hasattr(layer, "lora_b"):
-            layer.lora_b = mx.array(0.3 * rng.standard_normal(layer.lora_b.shape), mx.float32)
+    if trained == "lora":
+        apply_lora(model, target_paths(model, "all"), rank=2, alpha=4)
+        for _, layer in model.named_modules():  # B non-zero: every adapter tensor has a gradient
+            if hasattr(layer, "lora_b"):
+                layer.lora_b = mx.array(0.3 * rng.standard_normal(layer.lora_b.shape), mx.float32)
+    else:
+        model.freeze()
+        for layer in model.layers:
+            if layer.kind == "rwkv7":
+                layer.tmix.enable_state_tuning()
+                layer.tmix.state0 = mx.array(0.2 * rng.standard_normal(layer.tmix.state0.shape),
+                                             mx.float32)  # fmt: skip
+    checkpoint = trained == "state-checkpointed"
     inputs, targets = _batch(64, 2, 40, seed=3)
     L, window = 16, 20
 
@@ -139,7 +151,8 @@ def test_gradient_stops_at_each_segment_boundary(family):
     def through(model):
         return batch_loss(model, inputs, targets)[0]
 
-    *_, grads = _step(model, max_seq_len=L, max_cache=window).loss_and_grad(inputs, targets)
+    step = _step(model, max_seq_len=L, max_cache=window, grad_checkpoint=checkpoint)
+    *_, grads = step.loss_and_grad(inputs, targets)
     ref = nn.value_and_grad(model, stopped)(model)[1]
     full = nn.value_and_grad(model, through)(model)[1]
     got, ref, full = (dict(tree_flatten(g)) for g in (grads, ref, full))
@@ -172,6 +185,17 @@ def test_memory_stays_flat_in_the_texts_length():
     short, long, whole = peak(256, True), peak(2048, True), peak(2048, False)
     assert long <= 1.25 * short, (short, long)
     assert whole >= 3 * long, (long, whole)
+    # micro-batches (--grad-accum) are evaluated one at a time: four cost what one does
+    step = _step(model, max_seq_len=64, max_cache=128)
+    batch = [tuple(np.array(a) for a in _batch(256, 1, 256, seed=i)) for i in range(4)]
+    peaks = []
+    for n in (1, 4, 1, 4):  # each measured after a first, compiling call
+        step(batch[:n])
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        step(batch[:n])
+        peaks.append(mx.get_peak_memory())
+    assert peaks[3] <= 1.25 * peaks[2], peaks
 
 
 @pytest.fixture(scope="module")
@@ -201,11 +225,13 @@ def test_carry_state_trains_long_texts_with_a_bounded_number_of_traces(long_text
     monkeypatch.setattr(Step, "_loss_sum", counted)
     segments = []
     original_segments = mlx_rwkvx.tuner.trainer.segments
-    monkeypatch.setattr(
-        mlx_rwkvx.tuner.trainer,
-        "segments",
-        lambda *a: segments.append(1) or original_segments(*a),
-    )
+
+    def counted_segments(*args):
+        parts = original_segments(*args)
+        segments.extend(p[0].shape for p in parts)
+        return parts
+
+    monkeypatch.setattr(mlx_rwkvx.tuner.trainer, "segments", counted_segments)
     out = train(
         TrainConfig(
             model=str(long_texts / "base"),
@@ -227,11 +253,19 @@ def test_carry_state_trains_long_texts_with_a_bounded_number_of_traces(long_text
     assert len(losses) == 12 and all(np.isfinite(losses))
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
     assert any("val_loss" in r for r in rows)
-    # texts of up to 550 tokens in segments of 64 (5-9 a batch), window 96: the step saw a
-    # handful of shapes (first segments and the last ones of 32 or 64 columns, caches of 64 or
-    # 96 tokens and a few MoBA chunk-aligned lengths), not one per segment
-    assert len(traces) <= 10, traces
-    assert len(segments) >= 12 and len(traces) < len(segments)
+    # texts of 100-550 tokens in segments of 64 (every one 64 long; validation included), window
+    # 96 (MoBA: whole
+    # chunks of 8): the step was traced for the first segment and for caches of 64 and 96
+    # tokens (value_and_grad traces twice), however many segments it ran
+    assert {shape[1] for shape in segments} == {64}, set(segments)
+    assert len(traces) <= 6 and len(segments) >= 60, (traces, len(segments))
+
+
+def test_settings_resolve_once_and_again():
+    plain = TrainConfig(model="m", data="d", output="o").resolved()
+    assert plain.max_cache is None and plain.resolved() == plain
+    carry = TrainConfig(model="m", data="d", output="o", carry_state=True).resolved()
+    assert carry.max_cache == 2048 and carry.resolved() == carry
 
 
 def test_carry_state_flags_from_the_command_line(long_texts, tmp_path):
@@ -242,6 +276,12 @@ def test_carry_state_flags_from_the_command_line(long_texts, tmp_path):
     )
     assert bad.returncode == 2 and "--max-cache" in bad.stderr and "--carry-state" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "a").exists()
+    small = subprocess.run(
+        run + ["--output", str(tmp_path / "a"), "--carry-state", "--max-cache", "4"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert small.returncode == 2 and "whole chunks of 8" in small.stderr, small.stderr
+    assert len(small.stderr.strip().splitlines()) == 1 and not (tmp_path / "a").exists()
     good = subprocess.run(
         run + ["--output", str(tmp_path / "b"), "--carry-state", "--max-seq-len", "128",
                "--max-cache", "64", "--iters", "2", "--batch-size", "2"],

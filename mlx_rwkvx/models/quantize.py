@@ -66,8 +66,15 @@ def quantize_modules(model: nn.Module, group_size: int, bits: int, predicate) ->
     (subclasses of MLX's: mlx-lm's LoRA layers and ``isinstance`` checks take them as they
     are)."""
     nn.quantize(model, group_size, bits, class_predicate=predicate)
+    use_our_classes(model)
+
+
+def use_our_classes(model: nn.Module) -> None:
+    """Every ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` of ``model`` becomes ours (the
+    same fields, one method more: the class is swapped in place), also after code that makes
+    MLX's own, such as mlx-lm's ``LoRALinear.fuse``."""
     for _, module in model.named_modules():
-        if type(module) in _OURS:  # the same fields, one method more: the class is swapped
+        if type(module) in _OURS:
             module.__class__ = _OURS[type(module)]
 
 

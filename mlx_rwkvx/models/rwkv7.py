@@ -123,8 +123,10 @@ class TimeMix(nn.Module):
         log_w = (-DECAY_SCALE * mx.sigmoid(z)).reshape(B, T, H, N)
         a = mx.sigmoid(self.iclr(x + xx * self.x_a)).reshape(B, T, H, N)
         kk = (k * self.k_k.reshape(H, N)).astype(mx.float32)
-        # max(|kk|, floor) as sqrt(max(|kk|^2, floor^2)): the same values, and a zero gradient
-        # (not 0/0 = NaN, norm's) where a head's kk is zero (k_k = 0 in a fresh model)
+        # max(|kk|, floor) as sqrt(max(|kk|^2, floor^2)): the same values, and F.normalize's
+        # gradient (1 / floor) where a head's kk is zero (k_k = 0 in a model built without an
+        # init), not norm's 0/0 = NaN; a trained k_k at zero gets that huge gradient too
+        # (LoRA and state tuning never train it)
         squares = mx.sum(mx.square(kk), axis=-1, keepdims=True)
         kk = kk / mx.sqrt(mx.maximum(squares, KK_NORM_FLOOR**2))
         kk = kk.astype(k.dtype)  # [B, T, H, N], unit length per head

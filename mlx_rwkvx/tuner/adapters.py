@@ -25,6 +25,7 @@ from mlx_rwkvx.io.detect import read_json
 from mlx_rwkvx.io.names import DROP, hf_rwkv7_rule
 from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.models.model import Model
+from mlx_rwkvx.models.quantize import use_our_classes
 from mlx_rwkvx.models.rwkv7 import HeadNorm
 
 import mlx.core as mx
@@ -347,4 +348,5 @@ def fuse_adapters(model: Model) -> Model:
     ]
     if fused:
         model.update_modules(tree_unflatten(fused))
+        use_our_classes(model)  # mlx-lm re-quantizes a fused layer as MLX's class
     return model

@@ -113,7 +113,7 @@ class TrainConfig:
             else self.lora_alpha,
             lora_scale=None,
             num_layers=all_(self.num_layers),
-            max_cache=self.max_cache if self.max_cache is not None else DEFAULT_MAX_CACHE,
+            max_cache=(self.max_cache or DEFAULT_MAX_CACHE) if self.carry_state else None,
             val_batches=all_(self.val_batches),
             test_batches=all_(self.test_batches),
         )
@@ -159,7 +159,7 @@ def _check(cfg: TrainConfig) -> None:
         raise ValueError("--mode state trains every RWKV block's state: no --lora-targets or "
                          "--num-layers")  # fmt: skip
     if cfg.max_cache is not None and not cfg.carry_state:
-        raise ValueError("--max-cache sets the KV window of --carry-state: pass both, or neither")
+        raise ValueError("--max-cache sets the KV window of --carry-state: it needs --carry-state")
     if cfg.mode == "pretrain" and cfg.dtype:
         raise ValueError("--mode pretrain trains a new model in float32: no --dtype")
     if cfg.mode == "pretrain" and cfg.quantize:

@@ -195,10 +195,17 @@ def segment_loss(model: Model, inputs, targets, state=None, checkpoint: bool = F
 
 
 def segments(inputs, targets, length: int | None):
-    """A batch's columns cut into consecutive segments of ``length`` (None: the batch whole)."""
-    T = inputs.shape[1]
+    """A batch's columns cut into consecutive segments of ``length`` (None: the batch whole).
+    A batch longer than one segment is padded to a whole number of them (padding the loss
+    skips), so every segment has the same shape: the compiled step sees one segment length."""
+    B, T = inputs.shape
     if length is None or T <= length:
         return [(inputs, targets)]
+    pad = -T % length
+    if pad:
+        inputs = mx.concatenate([inputs, mx.zeros((B, pad), dtype=inputs.dtype)], axis=1)
+        ignored = mx.full((B, pad), data_mod.IGNORE_INDEX, dtype=targets.dtype)
+        targets = mx.concatenate([targets, ignored], axis=1)
     return [(inputs[:, a : a + length], targets[:, a : a + length]) for a in range(0, T, length)]
 
 
@@ -269,7 +276,9 @@ class Step:
         cfg = self.cfg
         parts = segments(inputs, targets, cfg.max_seq_len if cfg.carry_state else None)
         if len(parts) == 1:
-            return self.first(inputs, targets)[:3]
+            loss, count, grads = self.first(inputs, targets)[:3]
+            mx.eval(loss, count, grads)  # one micro-batch's graph alive at a time
+            return loss, count, grads
         loss, count, grads, state = None, None, None, None
         for i, (x, y) in enumerate(parts):
             if state is None:
@@ -281,6 +290,7 @@ class Step:
             if i + 1 < len(parts):
                 state = self.model.trim_state(state, cfg.max_cache)
                 mx.eval(loss, count, grads, state)
+        mx.eval(loss, count, grads)
         return loss, count, grads
 
     def __call__(self, micro_batches) -> tuple[float, int, float]:
@@ -531,6 +541,10 @@ def train(cfg: TrainConfig) -> Path:
     mlx_rwkvx.configure()
     mx.random.seed(cfg.seed)
     model, tokenizer, base, paths = build(cfg)
+    chunks = [layer.attn.chunk_size for layer in model.layers if layer.kind == "moba"]
+    if cfg.carry_state and chunks and cfg.max_cache < max(chunks):
+        raise TrainError(f"--max-cache {cfg.max_cache}: MoBA keeps whole chunks of "
+                         f"{max(chunks)} tokens; give at least one chunk")  # fmt: skip
     prepare(dtypes=(mx.float32, mx.bfloat16))  # kernels checked before anything compiles
     family = set(model.config.block_types)
     if cfg.max_seq_len is None:

@@ -10,29 +10,14 @@ from __future__ import annotations
 
 import sys
 
+from mlx_rwkvx.settings import parse
 from mlx_rwkvx.tuner.config import TrainConfig, from_yaml, parser
 from mlx_rwkvx.tuner.trainer import NonFinite, TrainError, train
-
-import yaml
 
 
 def config_from(argv: list[str] | None) -> TrainConfig:
     """The run's settings: defaults, then the YAML --config, then the flags."""
-    p = parser()
-    args = vars(p.parse_args(argv))
-    settings, notes = {}, []
-    source = args.pop("config", None)
-    if source:
-        try:
-            with open(source) as f:
-                data = yaml.safe_load(f) or {}
-            if not isinstance(data, dict):
-                raise ValueError("expected a mapping of settings")
-            settings = from_yaml(data, notes)
-        except (OSError, ValueError, yaml.YAMLError) as e:
-            p.error(f"--config {source}: {e}")
-    for note in notes:
-        print(f"note: --config {source}: {note}", file=sys.stderr)
+    args, settings = parse(parser(), argv, from_yaml)
     if "lora_alpha" in args:  # the command line's alpha beats the file's scale
         settings.pop("lora_scale", None)
     settings.update(args)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
+
+from mlx_rwkvx import settings
+from mlx_rwkvx.settings import opt
 
 MODES = ("lora", "dora", "full", "state", "pretrain")
 
@@ -26,73 +29,70 @@ DEFAULT_WARMUP = {"state": 10}  # else the seeds' 100
 DEFAULT_MAX_CACHE = 2048  # the seeds' KV cache length
 
 
-def _opt(help: str, *aliases: str, default=None, **kw):
-    return field(default=default, metadata={"help": help, "aliases": aliases, **kw})
-
-
 @dataclass
 class TrainConfig:
-    model: str = _opt("a checkpoint (any format mlx_rwkvx.load reads); for --mode pretrain a "
-                      "preset name or a JSON/YAML model config")  # fmt: skip
-    data: str = _opt("training data: a .jsonl, .bin, .sqlite/.db file or an mlx-lm style folder")
-    output: str = _opt("output folder (checkpoints, adapter, metrics)", "adapter_path")
-    mode: str = _opt(f"what is trained: one of {MODES}", "fine_tune_type", default="lora",
-                     choices=MODES)  # fmt: skip
-    lora_rank: int = _opt("LoRA rank", "rank", default=32)
-    lora_alpha: float = _opt("LoRA alpha (scale = alpha / rank)", default=64.0)
-    lora_scale: float = _opt("LoRA scale, mlx-lm's way of giving alpha (alpha = scale * rank); "
-                             "--lora-alpha on the command line beats it")  # fmt: skip
-    lora_dropout: float = _opt("dropout on the LoRA input", default=0.0)
-    lora_targets: str = _opt(
+    model: str = opt("a checkpoint (any format mlx_rwkvx.load reads); for --mode pretrain a "
+                     "preset name or a JSON/YAML model config")  # fmt: skip
+    data: str = opt("training data: a .jsonl, .bin, .sqlite/.db file or an mlx-lm style folder")
+    output: str = opt("output folder (checkpoints, adapter, metrics)", "adapter_path")
+    mode: str = opt(f"what is trained: one of {MODES}", "fine_tune_type", default="lora",
+                    choices=MODES)  # fmt: skip
+    lora_rank: int = opt("LoRA rank", "rank", default=32)
+    lora_alpha: float = opt("LoRA alpha (scale = alpha / rank)", default=64.0)
+    lora_scale: float = opt("LoRA scale, mlx-lm's way of giving alpha (alpha = scale * rank); "
+                            "--lora-alpha on the command line beats it")  # fmt: skip
+    lora_dropout: float = opt("dropout on the LoRA input", default=0.0)
+    lora_targets: str = opt(
         "adapter targets: attn, qwen, rwkv, all, or comma-separated module globs (default: "
         "the family's: RWKV-X attn, RFA qwen, RWKV-7 rwkv)"
     )
-    num_layers: int = _opt("adapt only the last N blocks (default: all; -1: all, as mlx-lm)")
-    lr: float = _opt("peak learning rate (default per mode: lora/dora/full 2e-5, state 1.0, "
-                     "pretrain 6e-4)", "learning_rate")  # fmt: skip
-    weight_decay: float = _opt("AdamW weight decay of the trained matrices (default: 0.01; "
-                               "state tuning 0)")  # fmt: skip
-    epochs: int = _opt("passes over the training data", default=3)
-    iters: int = _opt("training steps (overrides --epochs)")
-    max_seq_len: int = _opt("tokens per example, or per segment with --carry-state (default: "
-                            "512 RWKV-X/RWKV-7, 256 RFA)",
-                            "max_seq_length")  # fmt: skip
-    carry_state: bool = _opt(
+    num_layers: int = opt("adapt only the last N blocks (default: all; -1: all, as mlx-lm)")
+    lr: float = opt("peak learning rate (default per mode: lora/dora/full 2e-5, state 1.0, "
+                    "pretrain 6e-4)", "learning_rate")  # fmt: skip
+    weight_decay: float = opt("AdamW weight decay of the trained matrices (default: 0.01; "
+                              "state tuning 0)")  # fmt: skip
+    epochs: int = opt("passes over the training data", default=3)
+    iters: int = opt("training steps (overrides --epochs)")
+    max_seq_len: int = opt("tokens per example, or per segment with --carry-state (default: "
+                           "512 RWKV-X/RWKV-7, 256 RFA)",
+                           "max_seq_length")  # fmt: skip
+    carry_state: bool = opt(
         "train a document longer than --max-seq-len as consecutive segments of that length, "
         "the state carried from one to the next with the gradient stopped at the boundary "
         "(RWKV's infctx); one optimizer step per batch of whole documents",
         default=False,
     )
-    max_cache: int = _opt("with --carry-state: the attention blocks' KV cache keeps the last N "
-                          "tokens (a sliding window; default: 2048, the seeds')")  # fmt: skip
-    batch_size: int = _opt("examples per step", default=1)
-    grad_accum: int = _opt("micro-batches per step", "grad_accumulation_steps", default=1)
-    warmup: int = _opt("linear warm-up steps (default: 100; state tuning 10)")
-    save_every: int = _opt("checkpoint every N steps", default=1000)
-    log_every: int = _opt("a log line every N steps", "steps_per_report", default=10)
-    val_data: str = _opt("validation data (default: the data folder's valid.jsonl, if any)")
-    val_every: int = _opt("validation loss every N steps (0: at the end only)", "steps_per_eval",
-                          default=0)  # fmt: skip
-    val_batches: int = _opt("batches of each validation (default: all; -1: all)")
-    test: bool = _opt("evaluate on the test split at the end", default=False)
-    test_batches: int = _opt("batches of the test evaluation (default: all; -1: all)")
-    grad_clip: float = _opt("global gradient-norm clip (0: none)", default=1.0)
-    quantize: str = _opt("train on INT8 (or int4) base weights", choices=("int8", "int4"))
-    dtype: str = _opt("base weights' dtype: float32, bfloat16, float16 (default: as stored)",
-                      choices=("float32", "bfloat16", "float16"))  # fmt: skip
-    init: str = _opt("--mode pretrain: pretrain (RWKV-7's published init) or seeds",
-                     default="pretrain", choices=("pretrain", "seeds"))  # fmt: skip
-    seed: int = _opt("random seed (adapter init, data order, dropout)", default=0)
-    resume: bool = _opt("continue the run in --output from its newest complete checkpoint",
-                        default=False)  # fmt: skip
-    grad_checkpoint: bool = _opt("recompute each block in the backward (less memory)",
-                                 default=False)  # fmt: skip
-    mask_prompt: bool = _opt("the loss on answers only: chat assistant turns, completions "
-                             "(--no-mask-prompt: on every token)", default=True)  # fmt: skip
-    sql: str = _opt("with an SQLite --data: a query returning (conversation, role, content)")
-    skip_bad: bool = _opt("skip bad examples (counted and reported) instead of stopping",
-                          default=False)  # fmt: skip
-    plot: bool = _opt("write loss.png (needs matplotlib: the plot extra)", default=False)
+    max_cache: int = opt("with --carry-state: the attention blocks' KV cache keeps the last N "
+                         "tokens (a sliding window; default: 2048, the seeds')")  # fmt: skip
+    batch_size: int = opt("examples per step", default=1)
+    grad_accum: int = opt("micro-batches per step", "grad_accumulation_steps", default=1)
+    warmup: int = opt("linear warm-up steps (default: 100; state tuning 10)")
+    save_every: int = opt("checkpoint every N steps", default=1000)
+    log_every: int = opt("a log line every N steps", "steps_per_report", default=10)
+    val_data: str = opt("validation data (default: the data folder's valid.jsonl, if any)")
+    val_every: int = opt("validation loss every N steps (0: at the end only)", "steps_per_eval",
+                         default=0)  # fmt: skip
+    val_batches: int = opt("batches of each validation (default: all; -1: all)")
+    test: bool = opt("evaluate on the test split at the end", default=False)
+    test_batches: int = opt("batches of the test evaluation (default: all; -1: all)")
+    grad_clip: float = opt("global gradient-norm clip (0: none)", default=1.0)
+    quantize: str = opt("train on INT8 (or int4) base weights (bare: int8)",
+                        choices=("int8", "int4"), const="int8")  # fmt: skip
+    dtype: str = opt("base weights' dtype: float32, bfloat16, float16 (default: as stored)",
+                     choices=("float32", "bfloat16", "float16"))  # fmt: skip
+    init: str = opt("--mode pretrain: pretrain (RWKV-7's published init) or seeds",
+                    default="pretrain", choices=("pretrain", "seeds"))  # fmt: skip
+    seed: int = opt("random seed (adapter init, data order, dropout)", default=0)
+    resume: bool = opt("continue the run in --output from its newest complete checkpoint",
+                       default=False)  # fmt: skip
+    grad_checkpoint: bool = opt("recompute each block in the backward (less memory)",
+                                default=False)  # fmt: skip
+    mask_prompt: bool = opt("the loss on answers only: chat assistant turns, completions "
+                            "(--no-mask-prompt: on every token)", default=True)  # fmt: skip
+    sql: str = opt("with an SQLite --data: a query returning (conversation, role, content)")
+    skip_bad: bool = opt("skip bad examples (counted and reported) instead of stopping",
+                         default=False)  # fmt: skip
+    plot: bool = opt("write loss.png (needs matplotlib: the plot extra)", default=False)
 
     def resolved(self) -> TrainConfig:
         """A copy with the per-mode defaults filled in; ValueError naming a setting out of
@@ -197,10 +197,7 @@ def from_yaml(data: dict, notes: list[str] | None = None) -> dict:
     unknown key or a value of the wrong type; ``notes`` collects how mlx-lm settings were
     read."""
     notes = [] if notes is None else notes
-    names = {f.name: f.name for f in fields(TrainConfig)}
-    for f in fields(TrainConfig):
-        for alias in f.metadata["aliases"]:
-            names[alias] = f.name
+    names = settings.names(TrainConfig)
     out = {}
     for key, value in data.items():
         key = str(key).replace("-", "_")
@@ -246,43 +243,15 @@ def _optimizer_config(config: dict, optimizer: str) -> dict:
 
 
 def _typed(name: str, value):
-    """``value`` as the field's type: YAML 1.1 reads ``1e-5`` (no dot) as a string, and
-    mlx-lm's configs write learning rates so."""
-    kind = {f.name: f.type for f in fields(TrainConfig)}[name]
-    convert = {"int": int, "float": float, "bool": bool, "str": str}[kind]
-    if value is None or (isinstance(value, convert) and not (
-        kind != "bool" and isinstance(value, bool))):  # fmt: skip
-        return value
-    if kind in ("bool", "str") or isinstance(value, bool) or (
-        kind == "int" and isinstance(value, float)):  # fmt: skip
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
-    try:
-        return convert(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be {kind}, got {value!r}") from None
+    return settings.typed(TrainConfig, name, value)
 
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m mlx_rwkvx.train``, generated from TrainConfig."""
-    p = argparse.ArgumentParser(
-        prog="python -m mlx_rwkvx.train",
-        description="Train an RWKV-7, RWKV-X or RFA model: LoRA, DoRA, state tuning, full "
-        "fine-tuning or pretraining. Flags beat a --config file; the file beats the defaults.",
+    return settings.make_parser(
+        TrainConfig,
+        "python -m mlx_rwkvx.train",
+        "Train an RWKV-7, RWKV-X or RFA model: LoRA, DoRA, state tuning, full fine-tuning or "
+        "pretraining. Flags beat a --config file (ours, or mlx-lm's LoRA config); the file "
+        "beats the defaults.",
     )
-    p.add_argument("--config", help="a YAML file of these settings (mlx-lm's LoRA config too)")
-    for f in fields(TrainConfig):
-        flags = [f"--{f.name.replace('_', '-')}"]
-        flags += [f"--{a.replace('_', '-')}" for a in f.metadata["aliases"]]
-        kwargs = {"dest": f.name, "help": f.metadata["help"], "default": argparse.SUPPRESS}
-        if f.type == "bool":
-            kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
-        else:
-            kwargs["type"] = {"int": int, "float": float}.get(f.type, str)
-            if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
-            if f.name == "quantize":  # a bare --quantize means int8, as in convert and generate
-                kwargs.update(nargs="?", const="int8")
-        if f.default is not None and f.type != "bool":
-            kwargs["help"] += f" (default: {f.default})"
-        p.add_argument(*flags, **kwargs)
-    return p

@@ -1,0 +1,86 @@
+"""Settings dataclasses behind the CLIs (``train``, ``generate``): each field is one setting,
+with its help text, aliases (mlx-lm's names) and choices in its metadata, so that the
+command line, its help and a YAML ``--config`` all come from the one definition. Defaults:
+the dataclass; then the file; then the flags."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import field, fields
+
+import yaml
+
+
+def opt(help: str, *aliases: str, default=None, **kw):
+    """A setting: ``help``, mlx-lm's ``aliases``, and ``choices`` / ``const`` (the value of
+    the bare flag, making its value optional) in ``kw``."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, **kw})
+
+
+def typed(cls, name: str, value):
+    """``value`` as the field's type: YAML 1.1 reads ``1e-5`` (no dot) as a string, and
+    mlx-lm's configs write learning rates so. ValueError naming the setting otherwise."""
+    kind = {f.name: f.type for f in fields(cls)}[name]
+    convert = {"int": int, "float": float, "bool": bool, "str": str}[kind]
+    if value is None or (isinstance(value, convert) and not (
+        kind != "bool" and isinstance(value, bool))):  # fmt: skip
+        return value
+    if kind in ("bool", "str") or isinstance(value, bool) or (
+        kind == "int" and isinstance(value, float)):  # fmt: skip
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    try:
+        return convert(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {kind}, got {value!r}") from None
+
+
+def names(cls) -> dict[str, str]:
+    """Every name a setting of ``cls`` goes by (its own and its aliases) -> its field."""
+    out = {f.name: f.name for f in fields(cls)}
+    for f in fields(cls):
+        for alias in f.metadata["aliases"]:
+            out[alias] = f.name
+    return out
+
+
+def make_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
+    """The command line of ``cls``'s settings plus ``--config``; flags left out are absent
+    from the parsed namespace (so that a file's value is not overwritten by a default)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--config", help="a YAML file of these settings")
+    for f in fields(cls):
+        flags = [f"--{f.name.replace('_', '-')}"]
+        flags += [f"--{a.replace('_', '-')}" for a in f.metadata["aliases"]]
+        kwargs = {"dest": f.name, "help": f.metadata["help"], "default": argparse.SUPPRESS}
+        if f.type == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        else:
+            kwargs["type"] = {"int": int, "float": float}.get(f.type, str)
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            if "const" in f.metadata:
+                kwargs.update(nargs="?", const=f.metadata["const"])
+        if f.default is not None and f.type != "bool":
+            kwargs["help"] += f" (default: {f.default})"
+        p.add_argument(*flags, **kwargs)
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv, from_yaml) -> tuple[dict, dict]:
+    """(the flags given, the settings of the ``--config`` file through ``from_yaml(data,
+    notes)``); a file that cannot be read is argparse's one-line error (exit 2)."""
+    args = vars(p.parse_args(argv))
+    source, settings, notes = args.pop("config", None), {}, []
+    if source:
+        try:
+            with open(source) as f:
+                data = yaml.safe_load(f) or {}
+            if not isinstance(data, dict):
+                raise ValueError("expected a mapping of settings")
+            settings = from_yaml(data, notes)
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            p.error(f"--config {source}: {e}")
+    for note in notes:
+        print(f"note: --config {source}: {note}", file=sys.stderr)
+    return args, settings

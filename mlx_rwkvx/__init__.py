@@ -15,6 +15,11 @@ _LAZY = {
     "load_model": "mlx_rwkvx.api",
     "save": "mlx_rwkvx.api",
     "configure": "mlx_rwkvx._runtime",
+    # the functions; ``python -m mlx_rwkvx.generate`` is the command (a module that, once
+    # imported, takes this name and calls the function when called)
+    "generate": "mlx_rwkvx.generation",
+    "stream_generate": "mlx_rwkvx.generation",
+    "Chat": "mlx_rwkvx.generation",
 }
 
 

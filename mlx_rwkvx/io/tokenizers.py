@@ -31,6 +31,13 @@ HF_TOKENIZER_FILES = (
 )
 
 
+def rwkv_chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """RWKV's plain chat format: ``User: ...\n\nAssistant: ...\n\n``, one turn a paragraph
+    (``System: ...`` first where there is one), and ``Assistant:`` to prompt an answer."""
+    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages)
+    return text + "Assistant:" if add_generation_prompt else text
+
+
 class _MlxLmSurface:
     """What mlx-lm's ``TokenizerWrapper`` reads of a Hugging Face tokenizer: ``encode`` with
     ``add_special_tokens`` (we add none), ``decode``, ``eos_token_id``, ``bos_token``,
@@ -45,10 +52,8 @@ class _MlxLmSurface:
         return min(self.eos_token_ids) if self.eos_token_ids else None
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **_):
-        """RWKV's plain chat format: ``User: ...\n\nAssistant: ...``, one turn a paragraph."""
-        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages)
-        if add_generation_prompt:
-            text += "Assistant:"
+        """RWKV's plain chat format (``rwkv_chat_text``)."""
+        text = rwkv_chat_text(messages, add_generation_prompt)
         return self.encode(text) if tokenize else text
 
     def get_vocab(self) -> dict[str, int]:

@@ -1,0 +1,337 @@
+"""``python -m mlx_rwkvx.generate``: generate from a prompt, or chat.
+
+With ``--prompt TEXT`` (``-`` reads standard input) it prints one answer; without it, on a
+terminal (or with ``--chat``), it is an interactive chat whose state carries from turn to turn:
+each turn prefills only its own tokens. Chat commands: ``/help``. Settings: ``GenerateConfig``
+below (flags, mlx-lm's names as aliases, a YAML ``--config``).
+
+Exit codes: 0 done; 2 a problem with what was given (one line).
+
+This module is callable: ``mlx_rwkvx.generate(model, tokenizer, prompt)`` is the generation
+function even after ``import mlx_rwkvx.generate`` made the package attribute this module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from dataclasses import dataclass
+
+import mlx_rwkvx
+from mlx_rwkvx import generation, settings
+from mlx_rwkvx.generation import DEFAULT_MAX_CACHE, Chat, chat_format, stream_generate
+from mlx_rwkvx.io.load import load
+from mlx_rwkvx.ops import prepare
+from mlx_rwkvx.settings import opt
+from mlx_rwkvx.tuner.adapters import apply_adapter
+
+import mlx.core as mx
+
+
+@dataclass
+class GenerateConfig:
+    model: str = opt("a checkpoint (any format mlx_rwkvx.load reads)")
+    adapter: str = opt("an adapter file or folder to apply (ours or mlx-lm's)", "adapter_path")
+    quantize: str = opt("quantize the weights as they load (bare: int8)",
+                        choices=("int8", "int4"), const="int8")  # fmt: skip
+    dtype: str = opt("cast the float weights: float32, bfloat16, float16 (default: as stored)",
+                     choices=("float32", "bfloat16", "float16"))  # fmt: skip
+    prompt: str = opt("the prompt ('-' reads standard input); without it: a chat", "p")
+    chat: bool = opt("an interactive chat even when standard input is not a terminal",
+                     default=False)  # fmt: skip
+    system: str = opt("the system prompt", "system_prompt")
+    chat_template: str = opt("rwkv (User:/Assistant:), chatml, or a Jinja template file "
+                             "(default: the tokenizer's own, else rwkv)")  # fmt: skip
+    ignore_chat_template: bool = opt("use the prompt as it is, with no chat template",
+                                     default=False)  # fmt: skip
+    max_tokens: int = opt("the most tokens an answer may have", "m", default=256)
+    temp: float = opt("sampling temperature (0: greedy)", "temperature", default=0.0)
+    top_p: float = opt("nucleus sampling: keep the most likely tokens up to this probability "
+                       "(0 or 1: off)", default=0.0)  # fmt: skip
+    min_p: float = opt("drop tokens less likely than this times the top one (0: off)",
+                       default=0.0)  # fmt: skip
+    top_k: int = opt("keep only the K most likely tokens (0: off)", default=0)
+    repetition_penalty: float = opt("divide the logits of recent tokens by this (> 1)")
+    seed: int = opt("random seed of the sampler")
+    stop: str = opt("one more string that ends an answer")
+    max_cache: int = opt("tokens the attention blocks' KV caches hold", "max_kv_size",
+                         default=DEFAULT_MAX_CACHE)  # fmt: skip
+    window: bool = opt("past --max-cache, keep a sliding window of the last tokens (the "
+                       "default); --no-window stops the answer instead", default=True)  # fmt: skip
+    verbose: bool = opt("print the prompt's and the answer's token counts and speeds",
+                        default=False)  # fmt: skip
+
+
+def parser():
+    return settings.make_parser(
+        GenerateConfig,
+        "python -m mlx_rwkvx.generate",
+        "Generate text from an RWKV-7, RWKV-X or RFA model, or chat with it. Flags beat a "
+        "--config file; the file beats the defaults.",
+    )
+
+
+def _from_yaml(data: dict, notes: list) -> dict:
+    names = settings.names(GenerateConfig)
+    out = {}
+    for key, value in data.items():
+        key = str(key).replace("-", "_")
+        if key not in names:
+            raise ValueError(f"unknown setting {key!r}")
+        out[names[key]] = settings.typed(GenerateConfig, names[key], value)
+    return out
+
+
+def config_from(argv) -> GenerateConfig:
+    args, found = settings.parse(parser(), argv, _from_yaml)
+    found.update(args)
+    cfg = GenerateConfig(**found)
+    if not cfg.model:
+        parser().error("--model is required (on the command line or in --config)")
+    return cfg
+
+
+class UsageError(ValueError):
+    """What was given does not fit: one line, exit 2."""
+
+
+def _sampling(cfg: GenerateConfig) -> dict:
+    return dict(
+        max_tokens=cfg.max_tokens,
+        temp=cfg.temp,
+        top_p=cfg.top_p if cfg.top_p < 1 else 0.0,
+        min_p=cfg.min_p,
+        top_k=cfg.top_k,
+        repetition_penalty=cfg.repetition_penalty,
+        max_cache=cfg.max_cache,
+        window=cfg.window,
+    )
+
+
+def _check(cfg: GenerateConfig) -> None:
+    for name in ("max_tokens", "max_cache"):
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("temp", "top_p", "min_p", "top_k"):
+        if getattr(cfg, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must not be negative")
+    if cfg.min_p > 1:
+        raise UsageError("--min-p must be at most 1")
+    if cfg.repetition_penalty is not None and cfg.repetition_penalty <= 0:
+        raise UsageError("--repetition-penalty must be positive")
+
+
+def _load(cfg: GenerateConfig):
+    if not os.path.exists(cfg.model):
+        raise UsageError(f"--model {cfg.model}: no such file or folder")
+    model, tokenizer = load(cfg.model, quantize=cfg.quantize, dtype=cfg.dtype)
+    if cfg.adapter is not None:
+        if not os.path.exists(cfg.adapter):
+            raise UsageError(f"--adapter {cfg.adapter}: no such file or folder")
+        apply_adapter(model, cfg.adapter)
+    return model, tokenizer
+
+
+def _prompt_text(cfg: GenerateConfig, tokenizer) -> tuple[str, list[str]]:
+    """The prompt, rendered by the chat template where one applies, and its stop strings."""
+    text = sys.stdin.read() if cfg.prompt == "-" else cfg.prompt
+    if not text:
+        raise UsageError("the prompt is empty")
+    fmt = None
+    if not cfg.ignore_chat_template and (
+        cfg.chat_template or cfg.system or getattr(tokenizer, "chat_template", None)
+    ):
+        fmt = chat_format(tokenizer, cfg.chat_template)
+    if fmt is None:
+        return text, []
+    messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    return fmt.render(messages + [{"role": "user", "content": text}], True), fmt.stops
+
+
+def _one_answer(cfg: GenerateConfig, model, tokenizer) -> None:
+    prompt, stops = _prompt_text(cfg, tokenizer)
+    if cfg.stop:
+        stops = [*stops, cfg.stop]
+    last = None
+    for last in stream_generate(
+        model, tokenizer, prompt, stop=stops, seed=cfg.seed, **_sampling(cfg)
+    ):
+        print(last.text, end="", flush=True)
+    print()
+    if cfg.verbose and last is not None:
+        print(_stats(last), file=sys.stderr)
+
+
+def _stats(r) -> str:
+    return (
+        f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tokens/s; answer: "
+        f"{r.generation_tokens} tokens, {r.generation_tps:.1f} tokens/s; peak memory "
+        f"{r.peak_memory:.2f} GB"
+    )
+
+
+HELP = """commands:
+  /reset         start a new conversation (the system prompt stays)
+  /save FILE     save the whole conversation (state and transcript) to FILE.safetensors
+  /load FILE     continue a saved conversation
+  /system TEXT   set the system prompt (no TEXT: none) and start a new conversation
+  /temp F        set the sampling temperature (0: greedy)
+  /help          this list
+  /quit          leave (Ctrl-D too); Ctrl-C stops an answer"""
+
+
+class _Screen:
+    """What the chat prints: answers as they come, dim lines for statistics on a terminal."""
+
+    def __init__(self, out=sys.stdout):
+        self.out = out
+        self.tty = out.isatty()
+
+    def say(self, text: str = "", end: str = "\n") -> None:
+        self.out.write(text + end)
+        self.out.flush()
+
+    def dim(self, text: str) -> None:
+        self.say(f"\033[2m{text}\033[0m" if self.tty else text)
+
+
+def _command(chat: Chat, line: str, screen: _Screen) -> bool:
+    """Run a slash command; False to quit."""
+    name, _, arg = line.partition(" ")
+    arg = arg.strip()
+    try:
+        if name in ("/quit", "/exit"):
+            return False
+        if name == "/help":
+            screen.say(HELP)
+        elif name == "/reset":
+            chat.reset()
+            screen.say("new conversation")
+        elif name == "/system":
+            chat.reset(system=arg or None)
+            screen.say(f"system prompt {'set' if arg else 'cleared'}; new conversation")
+        elif name == "/temp":
+            try:
+                temp = float(arg)
+            except ValueError:
+                raise UsageError(f"/temp needs a number, got {arg!r}") from None
+            if not temp >= 0:
+                raise UsageError("/temp must not be negative")
+            chat.options["temp"] = temp
+            screen.say(f"temperature {temp:g}")
+        elif name in ("/save", "/load"):
+            if not arg:
+                raise UsageError(f"{name} needs a file name")
+            path = arg if arg.endswith(".safetensors") else arg + ".safetensors"
+            if name == "/save":
+                chat.save(path)
+                screen.say(f"saved {len(chat.session.tokens)} tokens to {path}")
+            else:
+                chat.load(path)
+                turns = sum(m["role"] == "user" for m in chat.messages)
+                screen.say(f"loaded {path}: {turns} turns, {len(chat.session.tokens)} tokens")
+        else:
+            raise UsageError(f"unknown command {name} (/help lists them)")
+    except ValueError as e:  # UsageError, CheckpointError: the user's to fix
+        screen.say(f"error: {e}")
+    return True
+
+
+def _answer(chat: Chat, line: str, screen: _Screen) -> None:
+    last = None
+    responses = chat.ask(line)
+    try:
+        for last in responses:
+            screen.say(last.text, end="")
+    except KeyboardInterrupt:
+        responses.close()
+        screen.say("")
+        screen.dim("[stopped]")
+        return
+    screen.say("")
+    if last is not None:
+        reused = f", {chat.reused} held" if chat.reused else ""
+        screen.dim(
+            f"[{last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s; prompt "
+            f"{chat.prefilled} new tokens{reused}, {last.prompt_tps:.1f} tokens/s]"
+        )
+
+
+def _chat_loop(cfg: GenerateConfig, model, tokenizer) -> None:
+    try:
+        import readline  # noqa: F401 (line editing and history for input())
+    except ImportError:
+        pass
+    options = _sampling(cfg)
+    gen = {k: options.pop(k) for k in ("max_cache", "window")}
+    if cfg.stop:
+        options["stop"] = [cfg.stop]
+    chat = Chat(model, tokenizer, template=cfg.chat_template, system=cfg.system, **gen, **options)
+    if cfg.seed is not None:
+        mx.random.seed(cfg.seed)
+    screen = _Screen()
+    screen.say(f"chat with {cfg.model} ({chat.format.name} format). /help for commands, "
+               "Ctrl-D to quit.")  # fmt: skip
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            screen.say("")
+            return
+        except KeyboardInterrupt:
+            screen.say("")
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not _command(chat, line, screen):
+                return
+            continue
+        try:
+            _answer(chat, line, screen)
+        except ValueError as e:  # text the tokenizer cannot encode, a cache that is full
+            screen.say(f"error: {e}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = config_from(argv)
+    try:
+        _check(cfg)
+        mlx_rwkvx.configure()
+        prepare(dtypes=(mx.float32, mx.bfloat16))  # kernels checked before anything runs
+        model, tokenizer = _load(cfg)
+        if tokenizer is None:
+            raise UsageError(f"--model {cfg.model}: no tokenizer found beside it")
+        if cfg.chat_template is not None:
+            chat_format(tokenizer, cfg.chat_template)  # a bad name or file: before any work
+        if cfg.prompt is not None:
+            _one_answer(cfg, model, tokenizer)
+        elif cfg.chat or sys.stdin.isatty():
+            _chat_loop(cfg, model, tokenizer)
+        else:
+            raise UsageError(
+                "no --prompt and standard input is not a terminal: give --prompt TEXT, "
+                "--prompt - (read standard input) or --chat"
+            )
+    except ValueError as e:  # UsageError, CheckpointError, AdapterError: the user's to fix
+        print(f"mlx_rwkvx.generate: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        sys.exit(130)
+
+
+class _CallableModule(types.ModuleType):
+    """``mlx_rwkvx.generate(...)`` calls the function, also once this module has taken the
+    package attribute's name (Python sets it when the submodule is imported)."""
+
+    def __call__(self, *args, **kwargs):
+        return generation.generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    main()

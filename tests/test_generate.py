@@ -1,0 +1,316 @@
+"""Generation and chat (mlx_rwkvx/generation.py): every generated step's logits equal the full
+forward's over the same tokens, a chat's state equals a prefill of its transcript, saved
+conversations continue in another process, adapters equal their fused model, stop strings,
+the KV-cache window, and the name ``mlx_rwkvx.generate`` as function and command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mlx_rwkvx
+from mlx_rwkvx.generation import Chat, Session, _StopStrings, stream_generate
+from mlx_rwkvx.io.tokenizers import ByteTokenizer
+from mlx_rwkvx.models.config import ModelConfig, rfa_config, rwkv_x_block_types
+from mlx_rwkvx.models.model import Model
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+TOL = 1e-5  # DESIGN.md: a whole tiny model, float32
+
+
+def tiny(family: str, seed: int = 0, **kw) -> Model:
+    common = dict(vocab_size=256, hidden_size=64, head_size=16)
+    if family == "rwkv7":
+        cfg = ModelConfig(**common, block_types=["rwkv7"] * 2, **kw)
+    elif family == "rwkv-x":
+        cfg = ModelConfig(
+            **common,
+            block_types=rwkv_x_block_types(2, 1),
+            moba_chunk_size=8,
+            moba_top_k=1,
+            **kw,
+        )
+    else:
+        cfg = rfa_config(
+            **common,
+            block_types=["rwkv7", "qwen2", "rwkv7"],
+            n_q_heads=4,
+            n_kv_heads=2,
+            attn_head_dim=16,
+            intermediate_size=96,
+            rope_theta=10000.0,
+            **kw,
+        )
+    return Model(cfg, seed=seed)
+
+
+def constant(model: Model, token: int) -> Model:
+    """``model`` made to predict ``token`` after anything: the final norm's output is its bias
+    (ones), and only the head's row of ``token`` sees it."""
+    model.norm.weight = mx.zeros_like(model.norm.weight)
+    model.norm.bias = mx.ones_like(model.norm.bias)
+    model.lm_head.weight = mx.zeros_like(model.lm_head.weight).at[token].add(1.0)
+    return model
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def full_logits(model, ids) -> mx.array:
+    out = model(mx.array([ids], dtype=mx.int32))[0, -1].astype(mx.float32)
+    return out - mx.logsumexp(out)
+
+
+FAMILIES = ["rwkv7", "rwkv-x", "rfa"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_step_equals_full_forward(family):
+    model, tok = tiny(family), ByteTokenizer()
+    prompt = list(b"The quick brown fox, jumps over.")  # 32 tokens: MoBA chunks of 8 fill up
+    steps = list(stream_generate(model, tok, prompt, max_tokens=24))
+    assert len(steps) == 24 and steps[-1].finish_reason == "length"
+    ids = list(prompt)
+    for r in steps:
+        ref = full_logits(model, ids)
+        assert rel(r.logprobs, ref) <= TOL, (family, len(ids))
+        top2 = np.sort(np.array(ref))[-2:]
+        if top2[1] - top2[0] > TOL * 10:  # greedy agrees wherever the margin is clear
+            assert r.token == int(mx.argmax(ref))
+        ids.append(r.token)
+
+
+def test_int8_steps_equal_its_own_full_forward():
+    model = tiny("rwkv-x", seed=3)
+    model.quantize(8)
+    tok = ByteTokenizer()
+    prompt = list(b"INT8 generation, step by step.")
+    ids = list(prompt)
+    for r in stream_generate(model, tok, prompt, max_tokens=12):
+        # the quantized matmuls of one row and of many round alike: float32 accumulation
+        assert rel(r.logprobs, full_logits(model, ids)) <= 1e-4
+        ids.append(r.token)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_in_pieces_and_session_continue(family):
+    model = tiny(family, seed=1)
+    ids = list(range(40, 90))
+    s = Session(model, prefill_step=7)  # pieces of 7: MoBA and Qwen2 attend to their caches
+    logits = s.feed(ids[:30])
+    logits = s.feed(ids[30:])
+    assert s.tokens == ids
+    ref = full_logits(model, ids)
+    got = logits[0] - mx.logsumexp(logits[0])
+    assert rel(got, ref) <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_state_equals_prefill_of_transcript(family):
+    model, tok = tiny(family, seed=2), ByteTokenizer()
+    chat = Chat(model, tok, system="Be brief.", max_tokens=12)
+    for user in ("Hello there", "And a second question?", "Third."):
+        list(chat.ask(user))
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"] * 3
+    # the state after three turns: that of one prefill of every token fed
+    tokens = chat.session.tokens
+    fresh = Session(model)
+    fresh.feed(tokens)
+    for a, b in zip(chat.session.state, fresh.state, strict=True):
+        for name in a:
+            assert a[name].shape == b[name].shape, name
+            if a[name].size:
+                assert rel(a[name], b[name]) <= TOL, name
+
+
+def test_chat_feeds_only_the_new_turn(tmp_path):
+    tok = ByteTokenizer()
+    template = tmp_path / "t.jinja"  # an answer as the model spells it: no space after ':'
+    template.write_text(
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}\n\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    model = constant(tiny("rwkv-x", seed=4), ord("a"))
+    chat = Chat(model, tok, template=str(template), max_tokens=6)
+    first = "first turn, a longer one than the second"
+    list(chat.ask(first))
+    assert chat.messages[-1]["content"] == "aaaaaa"
+    held = len(chat.session.tokens)  # the prompt and 5 of the 6 answer tokens
+    n = len(list(chat.ask("second")))
+    # continued from the state after the answer: fed only the answer's last token and the turn
+    assert chat.reused == held
+    new_turn = "a\n\nuser:second\n\nassistant:"
+    assert chat.prefilled == len(tok.encode(new_turn))
+    assert len(chat.session.tokens) == held + chat.prefilled + n - 1
+    # an answer the rendering spells differently (stripped spaces): from the state before it
+    chat = Chat(constant(tiny("rwkv-x", seed=4), ord(" ")), tok, max_tokens=4)
+    list(chat.ask(first))
+    before = len(tok.encode(chat.format.render([{"role": "user", "content": first}], True)))
+    list(chat.ask("second"))
+    assert chat.reused == before and chat.messages[1]["content"] == ""
+
+
+def test_save_load_in_another_process(tmp_path):
+    model = tiny("rfa", seed=5)
+    mlx_rwkvx.save(model, tmp_path / "m")
+    script = """
+import sys, numpy as np, mlx_rwkvx
+from mlx_rwkvx.generation import Chat
+model, tok = mlx_rwkvx.load(sys.argv[1])
+chat = Chat(model, tok, max_tokens=8)
+if sys.argv[2] == "save":
+    for turn in ("one", "two"):
+        list(chat.ask(turn))
+    chat.save(sys.argv[3])
+else:
+    chat.load(sys.argv[3])
+text = chat.format.render(chat._conversation("three"), True)
+logits = chat.session.feed(chat._continue(text))
+np.save(sys.argv[4], np.array(logits))
+print(len(chat.session.tokens), len(chat.messages))
+"""
+    conv = str(tmp_path / "conv.safetensors")
+    runs = []
+    for mode in ("save", "load"):
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / "m"), mode, conv, str(tmp_path / mode)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        runs.append(out.stdout.split())
+    assert runs[0] == runs[1]
+    a, b = np.load(tmp_path / "save.npy"), np.load(tmp_path / "load.npy")
+    assert rel(a, b) <= 1e-6
+
+
+def test_load_refuses_other_model_and_bad_files(tmp_path):
+    tok = ByteTokenizer()
+    chat = Chat(tiny("rwkv7"), tok, max_tokens=4)
+    list(chat.ask("hi"))
+    path = str(tmp_path / "c.safetensors")
+    chat.save(path)
+    other = Chat(tiny("rwkv7", seed=9), tok)
+    with pytest.raises(ValueError, match="another model"):
+        other.load(path)
+    assert other.messages == [] and other.session.tokens == []
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ValueError, match="not a saved conversation"):
+        chat.load(str(bad))
+    assert len(chat.messages) == 2  # unchanged
+    with pytest.raises(ValueError, match=r"\.safetensors"):
+        chat.save(str(tmp_path / "c.txt"))
+
+
+def test_adapter_equals_fused():
+    from mlx_rwkvx.tuner.adapters import apply_lora, fuse_adapters, target_paths
+
+    model, tok = tiny("rfa", seed=6), ByteTokenizer()
+    apply_lora(model, target_paths(model, "qwen"), rank=4, alpha=8.0)
+    for name, m in model.named_modules():  # a trained-looking adapter: B not zero
+        if hasattr(m, "lora_b"):
+            m.lora_b = mx.random.normal(m.lora_b.shape, key=mx.random.key(len(name))) * 0.05
+    prompt = list(b"adapters fused or not")
+    with_adapter = [r.logprobs for r in stream_generate(model, tok, prompt, max_tokens=6)]
+    tokens = [r.token for r in stream_generate(model, tok, prompt, max_tokens=6)]
+    fuse_adapters(model)
+    ids = list(prompt)
+    for lp, t in zip(with_adapter, tokens, strict=True):
+        assert rel(lp, full_logits(model, ids)) <= TOL
+        ids.append(t)
+
+
+def test_stop_strings_split_across_tokens():
+    s = _StopStrings(["\n\n", "END"])
+    shown = [s.add(piece) for piece in ("Hel", "lo E", "N", "D more")]
+    assert "".join(t for t, _ in shown) == "Hello "
+    assert [stop for _, stop in shown] == [False, False, False, True]
+    s = _StopStrings(["\n\n"])
+    assert s.add("a\n") == ("a", False) and s.add("b") == ("\nb", False)
+    # end to end: a stop string made of two byte tokens the model generates
+    model, tok = tiny("rwkv7", seed=7), ByteTokenizer()
+    text = "".join(r.text for r in stream_generate(model, tok, "abc", max_tokens=30))
+    stop = text[10:12]
+    cut = text[: text.index(stop)]
+    got = list(stream_generate(model, tok, "abc", max_tokens=30, stop=[stop]))
+    assert "".join(r.text for r in got) == cut and got[-1].finish_reason == "stop"
+
+
+def test_eos_ends_and_is_not_shown():
+    model, tok = constant(tiny("rwkv7", seed=8), 0), ByteTokenizer()  # 0: end of text
+    got = list(stream_generate(model, tok, "hello", max_tokens=10))
+    assert len(got) == 1 and got[0].text == "" and got[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("family", ["rwkv-x", "rfa"])
+def test_cache_window_and_no_window(family):
+    model, tok = tiny(family, seed=10), ByteTokenizer()
+    prompt = list(range(40, 72))
+    # the window: the caches never hold more than max_cache tokens, generation goes on
+    s = Session(model, max_cache=16)
+    got = list(stream_generate(model, tok, prompt, max_tokens=20, session=s))
+    assert len(got) == 20
+    assert all(st["keys"].shape[2] <= 16 for st in s.state if "keys" in st)
+    # without it: a prompt that does not fit is refused; an answer stops when the cache fills
+    with pytest.raises(ValueError, match="do not fit in the KV cache"):
+        list(stream_generate(model, tok, prompt, max_tokens=5, max_cache=16, window=False))
+    got = list(stream_generate(model, tok, prompt, max_tokens=50, max_cache=40, window=False))
+    assert got[-1].finish_reason == "cache" and len(got) == 40 - len(prompt) + 1
+
+
+def test_sampling_is_mlx_lms_and_seeded():
+    model, tok = tiny("rwkv7", seed=11), ByteTokenizer()
+    opts = dict(max_tokens=16, temp=1.0, top_p=0.9, top_k=20, min_p=0.01, seed=3)
+    a = [r.token for r in stream_generate(model, tok, "seeded", **opts)]
+    b = [r.token for r in stream_generate(model, tok, "seeded", **opts)]
+    assert a == b
+    with pytest.raises(ValueError, match="temp"):
+        list(stream_generate(model, tok, "x", temp=-1))
+    with pytest.raises(ValueError, match="max_tokens"):
+        list(stream_generate(model, tok, "x", max_tokens=0))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        list(stream_generate(model, tok, [300], max_tokens=2))
+
+
+def test_name_is_function_and_command(tmp_path):
+    mlx_rwkvx.save(tiny("rwkv7"), tmp_path / "m")
+    script = f"""
+import mlx_rwkvx.generate  # the command's module takes the package attribute's name
+import mlx_rwkvx
+model, tok = mlx_rwkvx.load({str(tmp_path / "m")!r})
+text = mlx_rwkvx.generate(model, tok, "hi", max_tokens=5)
+assert isinstance(text, str), type(text)
+pieces = list(mlx_rwkvx.stream_generate(model, tok, "hi", max_tokens=5))
+assert "".join(p.text for p in pieces) == text
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "mlx_rwkvx.generate", "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and "--max-kv-size" in out.stdout, out.stderr
+    assert "RuntimeWarning" not in out.stderr
+
+
+def test_generation_config_yaml(tmp_path):
+    from mlx_rwkvx.generate import config_from
+
+    (tmp_path / "g.yaml").write_text(
+        json.dumps({"model": "m", "temp": 0.5, "max_kv_size": 64, "adapter_path": "a"})
+    )
+    cfg = config_from(["--config", str(tmp_path / "g.yaml"), "--temp", "0.7"])
+    assert (cfg.model, cfg.temp, cfg.max_cache, cfg.adapter) == ("m", 0.7, 64, "a")
+    (tmp_path / "bad.yaml").write_text("tempo: 1\n")
+    with pytest.raises(SystemExit) as e:
+        config_from(["--config", str(tmp_path / "bad.yaml")])
+    assert e.value.code == 2

@@ -545,12 +545,18 @@ class Chat:
         self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": ""}]
         answer = self.messages[-1]
         pieces = [first.text]
-        answer["content"] = first.text.strip()
+        answer["content"] = self._content(pieces)
         yield first
         for response in responses:
             pieces.append(response.text)
-            answer["content"] = "".join(pieces).strip()
+            answer["content"] = self._content(pieces)
             yield response
+
+    def _content(self, pieces: list[str]) -> str:
+        # the answer as generated, so that the next rendering continues the text fed; in
+        # RWKV's format less the space after "Assistant:" (the rendering puts it back)
+        text = "".join(pieces)
+        return text[1:] if self.format.name == "rwkv" and text.startswith(" ") else text
 
     # ----- saving and loading a conversation ---------------------------------------------------
 
@@ -564,32 +570,56 @@ class Chat:
         return f"{fingerprint(self.model)}-{h.hexdigest()[:16]}"
 
     def save(self, path: str) -> None:
-        """The whole conversation (messages, system prompt, fed tokens, the state after them)
-        in one safetensors file, written atomically."""
+        """The whole conversation in one safetensors file, written atomically: messages,
+        system prompt, the tokens fed and the state after them, and the state before the last
+        answer (from which the next turn continues when the answer's rendering differs)."""
         path = os.fspath(path)
         if not path.endswith(".safetensors"):
             raise ValueError(f"{path}: a conversation is saved as a .safetensors file")
-        tensors = {"tokens": mx.array(self.session.tokens or [0], dtype=mx.int32)}
-        if self.session.state is not None:
-            tensors.update({f"state.{k}": v for k, v in tree_flatten(self.session.state) if v.size})
         meta = {
             "format": STATE_FORMAT,
             "model": self.identity(),
-            "n_tokens": str(len(self.session.tokens)),
             "messages": json.dumps(self.messages),
             "system": json.dumps(self.system),
             "template": self.format.name,
-            "has_state": str(self.session.state is not None),
         }
+        tensors = {}
+        for name, snap in (("now", self.session.snapshot()), ("before", self._before_answer)):
+            if snap is None:
+                continue
+            tokens, state = snap
+            meta[f"{name}.tokens"] = str(len(tokens))
+            tensors[f"{name}.tokens"] = mx.array(tokens or [0], dtype=mx.int32)
+            if state is not None:  # an empty KV cache has no tensor: it comes from init_state
+                tensors.update({f"{name}.{k}": v for k, v in tree_flatten(state) if v.size})
         check_target(path, overwrite=True, folder=False)
         with atomic_target(path, folder=False) as tmp:
             save_safetensors(tmp, tensors, meta)
+
+    def _snapshot_from(self, name: str, tensors: dict, meta: dict):
+        if f"{name}.tokens" not in meta:
+            return None
+        n = int(meta[f"{name}.tokens"])
+        tokens = [int(i) for i in tensors[f"{name}.tokens"].tolist()][:n]
+        if len(tokens) != n:
+            raise ValueError(f"{name}: {len(tokens)} tokens for {n}")
+        if not n:
+            return [], None
+        flat = [
+            (k, tensors.get(f"{name}.{k}", v) if v.size == 0 else tensors[f"{name}.{k}"])
+            for k, v in tree_flatten(self.model.init_state(1))
+        ]
+        state = tree_unflatten(flat)
+        self.model.check_state(state, 1)
+        return tokens, state
 
     def load(self, path: str) -> None:
         """Continue the conversation saved in ``path`` (by this or another process). Raises
         ValueError (a CheckpointError) for a file that is not one, or belongs to another model;
         the chat is unchanged then."""
         path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: no such file")
         try:
             tensors, meta = mx.load(path, return_metadata=True)
         except (OSError, RuntimeError, ValueError) as e:
@@ -601,23 +631,13 @@ class Chat:
                 f"{path}: the conversation was saved with another model or adapter"
             )
         try:
-            messages = json.loads(meta["messages"])
-            system = json.loads(meta["system"])
-            n = int(meta["n_tokens"])
-            tokens = [int(i) for i in tensors["tokens"].tolist()][:n]
-            state = None
-            if meta.get("has_state") == "True":
-                # an empty KV cache has no tensor in the file: it comes from a fresh state
-                flat = [
-                    (k, tensors.get(f"state.{k}", v) if v.size == 0 else tensors[f"state.{k}"])
-                    for k, v in tree_flatten(self.model.init_state(1))
-                ]
-                state = tree_unflatten(flat)
-                self.model.check_state(state, 1)
-            if len(tokens) != n or not isinstance(messages, list):
-                raise ValueError("its token count or messages do not fit")
+            messages, system = json.loads(meta["messages"]), json.loads(meta["system"])
+            now = self._snapshot_from("now", tensors, meta)
+            before = self._snapshot_from("before", tensors, meta)
+            if now is None or not isinstance(messages, list):
+                raise ValueError("no state or no messages")
         except (KeyError, ValueError, TypeError) as e:
             raise CheckpointError(f"{path}: a damaged conversation file ({e})") from e
         self.messages, self.system = messages, system
-        self.session.tokens, self.session.state = tokens, state
-        self._before_answer = None
+        self.session.restore(now)
+        self._before_answer = before

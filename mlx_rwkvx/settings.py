@@ -51,7 +51,9 @@ def make_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--config", help="a YAML file of these settings")
     for f in fields(cls):
         flags = [f"--{f.name.replace('_', '-')}"]
-        flags += [f"--{a.replace('_', '-')}" for a in f.metadata["aliases"]]
+        flags += [
+            f"-{a}" if len(a) == 1 else f"--{a.replace('_', '-')}" for a in f.metadata["aliases"]
+        ]
         kwargs = {"dest": f.name, "help": f.metadata["help"], "default": argparse.SUPPRESS}
         if f.type == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"

@@ -245,6 +245,15 @@ def _sampling(
     return sampler, list(logits_processors)
 
 
+def _vocab_mask(known: int, vocab: int):
+    mask = mx.where(mx.arange(vocab) < known, 0.0, -mx.inf)
+
+    def processor(tokens, logits):
+        return logits + mask
+
+    return processor
+
+
 def _prompt_ids(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
@@ -308,6 +317,10 @@ def stream_generate(
     eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
     detok, stops = _Detokenizer(tokenizer), _StopStrings(stop)
     seen = mx.array(session.tokens + ids, dtype=mx.int32)  # what the processors look back on
+    known = getattr(tokenizer, "vocab_size", None)
+    if known is not None and known < model.config.vocab_size:
+        # a head wider than the tokenizer (padded rows): never sample an id it cannot decode
+        processors.insert(0, _vocab_mask(known, model.config.vocab_size))
 
     def sample(logits):
         nonlocal seen

@@ -1429,6 +1429,292 @@ def render_train_int8(q: dict) -> list[str]:
     return lines + goal_lines(goals)
 
 
+GENERATE = {
+    "full": dict(prompt_T=2000, first_turn=1500, new_turn=100, decode_steps=48, matmul_n=2048,
+                 stream_bytes=1 << 30),
+    "quick": dict(prompt_T=64, first_turn=48, new_turn=8, decode_steps=8, matmul_n=256,
+                  stream_bytes=1 << 26),
+}  # fmt: skip
+
+
+def _rwkv_x_chat_config(quick: bool):
+    """The 4-block C=256 RWKV-X model of the second-turn goal (3 RWKV-7 blocks, 1 MoBA)."""
+    from mlx_rwkvx.models import ModelConfig
+    from mlx_rwkvx.models.config import rwkv_x_block_types
+
+    if quick:
+        return ModelConfig(vocab_size=512, hidden_size=64, head_size=16,
+                           block_types=rwkv_x_block_types(3, 1), moba_chunk_size=16)  # fmt: skip
+    return ModelConfig(vocab_size=4096, hidden_size=256, block_types=rwkv_x_block_types(3, 1))
+
+
+class _AnyIdTokenizer:
+    """Every id of a model is one character (``chr(id)``), so that any generated text encodes
+    back to its ids; no end of text: generation runs the number of steps asked for."""
+
+    eos_token_ids: set = set()
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def decode(self, ids) -> str:
+        return "".join(map(chr, ids))
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def _first_token_time(session_factory, ids, repeats: int) -> float:
+    """Best time from nothing to the first sampled token of ``ids`` in a fresh session."""
+
+    def run():
+        session = session_factory()
+        mx.eval(mx.argmax(session.feed(ids), axis=-1))
+
+    return best_time(run, repeats=repeats)
+
+
+def _mlx_lm_first_token(theirs, ids, repeats: int) -> float:
+    """mlx-lm's ``generate_step`` to its first token (its model computes every position's head)."""
+    from mlx_lm.generate import generate_step
+
+    prompt = mx.array(ids)
+
+    def run():
+        next(generate_step(prompt, theirs, max_tokens=1))
+
+    return best_time(run, repeats=repeats)
+
+
+def _verify_generation(ours, theirs, ids) -> float:
+    """Our generated steps against the full forward, and our first token's log-probabilities
+    against mlx-lm's generate_step: the larger relative error."""
+    from mlx_rwkvx.generation import stream_generate
+
+    from mlx_lm.generate import generate_step
+
+    tokenizer = _AnyIdTokenizer(ours.config.vocab_size)
+    seq, worst = list(ids), 0.0
+    for r in stream_generate(ours, tokenizer, ids, max_tokens=4):
+        full = ours(mx.array([seq]))[0, -1].astype(mx.float32)
+        worst = max(worst, rel_err(r.logprobs, full - mx.logsumexp(full)))
+        seq.append(r.token)
+    _, theirs_lp = next(generate_step(mx.array(ids), theirs, max_tokens=1))
+    first = next(stream_generate(ours, tokenizer, ids, max_tokens=1))
+    worst = max(worst, rel_err(first.logprobs, theirs_lp))
+    if not worst <= 1e-4:
+        raise VerificationFailed(f"generation logits vs the full forward / mlx-lm {worst:.1e}")
+    return worst
+
+
+def _decode_tps(model, steps: int) -> float:
+    """Tokens per second of our generation loop (greedy), after a short prompt."""
+    from mlx_rwkvx.generation import Session
+
+    return _decode_tps_with(model, steps, lambda: Session(model))
+
+
+def _matvec_tps(model, steps: int) -> dict:
+    """One-row matmuls of every Linear weight of ``model`` (what a decode step reads), as
+    tokens per second: MLX's ``x @ W.T`` as the layers run it, the same with the weights
+    transposed once ([in, out], row-major), and the whole set under ``mx.compile``."""
+    weights = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    transposed = [mx.array(np.ascontiguousarray(np.array(w).T)) for w in weights]
+    mx.eval(transposed)
+    xs = [mx.random.normal((1, w.shape[1])) for w in weights]
+
+    def rows(ws, t):
+        return [x @ (w.T if not t else w) for x, w in zip(xs, ws, strict=True)]
+
+    compiled = mx.compile(lambda *ws: rows(ws, False))
+    out = {}
+    for name, fn in (("x @ W.T", lambda: rows(weights, False)),
+                     ("x @ W, W transposed once", lambda: rows(transposed, True)),
+                     ("x @ W.T, compiled", lambda: compiled(*weights))):  # fmt: skip
+
+        def run(fn=fn):
+            for _ in range(steps):
+                mx.eval(fn())
+
+        out[name] = steps / best_time(run, repeats=3)
+    return out
+
+
+def _second_turn(model, tokenizer, first_turn: int, new_turn: int, repeats: int) -> dict:
+    """Time to the first token of a chat's second turn (first turn ``first_turn`` tokens, an
+    answer of 8, then ``new_turn`` tokens), against prefilling the new turn's tokens alone."""
+    from mlx_rwkvx.generation import Chat, ChatFormat, Session
+
+    def render(messages, add_generation_prompt):  # answers rendered as generated
+        text = "".join(f"{m['role']}:{m['content']}\n" for m in messages)
+        return text + "assistant:" if add_generation_prompt else text
+
+    rng = np.random.default_rng(5)
+    words = lambda n: bytes(rng.integers(97, 123, n).tolist()).decode()  # noqa: E731
+    first, second = words(first_turn), words(new_turn)
+    times, fed, reused = [], None, None
+    for _ in range(repeats + 1):
+        chat = Chat(model, tokenizer, max_tokens=8)
+        chat.format = ChatFormat("bench", render, [])
+        for _ in chat.ask(first):
+            pass
+        t0 = time.perf_counter()
+        next(chat.ask(second))
+        times.append(time.perf_counter() - t0)
+        fed, reused = chat.prefilled, chat.reused
+    ids = chat.session.tokens[reused : reused + fed]
+    alone = _first_token_time(lambda: Session(model), ids, repeats)
+    return {"second_turn_s": min(times[1:]), "alone_s": alone, "new_tokens": fed,
+            "held_tokens": reused}  # fmt: skip
+
+
+def measure_generate(quick: bool = False) -> dict:
+    """Time to first token, decode and the second chat turn, against mlx-lm and the bounds."""
+    import tempfile
+
+    from mlx_rwkvx.generation import Session
+    from mlx_rwkvx.models.build import build
+
+    sizes = _sizes(GENERATE, quick)
+    cfg, _ = _model_configs(quick)
+    T = sizes["prompt_T"]
+    ids = np.random.default_rng(0).integers(1, cfg.vocab_size, T).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = build(cfg)
+        theirs = _mlx_lm_twin(ours, tmp + "/hf")
+        err = _verify_generation(ours, theirs, ids[:64])
+        rate = matmul_gflops(sizes["matmul_n"])
+        bandwidth = read_bandwidth_gbs(sizes["stream_bytes"])
+        ttft = {
+            "mlx_rwkvx": _first_token_time(lambda: Session(ours), ids, repeats=2),
+            "mlx-lm": _mlx_lm_first_token(theirs, ids, repeats=2),
+        }
+        del theirs
+        steps = sizes["decode_steps"]
+        decode = {"fp32": _decode_tps(ours, steps)}
+
+        def eager():  # the same loop without mx.compile
+            s = Session(ours)
+            s._step = s._forward
+            return s
+
+        decode["fp32, step not compiled"] = _decode_tps_with(ours, steps, eager)
+        matvec = _matvec_tps(ours, steps)
+        lin = _linear_params(ours)
+        head = ours.lm_head.weight.size
+        bf16 = build(cfg)
+        bf16.set_dtype(mx.bfloat16)
+        decode["bf16"] = _decode_tps(bf16, steps)
+        del bf16
+        decode["int8"] = _decode_tps(build(cfg, quantize="int8"), steps)
+        turns = sizes["first_turn"], sizes["new_turn"], 2
+        chat = {"rwkv7": _second_turn(ours, _AnyIdTokenizer(cfg.vocab_size), *turns)}
+        x_cfg = _rwkv_x_chat_config(quick)
+        x_model = build(x_cfg)
+        chat["rwkv-x"] = _second_turn(x_model, _AnyIdTokenizer(x_cfg.vocab_size), *turns)
+    wkv = chunked_flops(T, cfg.n_heads, cfg.head_size) * len(cfg.block_types)
+    return {
+        "matmul_n": sizes["matmul_n"], "matmul_gflops": rate, "bandwidth_gbs": bandwidth,
+        "model": _model_facts(cfg, T, err), "linear_params": lin, "head_params": head,
+        "wkv_flops": wkv, "ttft_s": ttft, "decode_tok_s": decode, "matvec_tok_s": matvec,
+        "chat": chat,
+        "x_model": {"layers": len(x_cfg.block_types), "hidden": x_cfg.hidden_size,
+                    "block_types": x_cfg.block_types},
+    }  # fmt: skip
+
+
+def _decode_tps_with(model, steps: int, factory) -> float:
+    """``_decode_tps`` with sessions from ``factory``."""
+    from mlx_rwkvx.generation import stream_generate
+
+    tokenizer = _AnyIdTokenizer(model.config.vocab_size)
+
+    def run():
+        for _ in stream_generate(model, tokenizer, [1, 2, 3, 4], max_tokens=steps,
+                                 session=factory()):  # fmt: skip
+            pass
+
+    def prompt_only():
+        factory().feed([1, 2, 3, 4])
+
+    return (steps - 1) / (best_time(run, repeats=2) - best_time(prompt_only, repeats=2))
+
+
+def render_generate(r: dict) -> list[str]:
+    """The generate section: first token, decode, second chat turn, each against its bound."""
+    rate, bw, m = r["matmul_gflops"], r["bandwidth_gbs"], r["model"]
+    T, lin, head = m["T"], r["linear_params"], r["head_params"]
+    flops = 2 * T * (lin - head) + 2 * head + r["wkv_flops"]
+    bound = flops / (rate * 1e9)
+    ours, theirs = r["ttft_s"]["mlx_rwkvx"], r["ttft_s"]["mlx-lm"]
+    lines = [
+        f"Limits measured in this run: fp32 matmul {rate:.0f} GFLOP/s ({r['matmul_n']}^3), "
+        f"memory read {bw:.1f} GB/s.",
+        "",
+        f"Verified first: each generated step's log-probabilities against the full forward "
+        f"over the same tokens, and the first token's against mlx-lm's generate_step on the "
+        f"same weights (its rwkv7 through our Hugging Face export): largest relative error "
+        f"{m['logits_error']:.1e}.",
+        "",
+        f"Time to first token, a {T}-token prompt, {m['layers']} x C={m['hidden']}, vocab "
+        f"{m['vocab']} (random weights, fp32). Bound: the layers' matmul FLOPs for every "
+        f"position, the head for the last one, and the chunked WKV7's matmuls, "
+        f"{flops / 1e9:.1f} GFLOP at {rate:.0f} GFLOP/s.",
+        "",
+        "| first token | time | vs bound |",
+        "|---|---|---|",
+        f"| bound | {bound:.2f} s | 1.00 |",
+        f"| mlx_rwkvx (head on the last position) | {ours:.2f} s | {ours / bound:.2f} |",
+        f"| mlx-lm generate_step (head on every position) | {theirs:.2f} s "
+        f"| {theirs / bound:.2f} |",
+        "",
+        f"mlx_rwkvx reaches the first token {theirs / ours:.1f}x sooner than mlx-lm.",
+        "",
+    ]
+    weight_bytes = lin * 4
+    read_bound = bw * 1e9 / weight_bytes
+    mv = r["matvec_tok_s"]
+    base = mv["x @ W.T"]
+    lines += [
+        f"Decode of the same model (greedy, our generation loop): tokens/s against MLX's own "
+        f"one-row matmuls over the same {lin / 1e6:.0f}M weights "
+        f"({weight_bytes / 1e6:.0f} MB fp32, one read per token: {read_bound:.1f} tok/s at "
+        f"{bw:.1f} GB/s).",
+        "",
+        "| decode | tok/s | vs MLX's one-row matmuls | of the read bound |",
+        "|---|---|---|---|",
+    ]
+    for name, tps in r["decode_tok_s"].items():
+        lines.append(f"| {name} | {tps:.1f} | {tps / base:.0%} | {tps / read_bound:.0%} |")
+    lines += ["", "What MLX's one-row matmul reaches over those weights, three ways:", "",
+              "| one-row matmuls of every Linear | tok/s | GB/s streamed | of the read bound |",
+              "|---|---|---|---|"]  # fmt: skip
+    for name, tps in mv.items():
+        lines.append(
+            f"| {name} | {tps:.1f} | {tps * weight_bytes / 1e9:.1f} | {tps / read_bound:.0%} |"
+        )
+    lines += ["", "Second chat turn: time to its first token against prefilling its new tokens "
+              "alone in a fresh session (the history is not re-read: RWKV blocks carry their "
+              "state, attention blocks attend to their caches).", "",
+              "| model | first turn | new tokens | second turn | new tokens alone | ratio |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    xm = r["x_model"]
+    names = {"rwkv7": f"RWKV-7 {m['layers']} x C={m['hidden']}",
+             "rwkv-x": f"RWKV-X {xm['layers']} blocks C={xm['hidden']}"}  # fmt: skip
+    goals = [
+        (f"time to first token T={T} / bound", ours / bound, 1.3, False),
+        ("fp32 decode / MLX one-row matmuls", r["decode_tok_s"]["fp32"] / base, 0.9, True),
+    ]
+    for key, c in r["chat"].items():
+        ratio = c["second_turn_s"] / c["alone_s"]
+        lines.append(
+            f"| {names[key]} | {c['held_tokens']} tokens held | {c['new_tokens']} "
+            f"| {c['second_turn_s'] * 1e3:.0f} ms | {c['alone_s'] * 1e3:.0f} ms | {ratio:.2f} |"
+        )
+        goals.append((f"second turn / new turn alone, {names[key]}", ratio, 1.1, False))
+    return lines + [""] + goal_lines(goals)
+
+
 SECTIONS = {
     "blas": (
         measure_blas,
@@ -1444,6 +1730,11 @@ SECTIONS = {
     ),
     "loss": (measure_loss, render_loss, "fused head + cross-entropy vs the dense one, memory"),
     "train": (measure_train, render_train, "LoRA steps vs the bound and mlx-lm"),
+    "generate": (
+        measure_generate,
+        render_generate,
+        "time to first token, decode and the second chat turn vs mlx-lm and the bounds",
+    ),
     "train-int8": (
         measure_train_int8,
         render_train_int8,

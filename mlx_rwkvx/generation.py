@@ -88,8 +88,9 @@ class Session:
         self.attention = _has_attention(model)
         self.tokens: list[int] = []
         self.state: list | None = None
-        # the one-token step: fixed shapes for a model of RWKV blocks only (compiled once)
-        self._step = mx.compile(self._forward) if not self.attention else self._forward
+        # the one-token step, not compiled: mx.compile of it measured slower on the CPU
+        # (BENCHMARKS.md, generate section)
+        self._step = self._forward
 
     def _forward(self, tokens, state):
         h, state = self.model._hidden(tokens, state)

@@ -23,7 +23,7 @@ TOL = 1e-5  # DESIGN.md: a whole tiny model, float32
 
 
 def tiny(family: str, seed: int = 0, **kw) -> Model:
-    common = dict(vocab_size=256, hidden_size=64, head_size=16)
+    common = dict(vocab_size=kw.pop("vocab_size", 256), hidden_size=64, head_size=16)
     if family == "rwkv7":
         cfg = ModelConfig(**common, block_types=["rwkv7"] * 2, **kw)
     elif family == "rwkv-x":
@@ -321,3 +321,25 @@ def test_generation_config_yaml(tmp_path):
     with pytest.raises(SystemExit) as e:
         config_from(["--config", str(tmp_path / "bad.yaml")])
     assert e.value.code == 2
+
+
+def test_chat_with_the_tokenizers_own_template(tmp_path):
+    from test_tuner_data import hf_tokenizer
+
+    tok = hf_tokenizer(tmp_path / "tok")  # byte-level BPE, ChatML template, <|im_end|> ends
+    model = tiny("rfa", seed=12, vocab_size=512)  # a head wider than the tokenizer's 400-odd
+    chat = Chat(model, tok, system="You are terse.", max_tokens=10, temp=1.0, seed=0)
+    assert chat.format.name == "tokenizer"
+    for user in ("Hello there", "How are you?"):
+        responses = list(chat.ask(user))
+        assert all(r.token < tok.vocab_size for r in responses)  # ids it can decode only
+    assert chat.reused > 0  # the second turn continued a held state
+    text = tok.decode(chat.session.tokens)
+    assert text.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n")
+    assert "<|im_start|>user\nHow are you?<|im_end|>\n<|im_start|>assistant\n" in text
+    fresh = Session(model)
+    fresh.feed(chat.session.tokens)
+    for a, b in zip(chat.session.state, fresh.state, strict=True):
+        for name in a:
+            if a[name].size:
+                assert rel(a[name], b[name]) <= TOL, name

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from mlx_rwkvx.settings import parse
-from mlx_rwkvx.tuner.config import TrainConfig, from_yaml, parser
+from mlx_rwkvx.tuner.config import MLX_LM_FLAGS, TrainConfig, from_yaml, parser
 from mlx_rwkvx.tuner.trainer import NonFinite, TrainError, train
 
 
@@ -20,6 +20,8 @@ def config_from(argv: list[str] | None) -> TrainConfig:
     args, settings = parse(parser(), argv, from_yaml)
     if "lora_alpha" in args:  # the command line's alpha beats the file's scale
         settings.pop("lora_scale", None)
+    # mlx-lm's --train and --optimizer read as its config's keys: they beat the file too
+    settings.update(from_yaml({k: args.pop(k) for k in MLX_LM_FLAGS if k in args}))
     settings.update(args)
     return TrainConfig(**settings)
 

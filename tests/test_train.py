@@ -451,3 +451,30 @@ def test_no_mask_prompt_trains_on_the_prompts_too(workspace, tmp_path, capsys):
         counts[flag] = json.loads((out / "adapter_config.json").read_text())["tokens_trained"]
     # the completions ("3\n\n" after "User: 1+2=\n\nAssistant:") are a few tokens of each
     assert counts["--no-mask-prompt"] > 3 * counts["--mask-prompt"] > 0, counts
+
+
+def test_mlx_lm_optimizer_adam_alone_means_no_weight_decay(tmp_path):
+    # mlx-lm's "adam" is Adam, with or without an optimizer_config block; "adamw" keeps ours
+    config = tmp_path / "lora.yaml"
+    for text, decay in [("optimizer: adam\n", 0.0), ("optimizer: adamw\n", None),
+                        ("optimizer: adam\noptimizer_config: {adam: {}}\n", 0.0),
+                        ("optimizer: adamw\noptimizer_config: {adamw: {weight_decay: 0.1}}\n",
+                         0.1)]:  # fmt: skip
+        config.write_text(text)
+        assert train_cli.config_from(["--config", str(config)]).weight_decay == decay, text
+    config.write_text("optimizer: adam\n")  # a flag beats the file
+    cfg = train_cli.config_from(["--config", str(config), "--weight-decay", "0.05"])
+    assert cfg.weight_decay == 0.05
+
+
+def test_mlx_lm_command_line_flags(workspace, tmp_path, capsys):
+    # mlx_lm.lora's command as its users type it: --train, --optimizer, its other names
+    args = ["--model", str(workspace / "base"), "--train", "--data", str(workspace / "data"),
+            "--fine-tune-type", "lora", "--optimizer", "adam", "--iters", "2",
+            "--learning-rate", "1e-3", "--adapter-path", str(tmp_path / "out")]  # fmt: skip
+    cfg = train_cli.config_from(args)
+    assert (cfg.mode, cfg.weight_decay, cfg.iters, cfg.lr) == ("lora", 0.0, 2, 1e-3)
+    assert train_cli.config_from(args[:-2] + ["--optimizer", "adamw"]).weight_decay is None
+    with pytest.raises(SystemExit) as e:
+        train_cli.config_from(args + ["--optimizer", "muon"])
+    assert e.value.code == 2 and "--optimizer" in capsys.readouterr().err

@@ -207,6 +207,8 @@ def from_yaml(data: dict, notes: list[str] | None = None) -> dict:
                 raise ValueError(f"{key}: {value!r} is not supported; {_MLX_LM_INSTEAD[key]}")
             if key == "optimizer_config" and isinstance(value, dict):
                 out.update(_optimizer_config(value, data.get("optimizer", "adam")))
+            if key == "optimizer" and value == "adam" and "optimizer_config" not in data:
+                out.setdefault("weight_decay", 0.0)  # Adam (a setting of its own may follow)
             continue
         if key == "lora_parameters" and isinstance(value, dict):  # mlx-lm's block
             for inner, ours in (("rank", "lora_rank"), ("scale", "lora_scale"),
@@ -246,12 +248,24 @@ def _typed(name: str, value):
     return settings.typed(TrainConfig, name, value)
 
 
+# mlx_lm.lora's flags with no field of ours, accepted on the command line as in its config
+# (the keys of _MLX_LM_KEYS, read by from_yaml): its command pasted as it is works
+MLX_LM_FLAGS = ("train", "optimizer")
+
+
 def parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m mlx_rwkvx.train``, generated from TrainConfig."""
-    return settings.make_parser(
+    """The command line of ``python -m mlx_rwkvx.train``, generated from TrainConfig, plus
+    mlx-lm's ``--train`` and ``--optimizer`` (MLX_LM_FLAGS)."""
+    p = settings.make_parser(
         TrainConfig,
         "python -m mlx_rwkvx.train",
         "Train an RWKV-7, RWKV-X or RFA model: LoRA, DoRA, state tuning, full fine-tuning or "
         "pretraining. Flags beat a --config file (ours, or mlx-lm's LoRA config); the file "
         "beats the defaults.",
     )
+    p.add_argument("--train", action="store_true", default=argparse.SUPPRESS,
+                   help="mlx-lm's flag, accepted: training is what this command does")  # fmt: skip
+    p.add_argument("--optimizer", choices=_MLX_LM_KEYS["optimizer"], default=argparse.SUPPRESS,
+                   help="mlx-lm's: adamw (AdamW, the default) or adam (no weight decay, unless "
+                   "--weight-decay gives one)")  # fmt: skip
+    return p

@@ -71,7 +71,7 @@ def make_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
 
 def parse(p: argparse.ArgumentParser, argv, from_yaml) -> tuple[dict, dict]:
     """(the flags given, the settings of the ``--config`` file through ``from_yaml(data,
-    notes)``); a file that cannot be read is argparse's one-line error (exit 2)."""
+    notes)``); a file that cannot be read is one line naming it and the problem (exit 2)."""
     args = vars(p.parse_args(argv))
     source, settings, notes = args.pop("config", None), {}, []
     if source:
@@ -82,7 +82,11 @@ def parse(p: argparse.ArgumentParser, argv, from_yaml) -> tuple[dict, dict]:
                 raise ValueError("expected a mapping of settings")
             settings = from_yaml(data, notes)
         except (OSError, ValueError, yaml.YAMLError) as e:
-            p.error(f"--config {source}: {e}")
+            # one line, not argparse's usage block: YAML's messages span lines of their own
+            problem = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            print(f"{p.prog}: error: --config {source}: {' '.join(problem.split())}",
+                  file=sys.stderr)  # fmt: skip
+            sys.exit(2)
     for note in notes:
         print(f"note: --config {source}: {note}", file=sys.stderr)
     return args, settings

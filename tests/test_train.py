@@ -478,3 +478,19 @@ def test_mlx_lm_command_line_flags(workspace, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         train_cli.config_from(args + ["--optimizer", "muon"])
     assert e.value.code == 2 and "--optimizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [(None, "nope.yaml: No such file or directory"), ("lr: [1\n", "nope.yaml: "),
+     ("- 1\n", "expected a mapping of settings"), ("warp_speed: 9\n", "unknown setting")],
+)  # fmt: skip
+def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, message):
+    config = tmp_path / "nope.yaml"
+    if text is not None:
+        config.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        train_cli.config_from(["--config", str(config)])
+    assert e.value.code == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x]
+    assert len(lines) == 1 and message in lines[0] and "--config" in lines[0], lines

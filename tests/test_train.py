@@ -494,3 +494,17 @@ def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, message):
     assert e.value.code == 2
     lines = [x for x in capsys.readouterr().err.splitlines() if x]
     assert len(lines) == 1 and message in lines[0] and "--config" in lines[0], lines
+
+
+def test_the_last_steps_validation_is_not_taken_twice(workspace, tmp_path, monkeypatch):
+    # --val-every dividing the last step: the end reuses that validation loss
+    from mlx_rwkvx.tuner import trainer
+
+    calls = []
+    real = trainer.evaluate
+    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = train(_cfg(workspace, tmp_path / "run", iters=4, val_every=2))
+    assert len(calls) == 2  # steps 2 and 4
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in rows if "val_loss" in r and r["step"] == 4]
+    assert len(val) == 2 and val[0] == val[1]  # the step's record and the end's

@@ -435,6 +435,7 @@ class Run:
         self.optimizer, self.schedule = optimizer, schedule
         self.step, self.tokens = 0, 0
         self.position = {"epoch": 0, "batch": 0}
+        self.validated = None  # (step, validation loss) of the latest --val-every validation
 
     def adapter_config(self) -> dict:
         cfg = self.cfg
@@ -698,6 +699,7 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
                 )
             if val_examples and cfg.val_every and run.step % cfg.val_every == 0:
                 record["val_loss"] = _evaluate(run, val_examples, cfg.val_batches)
+                run.validated = (run.step, record["val_loss"])
                 bar.write(f"step {run.step}: validation loss {record['val_loss']:.4f}")
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -725,7 +727,10 @@ def _finish(run, val_examples, test_examples, out: Path) -> None:
         save_checkpoint(out, run)
     final = {}
     if val_examples:
-        final["val_loss"] = _evaluate(run, val_examples, cfg.val_batches)
+        if run.validated is not None and run.validated[0] == run.step:
+            final["val_loss"] = run.validated[1]  # taken at the last step (--val-every)
+        else:
+            final["val_loss"] = _evaluate(run, val_examples, cfg.val_batches)
         print(f"validation loss {final['val_loss']:.4f}")
     if test_examples:
         final["test_loss"] = _evaluate(run, test_examples, cfg.test_batches)

@@ -508,3 +508,10 @@ def test_the_last_steps_validation_is_not_taken_twice(workspace, tmp_path, monke
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in rows if "val_loss" in r and r["step"] == 4]
     assert len(val) == 2 and val[0] == val[1]  # the step's record and the end's
+
+
+def test_val_every_without_validation_data_says_so(workspace, tmp_path, capsys):
+    data = str(workspace / "data" / "train.jsonl")  # a file: no valid split beside it
+    train(_cfg(workspace, tmp_path / "run", data=data, iters=2, val_every=1))
+    err = capsys.readouterr().err
+    assert "--val-every 1: no validation data" in err, err

@@ -553,6 +553,9 @@ def train(cfg: TrainConfig) -> Path:
     vocab = model.config.vocab_size
     train_examples = _examples(cfg, tokenizer, vocab)
     val_examples = _validation(cfg, tokenizer, vocab)
+    if cfg.val_every and not val_examples:
+        print(f"--val-every {cfg.val_every}: no validation data (--val-data, or valid.jsonl or "
+              "valid.bin in the --data folder): no validation loss", file=sys.stderr)  # fmt: skip
     test_examples = _test_split(cfg, tokenizer, vocab)  # read now: bad data stops the start
     per_epoch = max(1, data_mod.count_batches(train_examples, cfg.batch_size) // cfg.grad_accum)
     total = cfg.iters or cfg.epochs * per_epoch

@@ -515,3 +515,24 @@ def test_val_every_without_validation_data_says_so(workspace, tmp_path, capsys):
     train(_cfg(workspace, tmp_path / "run", data=data, iters=2, val_every=1))
     err = capsys.readouterr().err
     assert "--val-every 1: no validation data" in err, err
+
+
+@pytest.mark.parametrize("damaged", ["checkpoint_2.safetensors", "checkpoint_2.state.safetensors"])
+def test_resume_from_a_damaged_checkpoint_is_one_error(workspace, tmp_path, damaged):
+    # a checkpoint file cut short after its manifest was written (a copy, a failing disk)
+    out = train(_cfg(workspace, tmp_path / "run", iters=2))
+    (out / damaged).write_bytes((out / damaged).read_bytes()[:100])
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with pytest.raises(TrainError, match=rf"{damaged}: cannot read.*older one"):
+        train(_cfg(workspace, out, iters=4, resume=True))
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.parametrize(
+    "manifest", ["[1]", '{"complete": true}', '{"complete": true, "files": 3}']
+)
+def test_a_damaged_manifest_is_no_checkpoint(tmp_path, manifest):
+    from mlx_rwkvx.tuner.trainer import newest_checkpoint
+
+    (tmp_path / "checkpoint_3.json").write_text(manifest)
+    assert newest_checkpoint(tmp_path) is None

@@ -348,9 +348,11 @@ def newest_checkpoint(out: Path) -> int | None:
         try:
             step = int(path.stem.split("_", 1)[1])
             manifest = json.loads(path.read_text())
-        except (ValueError, OSError):
+            files = manifest["files"] if manifest.get("complete") else None
+            complete = isinstance(files, list) and all((out / str(f)).exists() for f in files)
+        except (ValueError, OSError, AttributeError, KeyError):  # not a manifest of ours
             continue
-        if manifest.get("complete") and all((out / f).exists() for f in manifest["files"]):
+        if complete:
             steps.append(step)
     return max(steps) if steps else None
 
@@ -390,11 +392,22 @@ def save_checkpoint(out: Path, run) -> None:
         save_text(tmp, json.dumps(manifest))
 
 
+def _read_checkpoint_file(path: Path, step: int):
+    """(tensors, metadata) of one file of checkpoint ``step``; TrainError when it cannot be
+    read (cut short after its manifest was written: a partial copy, a failing disk)."""
+    try:
+        return read_safetensors(str(path))
+    except CheckpointError as e:
+        hint = f"remove checkpoint_{step}.* to resume from an older one"
+        raise TrainError(f"--resume: {e}; {hint}") from None
+
+
 def load_checkpoint(out: Path, step: int, run) -> None:
     """Restore ``run`` from checkpoint ``step``: TrainError when it was made by a run with
-    other settings (see RESUME_FIXED) or on another base, or its tensors do not fit."""
+    other settings (see RESUME_FIXED) or on another base, its tensors do not fit, or a file
+    of it cannot be read."""
     names = _checkpoint_names(step)
-    state, meta = read_safetensors(str(out / names["state"]))
+    state, meta = _read_checkpoint_file(out / names["state"], step)
     then = json.loads(meta.get("train", "{}"))
     changed = [k for k in RESUME_FIXED if k in then and then[k] != getattr(run.cfg, k)]
     if changed:
@@ -409,7 +422,7 @@ def load_checkpoint(out: Path, step: int, run) -> None:
     if others:
         print(f"note: resuming with other {', '.join(others)} than checkpoint_{step}'s run",
               file=sys.stderr)  # fmt: skip
-    weights, _ = read_safetensors(str(out / names["weights"]))
+    weights, _ = _read_checkpoint_file(out / names["weights"], step)
     expected = {n: tuple(x.shape) for n, x in trained_tensors(run.model, run.cfg.mode).items()}
     wrong = sorted(set(weights) ^ set(expected)) + sorted(
         n for n in weights if n in expected and tuple(weights[n].shape) != expected[n]

@@ -274,3 +274,16 @@ def test_adapter_trained_by_mlx_lm_on_its_rwkv7_loads(tmp_path, lora_parameters,
     want = np.array(theirs(tokens))
     assert rel_err(np.array(ours(tokens)), want) <= 1e-5
     assert rel_err(np.array(ours(tokens)), np.array(base(tokens))) > 1e-3  # it did change them
+
+
+def test_each_target_pattern_must_match():
+    # a pattern of a comma list that matches nothing (a typo) is named, not silently dropped
+    model = Model(rfa_cfg())
+    with pytest.raises(AdapterError, match=r"'layers.\*.bogus' \(of 'qwen,layers.\*.bogus'\)"):
+        target_paths(model, "qwen,layers.*.bogus")
+    with pytest.raises(AdapterError, match=r"'attn' \(of 'attn, qwen'\) matches no projection"):
+        target_paths(model, "attn, qwen")
+    with pytest.raises(AdapterError, match="'layers.0.tmix.key' .* in the last 1 blocks"):
+        target_paths(model, "qwen,layers.0.tmix.key", num_layers=1)
+    # patterns that overlap each count: a path the first one took is the second one's too
+    assert target_paths(model, "qwen,self_attn.q_proj") == target_paths(model, "qwen")

@@ -84,13 +84,13 @@ def _projections(model: Model):
 
 def target_paths(model: Model, targets: str, num_layers: int | None = None) -> list[str]:
     """The module paths ``targets`` (a preset or comma-separated globs) names in the last
-    ``num_layers`` blocks (all when None or more than the model has). AdapterError if it names
-    nothing."""
+    ``num_layers`` blocks (all when None or more than the model has). AdapterError if it, or
+    one of its patterns (a typo), names nothing."""
     n = len(model.layers)
     if num_layers is not None and (type(num_layers) is not int or num_layers < 1):
         raise AdapterError(f"num_layers must be an int >= 1, got {num_layers!r}")
     first = max(n - (num_layers or n), 0)  # more than the model's blocks: all (as mlx-lm)
-    found = []
+    found, matched = [], set()
     patterns = [p.strip() for p in targets.split(",") if p.strip()] if targets else []
     if not patterns:
         raise AdapterError(f"no adapter targets given (a preset of {PRESETS} or module globs)")
@@ -100,7 +100,8 @@ def target_paths(model: Model, targets: str, num_layers: int | None = None) -> l
             continue
         kind = model.layers[index].kind
         inner = path.split(".", 2)[2]
-        for pattern in patterns:
+        hits = set()
+        for pattern in patterns:  # every one, to tell which match nothing
             if pattern == "all":
                 hit = True
             elif pattern in _PRESETS:
@@ -112,11 +113,18 @@ def target_paths(model: Model, targets: str, num_layers: int | None = None) -> l
                     or native_path(model, f"model.layers.{index}.{pattern}") == path
                 )
             if hit:
-                found.append(path)
-                break
+                hits.add(pattern)
+        if hits:
+            found.append(path)
+            matched |= hits
+    where = f" in the last {num_layers} blocks" if num_layers else ""
     if not found:
-        where = f" in the last {num_layers} blocks" if num_layers else ""
         raise AdapterError(f"adapter targets {targets!r} match no projection{where}")
+    unmatched = [p for p in patterns if p not in matched]
+    if unmatched:
+        raise AdapterError(
+            f"adapter target {unmatched[0]!r} (of {targets!r}) matches no projection{where}"
+        )
     return sorted(found, key=lambda p: (int(p.split(".")[1]), p))  # in the model's order
 
 

@@ -536,3 +536,19 @@ def test_a_damaged_manifest_is_no_checkpoint(tmp_path, manifest):
 
     (tmp_path / "checkpoint_3.json").write_text(manifest)
     assert newest_checkpoint(tmp_path) is None
+
+
+def test_output_below_a_file_is_one_line(workspace, tmp_path, capsys):
+    (tmp_path / "f").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        train_cli.main([str(a) for a in _cli_args(workspace, tmp_path / "f" / "run", iters=1)])
+    assert e.value.code == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x]
+    assert len(lines) == 1 and "is a file" in lines[0] and str(tmp_path / "f") in lines[0], lines
+    assert (tmp_path / "f").read_text() == "mine"
+
+
+def test_a_preset_name_without_pretrain_says_how(workspace, tmp_path):
+    with pytest.raises(TrainError, match="rwkv-x-tiny: a preset.*--mode pretrain"):
+        train(_cfg(workspace, tmp_path / "out", model="rwkv-x-tiny"))
+    assert not (tmp_path / "out").exists()

@@ -126,6 +126,9 @@ def build(cfg: TrainConfig):
                 cfg.model, quantize=cfg.quantize, dtype=cfg.dtype, tokenizer=False
             )
         except CheckpointError as e:
+            if cfg.model in PRESETS and not os.path.exists(cfg.model):
+                how = "only --mode pretrain trains one (from its init); else give a checkpoint"
+                raise TrainError(f"--model {cfg.model}: a preset: {how}") from e
             raise TrainError(str(e)) from e
         try:  # pre-tokenized data needs none: a text data set says so if it lacks one
             tokenizer = load_tokenizer(cfg.model, model.config.vocab_size)
@@ -473,6 +476,9 @@ def _check_output(out: Path, resume: bool) -> None:
     checkpoint left none: its metrics are replaced); --resume needs a complete checkpoint."""
     if out.exists() and not out.is_dir():
         raise TrainError(f"--output {out}: is a file")
+    above = next((p for p in out.absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():  # the folder could never be made
+        raise TrainError(f"--output {out}: {above} is a file")
     holds_work = out.exists() and (
         newest_checkpoint(out) is not None
         or any((out / name).exists() for name in (FINAL_ADAPTER, MODEL_DIR))

@@ -152,6 +152,11 @@ def pretokenize(args) -> None:
                 raise UsageError(f"{out}: is a folder; expected a file name")
             if os.path.exists(out) and not args.overwrite:
                 raise UsageError(f"{out}: already exists (--overwrite replaces it)")
+            above = os.path.dirname(os.path.abspath(out))
+            while not os.path.exists(above):  # the folder that would hold it, made below
+                above = os.path.dirname(above)
+            if not os.path.isdir(above):
+                raise UsageError(f"{out}: {above} is a file, not a folder")
     needs_tokenizer = any(not file.endswith(".bin") for _, file, _ in jobs)
     if needs_tokenizer and args.tokenizer is None:
         raise UsageError("--tokenizer is needed to tokenize text")

@@ -606,6 +606,21 @@ def test_pretokenize_cli_errors(tmp_path):
         assert not out.exists()
 
 
+def test_pretokenize_output_below_a_file(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [GOOD, GOOD])
+    (tmp_path / "f").write_text("mine")
+    base = ("--tokenizer", "bytes", "--data", data)
+    for output in (tmp_path / "f" / "o.bin", tmp_path / "f" / "sub" / "o.bin"):
+        with pytest.raises(CliError, match=rf"{tmp_path / 'f'} is a file"):
+            run_cli(*base, "--output", output)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [GOOD, GOOD])
+    with pytest.raises(CliError, match=rf"{tmp_path / 'f'} is a file"):
+        run_cli("--tokenizer", "bytes", "--data", folder, "--output", tmp_path / "f" / "out")
+    assert (tmp_path / "f").read_text() == "mine"
+
+
 def test_pre_tokenize_script_takes_the_seeds_flags(tmp_path):
     tok = hf_tokenizer(tmp_path / "tok")
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}] * 4)

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from model_params import from_oracle, oracle_params
 from oracle.common import rel_err
 from oracle.lm import cross_entropy_bwd_np, cross_entropy_fwd_np
@@ -552,3 +552,30 @@ def test_a_preset_name_without_pretrain_says_how(workspace, tmp_path):
     with pytest.raises(TrainError, match="rwkv-x-tiny: a preset.*--mode pretrain"):
         train(_cfg(workspace, tmp_path / "out", model="rwkv-x-tiny"))
     assert not (tmp_path / "out").exists()
+
+
+def test_pretraining_decays_only_what_rwkvs_trainer_decays():
+    # RWKV-LM (x070) decays the 2-D parameters named ".weight": the projections, embedding and
+    # head; not norms, biases, token-shift mixes, w0 (the decay's up.bias), k_k/k_a/r_k, nor
+    # the low-rank w1/w2, a1/a2, v1/v2, g1/g2 (parameters of their own there: our LowRank's
+    # down.weight and up.weight). One AdamW step with zero gradients shows what decays.
+    from mlx_rwkvx.models import ModelConfig
+    from mlx_rwkvx.tuner.trainer import make_optimizer
+
+    model = Model(ModelConfig(vocab_size=64, hidden_size=32, head_size=16,
+                              block_types=["rwkv7"] * 2), seed=0)  # fmt: skip
+    cfg = TrainConfig(mode="pretrain", model="m", data="d", output="o", lr=0.1, warmup=0,
+                      weight_decay=0.5).resolved()  # fmt: skip
+    optimizer, _ = make_optimizer(cfg, 10)
+    before = {k: v + 1.0 for k, v in tree_flatten(model.trainable_parameters())}  # none zero
+    model.load_weights(list(before.items()), strict=False)
+    optimizer.update(model, tree_unflatten([(k, mx.zeros_like(v)) for k, v in before.items()]))
+    after = dict(tree_flatten(model.trainable_parameters()))
+    decayed = {k for k in before if not np.array_equal(np.array(before[k]), np.array(after[k]))}
+    low_rank = [k for k in before if any(f".{n}." in k for n in ("decay", "iclr", "value_mix",
+                                                                  "gate"))]  # fmt: skip
+    assert low_rank and not decayed & set(low_rank), sorted(decayed & set(low_rank))
+    want = {k for k in before if k.endswith(".weight") and before[k].ndim == 2
+            and k not in low_rank}  # fmt: skip
+    assert decayed == want, sorted(decayed ^ want)
+    assert {"embed.weight", "lm_head.weight", "layers.0.tmix.receptance.weight"} <= decayed

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -212,16 +213,22 @@ def segments(inputs, targets, length: int | None):
     return [(inputs[:, a : a + length], targets[:, a : a + length]) for a in range(0, T, length)]
 
 
+# RWKV-7's low-rank projections (LowRank's down and up: BlinkDL's w1/w2, a1/a2, v1/v2, g1/g2)
+_LOW_RANK = re.compile(r"\.tmix\.(decay|iclr|value_mix|gate)\.(down|up)\.weight$")
+
+
 def _no_decay(path: str, param) -> bool:
-    # RWKV's trainers decay only matrices: norms, biases, token-shift mixes, decays (w0 is the
-    # decay's up.bias) and the other per-channel vectors are not decayed
-    return param.ndim < 2 or not path.endswith(".weight")
+    # RWKV's trainers (RWKV-LM x070) decay only the matrices named ".weight": the projections,
+    # the embedding and the head. Norms, biases, token-shift mixes, decays (w0 is the decay's
+    # up.bias), the other per-channel vectors and the low-rank w1/w2-style matrices (their own
+    # parameters there, no ".weight") are not decayed
+    return param.ndim < 2 or not path.endswith(".weight") or bool(_LOW_RANK.search(path))
 
 
 def make_optimizer(cfg: TrainConfig, total_steps: int):
     """(optimizer, schedule): AdamW with linear warm-up then cosine decay to the mode's final
     rate; for full fine-tuning and pretraining, no weight decay on norms, biases and other
-    vectors (RWKV's grouping: only matrices decay)."""
+    vectors and low-rank matrices (RWKV's grouping: see _no_decay)."""
     warmup = min(cfg.warmup, max(total_steps - 1, 0))
     final = cfg.lr * FINAL_LR_RATIO[cfg.mode]
     decay = optim.cosine_decay(cfg.lr, max(total_steps - warmup, 1), final)

@@ -114,12 +114,15 @@ def convert(
         model.quantize(bits=bits)
         mx.eval(model.parameters())
     tensors = dict(tree_flatten(model.parameters()))
+    # the native config records the quantization, without which its tensors do not load
+    extra = {"quantization": model.quantization} if to == "native" else {}
     WRITERS[to](
         dst,
         model.config,
         tensors,
         extra_files=tokenizer_files(tokenizer),
         overwrite=overwrite,
+        **extra,
     )
     return model
 
@@ -133,7 +136,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("src", help="checkpoint to read (folder, .safetensors or .pth)")
     parser.add_argument("dst", help="where to write")
     parser.add_argument("--to", choices=sorted(WRITERS), default="native")
-    parser.add_argument("--quantize", choices=("int8", "int4"), default=None)
+    parser.add_argument(
+        "--quantize",
+        choices=("int8", "int4"),
+        nargs="?",
+        const="int8",
+        default=None,
+        help="store INT8 (or int4) weights (bare: int8, as train and generate take it)",
+    )
     parser.add_argument(
         "--dtype",
         choices=sorted(DTYPES),

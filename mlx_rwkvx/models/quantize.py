@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 QUANTIZE_BITS = {"int8": 8, "int4": 4}
 
@@ -141,4 +142,28 @@ def quantize_model(
             blocks = sources.pop(path)
             module.weight, module.scales, module.biases = quantize_blocks(blocks, bits, group_size)
         mx.eval(module.parameters())  # one layer's float weight at a time, then dropped
+    return model
+
+
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """Every quantized layer of ``model`` back to float (its dequantized weights, in the dtype
+    of its scales), in place. Returns the model."""
+    swapped = []
+    for path, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
+            out, inp = w.shape
+            layer = nn.Linear(inp, out, bias="bias" in m)
+            layer.weight = w
+            if "bias" in m:
+                layer.bias = m.bias
+            swapped.append((path, layer))
+        elif isinstance(m, nn.QuantizedEmbedding):
+            w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
+            layer = nn.Embedding(*w.shape)
+            layer.weight = w
+            swapped.append((path, layer))
+    if swapped:
+        model.update_modules(tree_unflatten(swapped))
+        mx.eval(model.parameters())
     return model

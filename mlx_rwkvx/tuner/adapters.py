@@ -241,10 +241,15 @@ def adapter_config(
 def save_adapter(path, model: Model, config: dict, *, overwrite: bool = True) -> None:
     """The adapter tensors of ``model`` in one ``.safetensors`` file whose metadata carries
     ``config`` (so a file copied alone describes itself), written atomically."""
+    save_adapter_tensors(path, adapter_tensors(model), config, overwrite=overwrite)
+
+
+def save_adapter_tensors(path, tensors: dict, config: dict, *, overwrite: bool = True) -> None:
+    """``save_adapter`` of adapter tensors in hand (a merge's)."""
     path = os.fspath(path)
     check_target(path, overwrite=overwrite, folder=False)
     with atomic_target(path, folder=False) as tmp:
-        save_safetensors(tmp, adapter_tensors(model), {"adapter_config": json.dumps(config)})
+        save_safetensors(tmp, tensors, {"adapter_config": json.dumps(config)})
 
 
 def read_adapter(path) -> tuple[dict, dict[str, mx.array]]:
@@ -297,6 +302,12 @@ def apply_adapter(model: Model, path) -> Model:
     """Wrap ``model`` in the adapter at ``path`` (see ``read_adapter``) and load its tensors;
     refused (AdapterError) when it was trained on another base or does not fit."""
     config, tensors = read_adapter(path)
+    return apply_adapter_tensors(model, config, tensors, os.fspath(path))
+
+
+def apply_adapter_tensors(model: Model, config: dict, tensors: dict, path: str = "adapter"):
+    """``apply_adapter`` of an adapter in memory (``config`` and tensors as an adapter file
+    holds them; ``path`` names it in errors)."""
     want = config.get("base_fingerprint")
     if want and want != fingerprint(model):
         raise AdapterError(

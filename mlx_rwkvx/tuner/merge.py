@@ -1,0 +1,210 @@
+"""Merging adapters trained on several Macs (or shards): three methods over mlx-lm's LoRA
+tensors (``lora_a [in, r]``, ``lora_b [r, out]``, update ``scale * A @ B``), plus the initial
+states of state tuning, which every method averages exactly.
+
+- ``fedavg``: A and B averaged element-wise (the seeds' method). Meaningful only when the
+  adapters started from the same A (the same init seed): the average of products is not the
+  product of averages, and only a common start keeps it close.
+- ``delta``: the weighted average of the updates ``sum_i w_i s_i A_i B_i``, exact, re-factored
+  to rank R by an SVD of its (at most sum r_i)-dimensional core: the relative error of the
+  truncation is reported.
+- ``concat``: the adapters side by side, rank ``sum r_i``, whose update is exactly the weighted
+  average (the weights and scales folded into B).
+
+Weights are normalised to sum to 1 (``auto``: the tokens each adapter trained on).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mlx_rwkvx.tuner.adapters import AdapterError, read_adapter
+
+import mlx.core as mx
+import numpy as np
+
+METHODS = ("fedavg", "delta", "concat")
+
+
+class MergeError(AdapterError):
+    """Adapters that cannot be merged as asked: the message names the problem."""
+
+
+@dataclass
+class Adapter:
+    path: str
+    config: dict
+    tensors: dict[str, np.ndarray]  # float64
+
+    @property
+    def kind(self) -> str:
+        return self.config.get("fine_tune_type", "lora")
+
+    @property
+    def scale(self) -> float:
+        return float((self.config.get("lora_parameters") or {}).get("scale", 1.0))
+
+    def modules(self) -> list[str]:
+        return sorted({n.rsplit(".", 1)[0] for n in self.tensors if n.endswith(".lora_a")})
+
+
+def read(path) -> Adapter:
+    """An adapter file or folder (``read_adapter``) with its tensors in float64."""
+    config, tensors = read_adapter(path)
+    arrays = {n: np.array(x.astype(mx.float32), dtype=np.float64) for n, x in tensors.items()}
+    return Adapter(os.fspath(path), config, arrays)
+
+
+def weights_of(adapters: list[Adapter], weights) -> np.ndarray:
+    """``weights``: None (equal), ``"auto"`` (tokens trained on, from each adapter's config),
+    or numbers, one per adapter; normalised to sum to 1."""
+    n = len(adapters)
+    if weights is None:
+        w = np.ones(n)
+    elif weights == "auto":
+        tokens = [a.config.get("tokens_trained") for a in adapters]
+        missing = [a.path for a, t in zip(adapters, tokens, strict=True) if not t]
+        if missing:
+            raise MergeError(f"--weights auto: {missing[0]} does not say how many tokens it "
+                             "trained on (tokens_trained); give the weights")  # fmt: skip
+        w = np.array(tokens, dtype=np.float64)
+    else:
+        w = np.array(list(weights), dtype=np.float64)
+        if len(w) != n:
+            raise MergeError(f"{len(w)} weights for {n} adapters")
+        if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+            raise MergeError(f"the weights must be non-negative with a positive sum, got {w}")
+    return w / w.sum()
+
+
+def check(adapters: list[Adapter], method: str, force: bool = False) -> None:
+    """Refuse (MergeError) what cannot be merged: another base, other targets or shapes, ranks
+    that differ for fedavg, DoRA for a method other than fedavg, a common start that cannot be
+    assumed for fedavg (unless ``force``)."""
+    if method not in METHODS:
+        raise MergeError(f"unknown method {method!r}; one of {list(METHODS)}")
+    if len(adapters) < 2:
+        raise MergeError("give at least two adapters to merge")
+    first = adapters[0]
+    for a in adapters[1:]:
+        fa, fb = first.config.get("base_fingerprint"), a.config.get("base_fingerprint")
+        if fa and fb and fa != fb:
+            raise MergeError(
+                f"{a.path} was trained on another base model than {first.path} (fingerprints "
+                f"{fb} and {fa})"
+            )
+        if a.kind != first.kind:
+            raise MergeError(f"{a.path} is a {a.kind} adapter, {first.path} a {first.kind} one")
+        if sorted(a.tensors) != sorted(first.tensors) and (
+            method == "fedavg" or a.modules() != first.modules()
+        ):
+            extra = sorted(set(a.tensors) ^ set(first.tensors))[:3]
+            raise MergeError(f"{a.path} and {first.path} adapt other layers ({extra})")
+        for name in first.tensors:
+            sa, sb = first.tensors[name].shape, a.tensors[name].shape
+            leaf = name.rsplit(".", 1)[1]
+            need_equal = method == "fedavg" or leaf in ("m", "state0")
+            outer = (sa[0], sb[0]) if leaf == "lora_a" else (sa[-1], sb[-1])
+            if (need_equal and sa != sb) or outer[0] != outer[1]:
+                what = "ranks or shapes" if method == "fedavg" else "shapes"
+                raise MergeError(
+                    f"{name}: {a.path} has shape {sb}, {first.path} {sa}: the {what} differ"
+                    + (
+                        " (delta or concat merge adapters of different ranks)"
+                        if method == "fedavg" and leaf != "state0"
+                        else ""
+                    )  # fmt: skip
+                )
+    if first.kind == "dora" and method != "fedavg":
+        raise MergeError(f"DoRA adapters merge by fedavg only (--method {method} needs LoRA)")
+    if method == "fedavg" and first.kind in ("lora", "dora"):
+        seeds = {a.config.get("seed") for a in adapters}
+        if len(seeds) > 1 and not force:
+            raise MergeError(
+                f"the adapters started from different init seeds ({sorted(map(str, seeds))}): "
+                "fedavg averages A and B element-wise, which is meaningful only from a common "
+                "start; use --method delta or concat, or --force"
+            )
+
+
+def merge(adapters: list[Adapter], method: str, weights: np.ndarray, rank: int | None = None):
+    """(merged tensors in float32, lora rank, lora scale, {"relative_error": delta's
+    truncation error over all modules, "max_relative_error": the worst module's})."""
+    first = adapters[0]
+    out: dict[str, np.ndarray] = {}
+    report = {"relative_error": 0.0, "max_relative_error": 0.0}
+    for name in first.tensors:  # the states of state tuning, DoRA magnitudes: averaged
+        if name.endswith((".state0", ".m")):
+            out[name] = sum(w * a.tensors[name] for w, a in zip(weights, adapters, strict=True))
+    scale = first.scale
+    if first.kind not in ("lora", "dora"):
+        return _float32(out), None, None, report
+    ranks = [a.tensors[f"{first.modules()[0]}.lora_a"].shape[1] for a in adapters]
+    if method == "fedavg":
+        for name in first.tensors:
+            if name.endswith(".lora_a"):
+                out[name] = sum(w * a.tensors[name] for w, a in zip(weights, adapters, strict=True))
+            elif name.endswith(".lora_b"):  # scales folded in, so that they may differ
+                out[name] = sum(
+                    w * (a.scale / scale) * a.tensors[name]
+                    for w, a in zip(weights, adapters, strict=True)
+                )
+        return _float32(out), ranks[0], scale, report
+    total, lost = 0.0, 0.0
+    new_rank = sum(ranks) if method == "concat" else rank
+    if method == "delta" and (not isinstance(new_rank, int) or new_rank < 1):
+        raise MergeError(f"--method delta needs --rank R >= 1, got {rank!r}")
+    for module in first.modules():
+        A = np.concatenate([a.tensors[f"{module}.lora_a"] for a in adapters], axis=1)
+        B = np.concatenate(
+            [w * a.scale * a.tensors[f"{module}.lora_b"] for w, a in zip(weights, adapters,
+                                                                         strict=True)],
+            axis=0,
+        )  # fmt: skip
+        if method == "concat":  # scale * A @ (B / scale) is the average exactly
+            out[f"{module}.lora_a"], out[f"{module}.lora_b"] = A, B / scale
+            continue
+        # delta: A @ B = Qa (Ra Rb^T) Qb^T; the SVD of the small core gives the best rank R
+        Qa, Ra = np.linalg.qr(A)
+        Qb, Rb = np.linalg.qr(B.T)
+        U, S, Vt = np.linalg.svd(Ra @ Rb.T)
+        r = min(new_rank, len(S))
+        root = np.sqrt(S[:r])
+        a_new = np.zeros((A.shape[0], new_rank))
+        b_new = np.zeros((new_rank, B.shape[1]))
+        a_new[:, :r] = (Qa @ U[:, :r]) * root
+        b_new[:r] = (root[:, None] * (Vt[:r] @ Qb.T)) / scale
+        out[f"{module}.lora_a"], out[f"{module}.lora_b"] = a_new, b_new
+        energy, left = float(np.sum(S**2)), float(np.sum(S[r:] ** 2))
+        total, lost = total + energy, lost + left
+        if energy > 0:
+            report["max_relative_error"] = max(report["max_relative_error"], (left / energy) ** 0.5)
+    if method == "delta" and total > 0:
+        report["relative_error"] = (lost / total) ** 0.5
+    return _float32(out), new_rank, scale, report
+
+
+def _float32(tensors: dict[str, np.ndarray]) -> dict[str, mx.array]:
+    return {n: mx.array(x.astype(np.float32)) for n, x in sorted(tensors.items())}
+
+
+def merged_config(adapters, method, weights, rank, scale, report) -> dict:
+    """The merged adapter's config: the first's, with the new rank, scale and layer keys, the
+    tokens of all, and where it came from."""
+    config = dict(adapters[0].config)
+    if rank is not None:
+        lora = dict(config.get("lora_parameters") or {})
+        lora.update(rank=rank, scale=scale)
+        config["lora_parameters"] = lora
+        config["alpha"] = scale * rank
+    tokens = [a.config.get("tokens_trained") for a in adapters]
+    if all(isinstance(t, int) for t in tokens):
+        config["tokens_trained"] = sum(tokens)
+    config["merged_from"] = [
+        {"path": a.path, "weight": float(w)} for a, w in zip(adapters, weights, strict=True)
+    ]
+    config["merge_method"] = method
+    if method == "delta":
+        config["merge_relative_error"] = report["relative_error"]
+    return config

@@ -253,8 +253,9 @@ class Step:
     shapes (segments and windows of fixed lengths), so they are traced a few times, not per
     step."""
 
-    def __init__(self, model: Model, optimizer, cfg: TrainConfig):
+    def __init__(self, model: Model, optimizer, cfg: TrainConfig, group=None):
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
+        self.group = group if group is not None and group.size() > 1 else None
         grad_fn = nn.value_and_grad(model, self._loss_sum)
         state = [model.state, optimizer.state, mx.random.state]
         carry = cfg.carry_state
@@ -312,6 +313,8 @@ class Step:
             grads = g if grads is None else _added(grads, g)
             total_loss += loss
             total_count += count
+        if self.group is not None:  # data parallel: sums over every rank's tokens
+            grads, total_loss, total_count = all_sum((grads, total_loss, total_count), self.group)
         norm = _global_norm(grads) / mx.maximum(total_count, 1)  # of the mean's gradient
         mx.eval(total_loss, total_count, grads, norm)
         loss_value, count_value, norm_value = float(total_loss), int(total_count), norm.item()
@@ -322,6 +325,32 @@ class Step:
         self.apply_update(grads, mx.array(count_value))
         mx.eval(self.model.parameters(), self.optimizer.state)
         return loss_value, count_value, norm_value
+
+
+def all_sum(tree, group):
+    """Every array of ``tree`` summed over the ranks of ``group``, in one collective (the
+    leaves flattened into one float32 vector and split again)."""
+    # in the order of the names: ranks may hold equal trees built in another order (an
+    # optimizer state read from a checkpoint, one made fresh)
+    leaves = sorted(tree_flatten(tree), key=lambda item: item[0])
+    arrays = [mx.array(v) if not isinstance(v, mx.array) else v for _, v in leaves]
+    flat = mx.concatenate([a.astype(mx.float32).reshape(-1) for a in arrays])
+    summed = mx.distributed.all_sum(flat, group=group)
+    parts, start = {}, 0
+    for (name, _), a in zip(leaves, arrays, strict=True):
+        parts[name] = summed[start : start + a.size].reshape(a.shape).astype(a.dtype)
+        start += a.size
+    return tree_unflatten([(name, parts[name]) for name, _ in tree_flatten(tree)])
+
+
+def broadcast(tree, group):
+    """``tree`` as rank 0 of ``group`` holds it, on every rank (an all-sum of rank 0's values
+    and everybody else's zeros): a resumed run's state reaches the other Macs without files."""
+    if group is None or group.size() == 1:
+        return tree
+    if group.rank() != 0:
+        tree = tree_unflatten([(k, mx.zeros_like(v)) for k, v in tree_flatten(tree)])
+    return all_sum(tree, group)
 
 
 def _scaled(tree, factor):
@@ -458,6 +487,7 @@ class Run:
         self.optimizer, self.schedule = optimizer, schedule
         self.step, self.tokens = 0, 0
         self.position = {"epoch": 0, "batch": 0}
+        self.lead = True  # rank 0 of a data-parallel run (or the only one): it writes
         self.validated = None  # (step, validation loss) of the latest --val-every validation
 
     def adapter_config(self) -> dict:
@@ -564,7 +594,10 @@ def train(cfg: TrainConfig) -> Path:
         if not getattr(cfg, name):
             raise TrainError(f"--{name} is required")
     out = Path(cfg.output)
-    _check_output(out, cfg.resume)
+    group = _group()
+    lead = group is None or group.rank() == 0  # the rank that reads and writes files
+    if lead:
+        _check_output(out, cfg.resume)
     mlx_rwkvx.configure()
     mx.random.seed(cfg.seed)
     model, tokenizer, base, paths = build(cfg)
@@ -577,44 +610,88 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.max_seq_len is None:
         cfg.max_seq_len = 256 if "qwen2" in family else 512  # rfa_train / rx_train
     vocab = model.config.vocab_size
-    train_examples = _examples(cfg, tokenizer, vocab)
-    val_examples = _validation(cfg, tokenizer, vocab)
-    if cfg.val_every and not val_examples:
+    train_examples = _shard(_examples(cfg, tokenizer, vocab), group)
+    val_examples = _validation(cfg, tokenizer, vocab) if lead else []
+    if cfg.val_every and not val_examples and lead:
         print(f"--val-every {cfg.val_every}: no validation data (--val-data, or valid.jsonl or "
               "valid.bin in the --data folder): no validation loss", file=sys.stderr)  # fmt: skip
-    test_examples = _test_split(cfg, tokenizer, vocab)  # read now: bad data stops the start
+    # read now: bad data stops the start
+    test_examples = _test_split(cfg, tokenizer, vocab) if lead else []
     per_epoch = max(1, data_mod.count_batches(train_examples, cfg.batch_size) // cfg.grad_accum)
+    if group is not None:  # every rank runs the same steps (one with fewer would hang the rest)
+        per_epoch = int(mx.distributed.all_min(mx.array(per_epoch), group=group).item())
     total = cfg.iters or cfg.epochs * per_epoch
     optimizer, schedule = make_optimizer(cfg, total)
     run = Run(cfg, model, tokenizer, base, paths, optimizer, schedule)
+    run.lead = lead
     if cfg.resume:
-        step = newest_checkpoint(out)
-        if step is None:
-            raise TrainError(f"--output {out}: no complete checkpoint to resume from")
         optimizer.init(model.trainable_parameters())
-        load_checkpoint(out, step, run)
-    out.mkdir(parents=True, exist_ok=True)
-    _keep_metrics(out / METRICS, run.step)
-    print(
+        if lead:
+            step = newest_checkpoint(out)
+            if step is None:
+                raise TrainError(f"--output {out}: no complete checkpoint to resume from")
+            load_checkpoint(out, step, run)
+    if group is not None:  # every rank starts from rank 0's parameters (and checkpoint)
+        _broadcast_run(run, group)
+    say = print if lead else (lambda *a, **k: None)
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        _keep_metrics(out / METRICS, run.step)
+    ranks = f", {group.size()} ranks (data parallel)" if group is not None else ""
+    say(
         f"{cfg.mode}: {trainable_count(model):,} trainable parameters "
-        f"({len(paths)} tensors or layers), {len(train_examples)} examples, {total} steps"
+        f"({len(paths)} tensors or layers), {len(train_examples)} examples{ranks}, {total} steps"
         + (f", resuming at step {run.step}" if cfg.resume else "")
     )
-    if cfg.carry_state:
+    if cfg.carry_state and lead:
         longest = max(len(e) for e in train_examples) - 1
         print(
             f"carry-state: texts of up to {longest:,} tokens, in segments of {cfg.max_seq_len} "
             f"(at most {-(-longest // cfg.max_seq_len)} a text); attention KV window "
             f"{cfg.max_cache} tokens"
         )
-    step_fn = Step(model, optimizer, cfg)
+    step_fn = Step(model, optimizer, cfg, group)
     stop = _Interrupt()
     try:
         _loop(run, step_fn, train_examples, val_examples, total, out, stop)
     finally:
         stop.restore()
-    _finish(run, val_examples, test_examples, out)
+    if lead:
+        _finish(run, val_examples, test_examples, out)
     return out
+
+
+def _group():
+    """The data-parallel group when launched by ``mlx.launch`` on several ranks, else None."""
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def _shard(examples, group):
+    """Rank r's share of the examples: every size-th from r, the remainder of the division
+    left out, so that every rank has as many (and so as many batches and steps)."""
+    if group is None:
+        return examples
+    size = group.size()
+    keep = len(examples) // size * size
+    if keep == 0:
+        raise TrainError(f"{len(examples)} training examples for {size} ranks: too few to shard")
+    return examples[group.rank() : keep : size]
+
+
+def _broadcast_run(run, group) -> None:
+    """Rank 0's trainable parameters, optimizer state, step, tokens and data position on
+    every rank."""
+    run.model.update(broadcast(run.model.trainable_parameters(), group))
+    if run.optimizer.state:
+        run.optimizer.state = broadcast(run.optimizer.state, group)
+    pos = run.position
+    counters = mx.array([run.step, run.tokens, pos["epoch"], pos["batch"]], dtype=mx.int32)
+    step, tokens, epoch, batch = broadcast(counters, group).tolist()
+    run.step, run.tokens, run.position = step, tokens, {"epoch": epoch, "batch": batch}
+    mx.eval(run.model.parameters(), run.optimizer.state)
 
 
 def _test_split(cfg, tokenizer, vocab):
@@ -694,11 +771,13 @@ def _micro_batches(run, examples):
 
 
 def _loop(run, step_fn, examples, val_examples, total, out, stop):
-    cfg = run.cfg
-    metrics = open(out / METRICS, "a")  # noqa: SIM115 (closed below, flushed every line)
+    cfg, lead = run.cfg, run.lead
+    # only rank 0 (the lead) writes: the other ranks' metrics go nowhere
+    metrics = open(out / METRICS if lead else os.devnull, "a")  # noqa: SIM115 (closed below)
     stream = _micro_batches(run, examples)
     started, seen = time.perf_counter(), 0
-    bar = tqdm(total=total, initial=run.step, unit="step", dynamic_ncols=True, leave=False)
+    bar = tqdm(total=total, initial=run.step, unit="step", dynamic_ncols=True, leave=False,
+               disable=not lead)  # fmt: skip
     try:
         while run.step < total:
             batch = [next(stream) for _ in range(cfg.grad_accum)]
@@ -719,20 +798,20 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
             _crash_point("step", run.step)
             record = {"step": run.step, "loss": loss / max(count, 1), "grad_norm": norm,
                       "lr": lr, "tokens": run.tokens}  # fmt: skip
-            if run.step % cfg.log_every == 0 or run.step == total:
+            if lead and (run.step % cfg.log_every == 0 or run.step == total):
                 record["tokens_per_s"] = seen / max(time.perf_counter() - started, 1e-9)
                 record["peak_memory_gb"] = mx.get_peak_memory() / 1e9
                 bar.write(
                     f"step {run.step}/{total}: loss {record['loss']:.4f}, lr {lr:.2e}, "
                     f"{record['tokens_per_s']:.0f} tok/s, peak {record['peak_memory_gb']:.2f} GB"
                 )
-            if val_examples and cfg.val_every and run.step % cfg.val_every == 0:
+            if lead and val_examples and cfg.val_every and run.step % cfg.val_every == 0:
                 record["val_loss"] = _evaluate(run, val_examples, cfg.val_batches)
                 run.validated = (run.step, record["val_loss"])
                 bar.write(f"step {run.step}: validation loss {record['val_loss']:.4f}")
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-            if run.step % cfg.save_every == 0 or stop.requested:
+            if lead and (run.step % cfg.save_every == 0 or stop.requested):
                 save_checkpoint(out, run)
             if stop.requested:
                 bar.write(f"interrupted: saved checkpoint_{run.step}", file=sys.stderr)

@@ -64,7 +64,11 @@ class TrainConfig:
     )
     max_cache: int = opt("with --carry-state: the attention blocks' KV cache keeps the last N "
                          "tokens (a sliding window; default: 2048, the seeds')")  # fmt: skip
-    batch_size: int = opt("examples per step", default=1)
+    batch_size: int = opt("examples per step (with --parallel: per shard)", default=1)
+    parallel: int = opt("LoRA only: split the data into N equal shards and train N adapters at "
+                        "once from one init (one batched forward), saved as thread_<i> and "
+                        "averaged (FedAvg) into adapter_final (rfa_train's --parallel)",
+                        default=1)  # fmt: skip
     grad_accum: int = opt("micro-batches per step", "grad_accumulation_steps", default=1)
     warmup: int = opt("linear warm-up steps (default: 100; state tuning 10)")
     save_every: int = opt("checkpoint every N steps", default=1000)
@@ -127,7 +131,7 @@ _RANGES = [
     ("grad_accum", 1, True), ("warmup", 0, True), ("save_every", 1, True),
     ("log_every", 1, True), ("val_every", 0, True), ("grad_clip", 0, True),
     ("num_layers", 1, True), ("val_batches", 1, True), ("test_batches", 1, True),
-    ("max_cache", 1, True),
+    ("max_cache", 1, True), ("parallel", 1, True),
 ]  # fmt: skip
 _MINUS_ONE_IS_ALL = ("num_layers", "val_batches", "test_batches")  # mlx-lm's convention
 
@@ -158,6 +162,10 @@ def _check(cfg: TrainConfig) -> None:
     if cfg.mode == "state" and (cfg.lora_targets or cfg.num_layers is not None):
         raise ValueError("--mode state trains every RWKV block's state: no --lora-targets or "
                          "--num-layers")  # fmt: skip
+    if cfg.parallel > 1 and cfg.mode != "lora":
+        raise ValueError(f"--parallel trains LoRA adapters: not --mode {cfg.mode}")
+    if cfg.parallel > 1 and cfg.carry_state:
+        raise ValueError("--parallel and --carry-state do not go together")
     if cfg.max_cache is not None and not cfg.carry_state:
         raise ValueError("--max-cache sets the KV window of --carry-state: it needs --carry-state")
     if cfg.mode == "pretrain" and cfg.dtype:

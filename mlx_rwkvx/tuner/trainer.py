@@ -34,6 +34,7 @@ from mlx_rwkvx.models import Model, ModelConfig, preset
 from mlx_rwkvx.models.config import PRESETS
 from mlx_rwkvx.ops import cross_entropy_head, prepare
 from mlx_rwkvx.tuner import data as data_mod
+from mlx_rwkvx.tuner import parallel as par
 from mlx_rwkvx.tuner.adapters import (
     ADAPTER_CONFIG,
     FINAL_ADAPTER,
@@ -45,6 +46,7 @@ from mlx_rwkvx.tuner.adapters import (
     enable_state_tuning,
     fingerprint,
     save_adapter,
+    save_adapter_tensors,
     target_paths,
     trainable_count,
 )
@@ -150,6 +152,8 @@ def build(cfg: TrainConfig):
                 dropout=cfg.lora_dropout,
                 dora=cfg.mode == "dora",
             )
+            if cfg.parallel > 1:
+                par.stack_adapters(model, cfg.parallel)
         elif cfg.mode == "state":
             paths = enable_state_tuning(model)
         else:
@@ -256,6 +260,7 @@ class Step:
     def __init__(self, model: Model, optimizer, cfg: TrainConfig, group=None):
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
         self.group = group if group is not None and group.size() > 1 else None
+        self.shards = cfg.parallel  # --parallel: N adapters side by side, a loss each
         grad_fn = nn.value_and_grad(model, self._loss_sum)
         state = [model.state, optimizer.state, mx.random.state]
         carry = cfg.carry_state
@@ -269,6 +274,10 @@ class Step:
             return loss, count, grads, after
 
         def update(grads, count):
+            if self.shards > 1:  # each adapter its own mean and its own clipping
+                grads, _ = par.per_shard(grads, count, cfg.grad_clip)
+                optimizer.update(model, grads)
+                return
             grads = _scaled(grads, 1.0 / mx.maximum(count, 1).astype(mx.float32))
             if cfg.grad_clip > 0:
                 grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
@@ -279,7 +288,19 @@ class Step:
         self.apply_update = mx.compile(update, inputs=state, outputs=state)
 
     def _loss_sum(self, model, inputs, targets, before):
-        return segment_loss(model, inputs, targets, before, self.cfg.grad_checkpoint)
+        if self.shards == 1:
+            return segment_loss(model, inputs, targets, before, self.cfg.grad_checkpoint)
+        # --parallel: rows shard after shard; the summed losses and each shard's token count
+        h, _ = model.hidden(inputs, None, checkpoint=self.cfg.grad_checkpoint)
+        rows = inputs.shape[0] // self.shards
+        total, counts = 0.0, []
+        for i in range(self.shards):
+            part = slice(i * rows, (i + 1) * rows)
+            loss, count = cross_entropy_head(
+                h[part], targets=targets[part], ignore_index=data_mod.IGNORE_INDEX, **_head(model)
+            )
+            total, counts = total + loss, counts + [count]
+        return total, mx.stack(counts), None
 
     def loss_and_grad(self, inputs: mx.array, targets: mx.array):
         """(summed loss, trained tokens, gradients of the sum) of one micro-batch, segment by
@@ -315,14 +336,18 @@ class Step:
             total_count += count
         if self.group is not None:  # data parallel: sums over every rank's tokens
             grads, total_loss, total_count = all_sum((grads, total_loss, total_count), self.group)
-        norm = _global_norm(grads) / mx.maximum(total_count, 1)  # of the mean's gradient
+        if self.shards > 1:  # the largest of the adapters' gradient norms
+            norm = mx.max(par.per_shard(grads, total_count, 0)[1])
+        else:
+            norm = _global_norm(grads) / mx.maximum(total_count, 1)  # of the mean's gradient
         mx.eval(total_loss, total_count, grads, norm)
-        loss_value, count_value, norm_value = float(total_loss), int(total_count), norm.item()
+        loss_value, norm_value = float(total_loss), norm.item()
+        count_value = int(mx.sum(total_count).item())
         if not math.isfinite(loss_value):
             raise NonFinite(f"the loss is {loss_value}")
         if not math.isfinite(norm_value):
             raise NonFinite(f"the gradient norm is {norm_value}")
-        self.apply_update(grads, mx.array(count_value))
+        self.apply_update(grads, total_count)
         mx.eval(self.model.parameters(), self.optimizer.state)
         return loss_value, count_value, norm_value
 
@@ -408,7 +433,7 @@ def trained_tensors(model: Model, mode: str) -> dict[str, mx.array]:
 # resumes only with the ones it was started with
 RESUME_FIXED = ("mode", "lora_rank", "lora_alpha", "lora_targets", "num_layers", "quantize",
                 "dtype", "init", "sql", "skip_bad", "mask_prompt", "max_seq_len", "batch_size",
-                "grad_accum", "seed", "carry_state", "max_cache")  # fmt: skip
+                "grad_accum", "seed", "carry_state", "max_cache", "parallel")  # fmt: skip
 
 
 def save_checkpoint(out: Path, run) -> None:
@@ -610,14 +635,22 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.max_seq_len is None:
         cfg.max_seq_len = 256 if "qwen2" in family else 512  # rfa_train / rx_train
     vocab = model.config.vocab_size
+    if group is not None and cfg.parallel > 1:
+        raise TrainError("--parallel trains N adapters in one process: not under mlx.launch")
     train_examples = _shard(_examples(cfg, tokenizer, vocab), group)
+    if cfg.parallel > 1:
+        try:
+            shards = par.equal_shards(train_examples, cfg.parallel)
+        except ValueError as e:
+            raise TrainError(str(e)) from e
     val_examples = _validation(cfg, tokenizer, vocab) if lead else []
     if cfg.val_every and not val_examples and lead:
         print(f"--val-every {cfg.val_every}: no validation data (--val-data, or valid.jsonl or "
               "valid.bin in the --data folder): no validation loss", file=sys.stderr)  # fmt: skip
     # read now: bad data stops the start
     test_examples = _test_split(cfg, tokenizer, vocab) if lead else []
-    per_epoch = max(1, data_mod.count_batches(train_examples, cfg.batch_size) // cfg.grad_accum)
+    per_shard = shards[0] if cfg.parallel > 1 else train_examples
+    per_epoch = max(1, data_mod.count_batches(per_shard, cfg.batch_size) // cfg.grad_accum)
     if group is not None:  # every rank runs the same steps (one with fewer would hang the rest)
         per_epoch = int(mx.distributed.all_min(mx.array(per_epoch), group=group).item())
     total = cfg.iters or cfg.epochs * per_epoch
@@ -638,6 +671,8 @@ def train(cfg: TrainConfig) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         _keep_metrics(out / METRICS, run.step)
     ranks = f", {group.size()} ranks (data parallel)" if group is not None else ""
+    if cfg.parallel > 1:
+        ranks = f", {cfg.parallel} shards of {len(per_shard)} trained at once"
     say(
         f"{cfg.mode}: {trainable_count(model):,} trainable parameters "
         f"({len(paths)} tensors or layers), {len(train_examples)} examples{ranks}, {total} steps"
@@ -653,7 +688,8 @@ def train(cfg: TrainConfig) -> Path:
     step_fn = Step(model, optimizer, cfg, group)
     stop = _Interrupt()
     try:
-        _loop(run, step_fn, train_examples, val_examples, total, out, stop)
+        data = shards if cfg.parallel > 1 else train_examples
+        _loop(run, step_fn, data, val_examples, total, out, stop)
     finally:
         stop.restore()
     if lead:
@@ -751,23 +787,40 @@ class _Interrupt:
 
 
 def _micro_batches(run, examples):
-    """Micro-batches from the run's data position on, epoch after epoch."""
+    """Micro-batches from the run's data position on, epoch after epoch; with --parallel
+    (``examples`` a list of shards) each is the shards' batches, one after the other."""
     cfg = run.cfg
+    shards = examples if cfg.parallel > 1 else [examples]
     while True:
         epoch, start = run.position["epoch"], run.position["batch"]
-        for i, batch in enumerate(
+        streams = [
             data_mod.batches(
-                examples,
+                shard,
                 batch_size=cfg.batch_size,
                 seed=cfg.seed,
                 epoch=epoch,
                 start=start,
                 pad_to_multiple=PAD_MULTIPLE,
             )
-        ):
+            for shard in shards
+        ]
+        # equal shards: equally many batches (strict=False: zip stops with the shortest)
+        for i, parts in enumerate(zip(*streams, strict=False)):
             run.position = {"epoch": epoch, "batch": start + i + 1}
-            yield batch
+            yield parts[0] if len(parts) == 1 else _side_by_side(parts, cfg.batch_size)
         run.position = {"epoch": epoch + 1, "batch": 0}
+
+
+def _side_by_side(parts, rows: int):
+    """The shards' batches as one: each padded to ``rows`` rows and the longest length (rows
+    and columns that the loss skips; a recurrent row's padding after it changes nothing)."""
+    T = max(x.shape[1] for x, _ in parts)
+    inputs = np.zeros((len(parts) * rows, T), dtype=np.int32)
+    targets = np.full((len(parts) * rows, T), data_mod.IGNORE_INDEX, dtype=np.int32)
+    for i, (x, y) in enumerate(parts):
+        inputs[i * rows : i * rows + x.shape[0], : x.shape[1]] = x
+        targets[i * rows : i * rows + y.shape[0], : y.shape[1]] = y
+    return inputs, targets
 
 
 def _loop(run, step_fn, examples, val_examples, total, out, stop):
@@ -823,6 +876,12 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
 
 def _evaluate(run, examples, max_batches) -> float:
     cfg = run.cfg
+    if cfg.parallel > 1:  # the adapters' average: what adapter_final will be
+        par.set_merged(run.model, True)
+        try:
+            return evaluate(run.model, examples, cfg.batch_size, max_batches)
+        finally:
+            par.set_merged(run.model, False)
     if not cfg.carry_state:
         return evaluate(run.model, examples, cfg.batch_size, max_batches)
     return evaluate(run.model, examples, cfg.batch_size, max_batches, cfg.max_seq_len,
@@ -846,7 +905,19 @@ def _finish(run, val_examples, test_examples, out: Path) -> None:
     if final:
         with open(out / METRICS, "a") as f:
             f.write(json.dumps({"step": run.step, **final}) + "\n")
-    if cfg.mode in ("lora", "dora", "state"):
+    if cfg.parallel > 1:  # rfa_train's outputs: thread_<i> and their FedAvg
+        config = run.adapter_config()
+        stacked = adapter_tensors(run.model)
+        for i in range(cfg.parallel):
+            thread = {**config, "parallel": cfg.parallel, "thread": i,
+                      "tokens_trained": None}  # fmt: skip
+            save_adapter_tensors(out / f"thread_{i}.safetensors", par.shard_tensors(stacked, i),
+                                 thread)  # fmt: skip
+        save_adapter_tensors(out / FINAL_ADAPTER, par.averaged(stacked), config)
+        with atomic_target(str(out / ADAPTER_CONFIG), folder=False) as tmp:
+            save_text(tmp, json.dumps({**config, "train": asdict(cfg)}, indent=2))
+        print(f"wrote {out / FINAL_ADAPTER} (the FedAvg of thread_0..{cfg.parallel - 1})")
+    elif cfg.mode in ("lora", "dora", "state"):
         config = run.adapter_config()
         save_adapter(out / FINAL_ADAPTER, run.model, config)
         with atomic_target(str(out / ADAPTER_CONFIG), folder=False) as tmp:

@@ -1,0 +1,112 @@
+"""``train --parallel N``: N adapters from one init, each on its equal shard of the data, in one
+batched forward, equal to N separate runs on the shards; thread_<i> and their FedAvg written;
+what it does not go with is one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx_rwkvx
+from mlx_rwkvx.models import Model, preset
+from mlx_rwkvx.tuner.adapters import read_adapter
+from mlx_rwkvx.tuner.config import TrainConfig
+from mlx_rwkvx.tuner.trainer import TrainError, train
+
+import numpy as np
+import pytest
+
+FACTS = [f"{a}+{b}={a + b}" for a in range(1, 6) for b in range(1, 4)]  # 15: shards of 7
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel")
+    mlx_rwkvx.save(Model(preset("rwkv-x-tiny"), seed=0), root / "base")
+    # lengths differ within and across shards: batches of other T are padded side by side
+    lines = [json.dumps({"prompt": f[:4], "completion": f[4:] + "!" * (i % 4)})
+             for i, f in enumerate(FACTS)]  # fmt: skip
+    (root / "all.jsonl").write_text("\n".join(lines) + "\n")
+    for i in range(2):
+        (root / f"shard{i}.jsonl").write_text("\n".join(lines[i * 7 : (i + 1) * 7]) + "\n")
+    return root
+
+
+def cfg(ws: Path, data: str, out: Path, **kw) -> TrainConfig:
+    fields = dict(
+        model=str(ws / "base"),
+        data=str(ws / data),
+        output=str(out),
+        lora_rank=4,
+        lora_alpha=8,
+        batch_size=3,
+        lr=2e-2,
+        warmup=1,
+        iters=6,
+        save_every=100,
+        grad_clip=0.05,
+    )  # a small clip: each shard's own clipping matters
+    fields.update(kw)
+    return TrainConfig(**fields)
+
+
+def tensors(path) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in read_adapter(path)[1].items()}
+
+
+def test_parallel_equals_separate_runs(workspace, tmp_path):
+    out = train(cfg(workspace, "all.jsonl", tmp_path / "par", parallel=2))
+    threads = [tensors(out / f"thread_{i}.safetensors") for i in range(2)]
+    for i in range(2):
+        alone = train(cfg(workspace, f"shard{i}.jsonl", tmp_path / f"alone{i}"))
+        ref = tensors(alone / "adapter_final.safetensors")
+        assert sorted(ref) == sorted(threads[i])
+        for name, x in ref.items():
+            err = np.linalg.norm(threads[i][name] - x) / max(np.linalg.norm(x), 1e-12)
+            assert err <= 1e-5, (i, name, err)
+    final = tensors(out / "adapter_final.safetensors")
+    for name in final:
+        assert np.allclose(final[name], (threads[0][name] + threads[1][name]) / 2, atol=1e-7)
+    assert not np.allclose(threads[0][next(iter(final))], threads[1][next(iter(final))])
+    config, _ = read_adapter(out / "thread_1.safetensors")
+    assert (config["parallel"], config["thread"], config["lora_parameters"]["rank"]) == (2, 1, 4)
+    # the average loads as any adapter
+    model, _ = mlx_rwkvx.load(workspace / "base", adapter=out / "adapter_final.safetensors")
+    assert model is not None
+
+
+def test_parallel_resumes_after_a_kill(workspace, tmp_path):
+    whole = train(cfg(workspace, "all.jsonl", tmp_path / "whole", parallel=2, save_every=3))
+    cut = cfg(workspace, "all.jsonl", tmp_path / "cut", parallel=2, save_every=3)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(cut).items()
+             if v is not None and not isinstance(v, bool)]  # fmt: skip
+    killed = subprocess.run([sys.executable, "-m", "mlx_rwkvx.train", *flags], timeout=300,
+                            capture_output=True, env={**os.environ,
+                                                      "MLX_RWKVX_CRASH_AT": "step:5"})  # fmt: skip
+    assert killed.returncode == -9, killed.stderr
+    assert (tmp_path / "cut" / "checkpoint_3.json").exists()
+    resumed = train(dataclasses.replace(cut, resume=True))
+    for i in range(2):
+        a = tensors(whole / f"thread_{i}.safetensors")
+        b = tensors(resumed / f"thread_{i}.safetensors")
+        for name in a:
+            assert np.allclose(a[name], b[name], rtol=1e-6, atol=1e-8), name
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(mode="dora"), "--parallel trains LoRA adapters"),
+        (dict(carry_state=True), "--parallel and --carry-state"),
+        (dict(parallel=20), "cannot make 20 shards"),
+        (dict(parallel=0), "parallel must be"),
+    ],
+)
+def test_parallel_refusals(workspace, tmp_path, kw, message):
+    with pytest.raises(TrainError, match=message):
+        train(cfg(workspace, "all.jsonl", tmp_path / "x", **{"parallel": 2, **kw}))
+    assert not (tmp_path / "x").exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,54 @@ def test_parallel_refusals(workspace, tmp_path, kw, message):
     with pytest.raises(TrainError, match=message):
         train(cfg(workspace, "all.jsonl", tmp_path / "x", **{"parallel": 2, **kw}))
     assert not (tmp_path / "x").exists()
+
+
+def test_the_seeds_cross_machine_recipe(workspace, tmp_path):
+    # pretokenize --split-weights 6,2; each part trained with --parallel and --quantize (two
+    # Macs); the two adapters merged; the result chats
+    def run(module, *args):
+        out = subprocess.run([sys.executable, "-m", f"mlx_rwkvx.{module}", *map(str, args)],
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    text = "\n".join(json.dumps({"text": f}) for f in FACTS * 4) + "\n"
+    (tmp_path / "chats.jsonl").write_text(text)
+    run("pretokenize", "--tokenizer", "bytes", "--data", tmp_path / "chats.jsonl", "--output",
+        tmp_path / "chats.bin", "--max-seq-len", 64, "--split-weights", "6,2")  # fmt: skip
+    parts = [tmp_path / "chats_0.bin", tmp_path / "chats_1.bin"]
+    for mac, part in zip(("m4", "m3"), parts, strict=True):
+        run(
+            "train",
+            "--model",
+            workspace / "base",
+            "--data",
+            part,
+            "--output",
+            tmp_path / mac,
+            "--parallel",
+            2,
+            "--quantize",
+            "--lora-rank",
+            4,
+            "--epochs",
+            1,
+            "--batch-size",
+            2,
+        )
+    said = run("merge", "--output", tmp_path / "merged.safetensors", tmp_path / "m4",
+               tmp_path / "m3", "--weights", "auto")  # fmt: skip
+    weights = re.search(r"by fedavg, weights ([\d.]+), ([\d.]+)", said)
+    assert 0.7 <= float(weights.group(1)) <= 0.8, said  # by tokens: the 6:2 split
+    answer = run(
+        "generate",
+        "--model",
+        workspace / "base",
+        "--adapter",
+        tmp_path / "merged.safetensors",
+        "--prompt",
+        "1+2=",
+        "--max-tokens",
+        4,
+    )
+    assert len(answer) > 1

@@ -1719,6 +1719,139 @@ def render_generate(r: dict) -> list[str]:
     return lines + [""] + goal_lines(goals)
 
 
+PARALLEL = {
+    "full": dict(layers=4, C=256, vocab=4096, T=512, batch=4, shards=4, rank=32, steps=3),
+    "quick": dict(layers=2, C=64, vocab=256, T=32, batch=2, shards=4, rank=4, steps=2),
+}
+
+
+def _lora_model(p: dict, shards: int = 1):
+    from mlx_rwkvx.models import Model, ModelConfig
+    from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
+    from mlx_rwkvx.tuner.parallel import stack_adapters
+
+    cfg = ModelConfig(
+        vocab_size=p["vocab"], hidden_size=p["C"], block_types=["rwkv7"] * p["layers"]
+    )
+    mx.random.seed(0)
+    model = Model(cfg, seed=0)
+    apply_lora(model, target_paths(model, "rwkv"), rank=p["rank"], alpha=2.0 * p["rank"])
+    if shards > 1:
+        stack_adapters(model, shards)
+    return model
+
+
+def _lora_step(model, shards: int = 1, group=None):
+    from mlx_rwkvx.tuner.config import TrainConfig
+    from mlx_rwkvx.tuner.trainer import Step, make_optimizer
+
+    cfg = TrainConfig(mode="lora", lr=1e-3, warmup=0, parallel=shards).resolved()
+    return Step(model, make_optimizer(cfg, 100)[0], cfg, group)
+
+
+def _shard_rows(p: dict, shard: int):
+    rng = np.random.default_rng(shard)
+    tokens = rng.integers(0, p["vocab"], (p["batch"], p["T"] + 1)).astype(np.int32)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def measure_parallel(quick: bool = False) -> dict:
+    """--parallel N (one batched step of N stacked adapters) against one shard's step, verified
+    first; and 2-rank data parallel on localhost (mlx.launch), its all-reduce's share."""
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    p = _sizes(PARALLEL, quick)
+    n = p["shards"]
+    rows = [_shard_rows(p, i) for i in range(n)]
+    # verify: after one step, the stacked adapter of shard 0 is a single run's on shard 0
+    single, stacked = _lora_model(p), _lora_model(p, n)
+    _lora_step(single)([rows[0]])
+    together = (np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows]))
+    _lora_step(stacked, n)([together])
+    a = dict(tree_flatten(single.trainable_parameters()))
+    b = dict(tree_flatten(stacked.trainable_parameters()))
+    err = max(rel_err(b[k][0], a[k]) for k in a if k.endswith("lora_b"))
+    if not err <= 1e-5:
+        raise VerificationFailed(f"--parallel shard 0 vs one run after a step: {err:.1e}")
+    del single, stacked
+    one_step = _lora_step(_lora_model(p))
+    t_one = _time_steps(lambda: one_step([rows[0]]), p["steps"])
+    par_step = _lora_step(_lora_model(p, n), n)
+    t_par = _time_steps(lambda: par_step([together]), p["steps"])
+    trainable = sum(v.size for _, v in tree_flatten(_lora_model(p).trainable_parameters()))
+    # 2 ranks on localhost, each its own batch of the single shard's size
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    cmd = [launcher, "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1", "--starting-port",
+           str(40000 + os.getpid() % 20000), "--python", sys.executable, __file__,
+           "_data-parallel-worker", *(["--quick"] if quick else [])]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    ranks = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {"p": p, "verify_error": err, "one_shard_s": t_one, "parallel_s": t_par,
+            "trainable": trainable, "ranks": sorted(ranks, key=lambda r: r["rank"])}  # fmt: skip
+
+
+def data_parallel_worker(quick: bool = False) -> dict:
+    """One rank of 2 under mlx.launch: LoRA steps on its batch, and the gradient all-sum alone
+    (the same bytes) to time its share of a step."""
+    from mlx_rwkvx.tuner.trainer import _group, all_sum
+
+    from mlx.utils import tree_flatten
+
+    p = _sizes(PARALLEL, quick)
+    group = _group()
+    model = _lora_model(p)
+    step = _lora_step(model, group=group)
+    batch = [_shard_rows(p, group.rank())]
+    t_step = _time_steps(lambda: step(batch), p["steps"])
+    grads = model.trainable_parameters()
+    nbytes = sum(v.size * 4 for _, v in tree_flatten(grads))
+
+    def reduce():
+        mx.eval(all_sum(grads, group))
+
+    t_reduce = best_time(reduce, repeats=5)
+    return {"rank": group.rank(), "step_s": t_step, "all_sum_s": t_reduce, "bytes": nbytes,
+            "tokens": p["batch"] * p["T"]}  # fmt: skip
+
+
+def render_parallel(r: dict) -> list[str]:
+    p, n = r["p"], r["p"]["shards"]
+    tokens = p["batch"] * p["T"]
+    one, par = tokens / r["one_shard_s"], n * tokens / r["parallel_s"]
+    lines = [
+        f"LoRA (rank {p['rank']}, the rwkv targets: {r['trainable']:,} trainable parameters a "
+        f"shard) on a {p['layers']}-block C={p['C']} RWKV-7, vocab {p['vocab']}, T={p['T']}, "
+        f"batch {p['batch']} per shard.",
+        "",
+        f"Verified first: after one step, shard 0's adapter of `--parallel {n}` against a run of "
+        f"its own on the same rows, relative error {r['verify_error']:.1e}.",
+        "",
+        "| run | step | tokens/s | vs one shard |",
+        "|---|---|---|---|",
+        f"| one shard | {r['one_shard_s']:.2f} s | {one:.0f} | 1.00 |",
+        f"| --parallel {n} (one batched step) | {r['parallel_s']:.2f} s | {par:.0f} "
+        f"| {par / one:.2f} |",
+        "",
+        "Data parallel, 2 ranks on localhost (mlx.launch, ring backend; both share this "
+        "machine's cores), each a batch of one shard's size:",
+        "",
+        "| rank | step | tokens/s | gradient all-sum | its share of the step | bytes a step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for k in r["ranks"]:
+        lines.append(
+            f"| {k['rank']} | {k['step_s']:.2f} s | {k['tokens'] / k['step_s']:.0f} | "
+            f"{k['all_sum_s'] * 1e3:.1f} ms | {k['all_sum_s'] / k['step_s']:.1%} | "
+            f"{k['bytes'] / 1e6:.1f} MB |"
+        )
+    total = sum(k["tokens"] / k["step_s"] for k in r["ranks"])
+    lines += ["", f"Both ranks together: {total:.0f} tokens/s ({total / one:.2f} x one process "
+              "alone on this machine).", ""]  # fmt: skip
+    return lines + goal_lines([(f"--parallel {n} tokens/s vs one shard", par / one, 2.5, True)])
+
+
 SECTIONS = {
     "blas": (
         measure_blas,
@@ -1738,6 +1871,11 @@ SECTIONS = {
         measure_generate,
         render_generate,
         "time to first token, decode and the second chat turn vs mlx-lm and the bounds",
+    ),
+    "parallel": (
+        measure_parallel,
+        render_parallel,
+        "--parallel N against one shard; 2-rank data parallel on localhost",
     ),
     "train-int8": (
         measure_train_int8,
@@ -1762,6 +1900,9 @@ def main(argv=None) -> None:
     mlx_rwkvx.configure()  # MLX's CPU buffer cache, as the CLIs set it
     if argv and argv[0] == "_matmul-worker":
         print(json.dumps(matmul_worker([int(n) for n in argv[1:]])))
+        return
+    if argv and argv[0] == "_data-parallel-worker":
+        print(json.dumps(data_parallel_worker(quick="--quick" in argv[1:])))
         return
     if argv and argv[0] == "_rfa-int8-worker":
         print(json.dumps(rfa_int8_worker(quick="--quick" in argv[1:])))

@@ -70,13 +70,28 @@ EXPECTED = {
         r"^- INT8 RFA LoRA \(default\) peak resident memory, GB: [\d.]+ \(goal <= 3\)",
         r"^- INT8 RFA LoRA \(--grad-checkpoint\) peak resident memory, GB: [\d.]+ \(goal <= 3\)",
     ],
+    "generate": [
+        r"^Verified first: each generated step's log-probabilities against the full forward",
+        r"^\| mlx_rwkvx \(head on the last position\) \| [\d.]+ s \| [\d.]+ \|$",
+        r"^\| fp32 \| [\d.]+ \| \d+% \| \d+% \|$",
+        r"^\| x @ W.T, compiled \| [\d.]+ \| [\d.]+ \| \d+% \|$",
+        r"^\| RWKV-X 4 blocks C=64 \| \d+ tokens held \| \d+ \|",
+        r"^- fp32 decode / MLX one-row matmuls: [\d.]+ \(goal >= 0.9\)",
+    ],
+    "parallel": [
+        r"^Verified first: after one step, shard 0's adapter of `--parallel 4`",
+        r"^\| --parallel 4 \(one batched step\) \| [\d.]+ s \| \d+ \| [\d.]+ \|$",
+        r"^\| 1 \| [\d.]+ s \| \d+ \| [\d.]+ ms \| [\d.]+% \| [\d.]+ MB \|$",
+        r"^- --parallel 4 tokens/s vs one shard: [\d.]+ \(goal >= 2.5\)",
+    ],
     "loss": [
         r"^Verified first: fused vs dense loss [\d.e+-]+, dh [\d.e+-]+, dW [\d.e+-]+\.$",
         r"^\| fused \| [\d.]+ s \| \d+ MiB \|$",
         r"^- loss\+backward peak memory, dense / fused: [\d.]+ \(goal >= 8\)",
     ],
 }
-GOAL_COUNTS = {"blas": 2, "wkv7": 5, "moba": 4, "models": 5, "loss": 1, "train": 2, "train-int8": 2}
+GOAL_COUNTS = {"blas": 2, "wkv7": 5, "moba": 4, "models": 5, "loss": 1, "train": 2, "train-int8": 2,
+               "generate": 4, "parallel": 1}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,7 @@ def _sampling(cfg: GenerateConfig) -> dict:
     return dict(
         max_tokens=cfg.max_tokens,
         temp=cfg.temp,
-        top_p=cfg.top_p if cfg.top_p < 1 else 0.0,
+        top_p=cfg.top_p if cfg.top_p < 1 else 0.0,  # 1: keep everything, i.e. off
         min_p=cfg.min_p,
         top_k=cfg.top_k,
         repetition_penalty=cfg.repetition_penalty,
@@ -110,14 +110,17 @@ def _sampling(cfg: GenerateConfig) -> dict:
 
 
 def _check(cfg: GenerateConfig) -> None:
+    for name in ("max_tokens", "max_cache", "temp", "top_p", "min_p", "top_k"):
+        if getattr(cfg, name) is None:  # a YAML "name: null"
+            raise UsageError(f"--{name.replace('_', '-')} needs a value")
     for name in ("max_tokens", "max_cache"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("temp", "top_p", "min_p", "top_k"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")
-    if cfg.min_p > 1:
-        raise UsageError("--min-p must be at most 1")
+    if cfg.min_p > 1 or cfg.top_p > 1:
+        raise UsageError("--top-p and --min-p must be at most 1")
     if cfg.repetition_penalty is not None and cfg.repetition_penalty <= 0:
         raise UsageError("--repetition-penalty must be positive")
 
@@ -286,8 +289,12 @@ def _chat_loop(cfg: GenerateConfig, model, tokenizer) -> None:
         if not line:
             continue
         if line.startswith("/"):
-            if not _command(chat, line, screen):
-                return
+            try:
+                if not _command(chat, line, screen):
+                    return
+            except KeyboardInterrupt:  # a slow /save or /load: the chat goes on
+                screen.say("")
+                screen.dim("[stopped]")
             continue
         try:
             _answer(chat, line, screen)

@@ -441,7 +441,7 @@ def chat_format(tokenizer, template: str | None = None) -> ChatFormat:
                     messages, add_generation_prompt=add_generation_prompt, tokenize=False
                 )
 
-            return ChatFormat("tokenizer", render, _im_end_stop(tokenizer))
+            return ChatFormat("tokenizer", render, _im_end_stop(tokenizer, tokenizer.chat_template))
         template = "rwkv"
     if template == "rwkv":
         return ChatFormat("rwkv", rwkv_chat_text, [RWKV_STOP])
@@ -461,17 +461,18 @@ def chat_format(tokenizer, template: str | None = None) -> ChatFormat:
         render([{"role": "user", "content": "hi"}], True)
     except Exception as e:  # jinja2's own errors: a template that does not render
         raise ValueError(f"chat template {template}: does not render ({e})") from e
-    return ChatFormat(os.path.abspath(template), render, _im_end_stop(tokenizer))
+    return ChatFormat(os.path.abspath(template), render, _im_end_stop(tokenizer, text))
 
 
-def _im_end_stop(tokenizer, force: bool = False) -> list[str]:
-    # ChatML turns end with <|im_end|>; a stop string in case it is not one of the eos ids
-    try:
-        ids = tokenizer.encode("<|im_end|>")
-    except ValueError:
-        return ["<|im_end|>"] if force else []
-    eos = getattr(tokenizer, "eos_token_ids", set())
-    return [] if len(ids) == 1 and ids[0] in eos else (["<|im_end|>"] if force else [])
+def _im_end_stop(tokenizer, template: str | None = None, force: bool = False) -> list[str]:
+    """ChatML's turns end with ``<|im_end|>``: a stop string for a template that writes it
+    (or ``force``), unless it is one token and one of the tokenizer's end-of-text ids (a Qwen2
+    base tokenizer ends texts with ``<|endoftext|>``, not ``<|im_end|>``)."""
+    if not force and "<|im_end|>" not in (template or ""):
+        return []
+    ids = tokenizer.encode("<|im_end|>") if tokenizer is not None else []
+    eos = getattr(tokenizer, "eos_token_ids", set()) or set()
+    return [] if len(ids) == 1 and ids[0] in eos else ["<|im_end|>"]
 
 
 # ----- the chat --------------------------------------------------------------------------------
@@ -499,6 +500,8 @@ class Chat:
         self.model, self.tokenizer = model, tokenizer
         self.template = template
         self.format = chat_format(tokenizer, template)
+        if "max_kv_size" in options:  # mlx-lm's name
+            options["max_cache"] = options.pop("max_kv_size")
         gen = {k: options.pop(k) for k in ("max_cache", "window", "prefill_step") if k in options}
         self.options = options  # sampling and max_tokens for every turn
         self.session = Session(model, **gen)
@@ -644,12 +647,26 @@ class Chat:
             raise CheckpointError(
                 f"{path}: the conversation was saved with another model or adapter"
             )
+        if meta.get("template") != self.format.name:
+            raise CheckpointError(
+                f"{path}: the conversation was saved in the {meta.get('template')!r} chat "
+                f"format, this chat uses {self.format.name!r} (--chat-template)"
+            )
         try:
             messages, system = json.loads(meta["messages"]), json.loads(meta["system"])
             now = self._snapshot_from("now", tensors, meta)
             before = self._snapshot_from("before", tensors, meta)
             if now is None or not isinstance(messages, list):
                 raise ValueError("no state or no messages")
+            for m in messages:
+                if not (
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                ):
+                    raise ValueError(f"a message that is not a role and a text: {m!r:.60}")
+            if system is not None and not isinstance(system, str):
+                raise ValueError("the system prompt is not a text")
         except (KeyError, ValueError, TypeError) as e:
             raise CheckpointError(f"{path}: a damaged conversation file ({e})") from e
         self.messages, self.system = messages, system

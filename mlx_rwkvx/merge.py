@@ -70,6 +70,8 @@ def _requantize_error(model, fused_float: dict, bits: int) -> float:
     lost, total = 0.0, 0.0
     for path, (base, delta) in fused_float.items():
         m = modules[path]
+        if "scales" not in m:  # a layer the quantizer leaves in float (an odd width)
+            continue
         w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
         lost += float(mx.sum(((w - base) - delta) ** 2))
         total += float(mx.sum(delta**2))

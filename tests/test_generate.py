@@ -343,3 +343,34 @@ def test_chat_with_the_tokenizers_own_template(tmp_path):
         for name in a:
             if a[name].size:
                 assert rel(a[name], b[name]) <= TOL, name
+
+
+def test_chatml_turns_stop_at_im_end_when_it_is_not_the_end_of_text(tmp_path):
+    import json as _json
+
+    from mlx_rwkvx.generation import chat_format
+
+    from test_tuner_data import hf_tokenizer
+
+    tok = hf_tokenizer(tmp_path / "own")  # its end of text is <|im_end|>: eos stops the turn
+    assert chat_format(tok).stops == []
+    (tmp_path / "own" / "tokenizer_config.json").write_text(
+        _json.dumps({"eos_token": "<|endoftext|>"})  # a Qwen2 base tokenizer's
+    )
+    from mlx_rwkvx.io.tokenizers import HFTokenizer
+
+    base = HFTokenizer(str(tmp_path / "own"))
+    assert chat_format(base).stops == ["<|im_end|>"]
+    assert chat_format(base, "chatml").stops == ["<|im_end|>"]
+    assert chat_format(ByteTokenizer()).stops == ["\n\n"]  # RWKV's format
+
+
+def test_load_refuses_another_chat_format(tmp_path):
+    tok = ByteTokenizer()
+    chat = Chat(tiny("rwkv7"), tok, max_tokens=3)
+    list(chat.ask("hi"))
+    chat.save(tmp_path / "c.safetensors")
+    other = Chat(tiny("rwkv7"), tok, template="chatml")
+    with pytest.raises(ValueError, match="saved in the 'rwkv' chat format"):
+        other.load(tmp_path / "c.safetensors")
+    assert Chat(tiny("rwkv7"), tok, max_kv_size=7).session.max_cache == 7  # mlx-lm's name

@@ -175,6 +175,7 @@ def test_state_tuning_adapters_average(tmp_path):
         ("missing", "no such adapter file"),
         ("no_tokens", "does not say how many tokens"),
         ("quantize", "--quantize goes with --fuse-into"),
+        ("nan", "holds NaN or infinite values"),
     ],
 )
 def test_refusals_write_nothing(tmp_path, pair, case, message):
@@ -208,6 +209,13 @@ def test_refusals_write_nothing(tmp_path, pair, case, message):
         args = [a, make_adapter(tmp_path / "c.safetensors", tokens=0), "--weights", "auto"]
     elif case == "quantize":
         args = [a, b, "--quantize"]
+    elif case == "nan":
+        config, tensors = read_adapter(b)
+        name = next(iter(tensors))
+        tensors[name] = tensors[name] * float("nan")
+        c = tmp_path / "c.safetensors"
+        mx.save_safetensors(str(c), tensors, {"adapter_config": json.dumps(config)})
+        args = [a, c]
     out = run_cli("--output", tmp_path / "out.safetensors", *args)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

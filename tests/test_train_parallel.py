@@ -75,6 +75,8 @@ def test_parallel_equals_separate_runs(workspace, tmp_path):
     assert not np.allclose(threads[0][next(iter(final))], threads[1][next(iter(final))])
     config, _ = read_adapter(out / "thread_1.safetensors")
     assert (config["parallel"], config["thread"], config["lora_parameters"]["rank"]) == (2, 1, 4)
+    alone_config, _ = read_adapter(tmp_path / "alone1" / "adapter_final.safetensors")
+    assert config["tokens_trained"] == alone_config["tokens_trained"] > 0  # its own shard's
     # the average loads as any adapter
     model, _ = mlx_rwkvx.load(workspace / "base", adapter=out / "adapter_final.safetensors")
     assert model is not None

@@ -53,6 +53,9 @@ def read(path) -> Adapter:
     """An adapter file or folder (``read_adapter``) with its tensors in float64."""
     config, tensors = read_adapter(path)
     arrays = {n: np.array(x.astype(mx.float32), dtype=np.float64) for n, x in tensors.items()}
+    bad = [n for n, x in arrays.items() if not np.all(np.isfinite(x))]
+    if bad:
+        raise MergeError(f"{os.fspath(path)}: {bad[0]} holds NaN or infinite values")
     return Adapter(os.fspath(path), config, arrays)
 
 

@@ -261,6 +261,8 @@ class Step:
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
         self.group = group if group is not None and group.size() > 1 else None
         self.shards = cfg.parallel  # --parallel: N adapters side by side, a loss each
+        self.stop_requested = False
+        self.last_counts = [0] * cfg.parallel  # --parallel: each shard's tokens, last step
         grad_fn = nn.value_and_grad(model, self._loss_sum)
         state = [model.state, optimizer.state, mx.random.state]
         carry = cfg.carry_state
@@ -325,17 +327,24 @@ class Step:
         mx.eval(loss, count, grads)
         return loss, count, grads
 
-    def __call__(self, micro_batches) -> tuple[float, int, float]:
+    def __call__(self, micro_batches, stop: bool = False) -> tuple[float, int, float]:
         """(loss sum, trained tokens, gradient norm) of one optimizer step over its
-        micro-batches; NonFinite before anything is updated if a value is not finite."""
+        micro-batches; NonFinite before anything is updated if a value is not finite.
+        ``stop``: this process was asked to stop after the step; ``stop_requested`` says
+        whether any rank was (decided together, so that all stop at the same step)."""
         total_loss, total_count, grads = 0.0, 0, None
         for inputs, targets in micro_batches:
             loss, count, g = self.loss_and_grad(mx.array(inputs), mx.array(targets))
             grads = g if grads is None else _added(grads, g)
             total_loss += loss
             total_count += count
+        self.stop_requested = stop
         if self.group is not None:  # data parallel: sums over every rank's tokens
-            grads, total_loss, total_count = all_sum((grads, total_loss, total_count), self.group)
+            flag = mx.array(float(stop))
+            grads, total_loss, total_count, flag = all_sum(
+                (grads, total_loss, total_count, flag), self.group
+            )
+            self.stop_requested = flag.item() > 0
         if self.shards > 1:  # the largest of the adapters' gradient norms
             norm = mx.max(par.per_shard(grads, total_count, 0)[1])
         else:
@@ -343,6 +352,8 @@ class Step:
         mx.eval(total_loss, total_count, grads, norm)
         loss_value, norm_value = float(total_loss), norm.item()
         count_value = int(mx.sum(total_count).item())
+        if self.shards > 1:
+            self.last_counts = [int(c) for c in total_count.tolist()]
         if not math.isfinite(loss_value):
             raise NonFinite(f"the loss is {loss_value}")
         if not math.isfinite(norm_value):
@@ -352,6 +363,9 @@ class Step:
         return loss_value, count_value, norm_value
 
 
+ALL_SUM_BUCKET = 32 << 20  # bytes of gradients summed in one collective (mlx-lm's size)
+
+
 def all_sum(tree, group):
     """Every array of ``tree`` summed over the ranks of ``group``, in one collective (the
     leaves flattened into one float32 vector and split again)."""
@@ -359,12 +373,25 @@ def all_sum(tree, group):
     # optimizer state read from a checkpoint, one made fresh)
     leaves = sorted(tree_flatten(tree), key=lambda item: item[0])
     arrays = [mx.array(v) if not isinstance(v, mx.array) else v for _, v in leaves]
-    flat = mx.concatenate([a.astype(mx.float32).reshape(-1) for a in arrays])
-    summed = mx.distributed.all_sum(flat, group=group)
-    parts, start = {}, 0
+    parts, bucket, size = {}, [], 0
+
+    def flush():  # one collective per bucket of at most ALL_SUM_BUCKET bytes (a copy each)
+        flat = mx.concatenate([a.astype(mx.float32).reshape(-1) for _, a in bucket])
+        summed = mx.distributed.all_sum(flat, group=group)
+        start = 0
+        for name, a in bucket:
+            parts[name] = summed[start : start + a.size].reshape(a.shape).astype(a.dtype)
+            start += a.size
+        mx.eval([parts[name] for name, _ in bucket])
+
     for (name, _), a in zip(leaves, arrays, strict=True):
-        parts[name] = summed[start : start + a.size].reshape(a.shape).astype(a.dtype)
-        start += a.size
+        if bucket and size + 4 * a.size > ALL_SUM_BUCKET:
+            flush()
+            bucket, size = [], 0
+        bucket.append((name, a))
+        size += 4 * a.size
+    if bucket:
+        flush()
     return tree_unflatten([(name, parts[name]) for name, _ in tree_flatten(tree)])
 
 
@@ -447,7 +474,8 @@ def save_checkpoint(out: Path, run) -> None:
         save_adapter(out / names["weights"], run.model, run.adapter_config())
     state = dict(tree_flatten(run.optimizer.state))
     meta = {"step": str(run.step), "position": json.dumps(run.position), "tokens": str(run.tokens),
-            "train": json.dumps(asdict(run.cfg)), "base": run.base}  # fmt: skip
+            "train": json.dumps(asdict(run.cfg)), "base": run.base, "ranks": str(run.ranks),
+            "shard_tokens": json.dumps(run.shard_tokens)}  # fmt: skip
     with atomic_target(str(out / names["state"]), folder=False) as tmp:
         save_safetensors(tmp, state, meta)
     _crash_point("save", run.step)  # weights and state written, the manifest not yet
@@ -481,6 +509,9 @@ def load_checkpoint(out: Path, step: int, run) -> None:
                          "run's settings or start a new --output")  # fmt: skip
     if meta.get("base", run.base) != run.base:
         raise TrainError(f"--resume: checkpoint_{step} was trained on another base model")
+    if int(meta.get("ranks", 1)) != run.ranks:  # the shards and data positions depend on it
+        raise TrainError(f"--resume: checkpoint_{step} was trained on {meta.get('ranks', 1)} "
+                         f"ranks, this run has {run.ranks}; resume with as many")  # fmt: skip
     others = [k for k in ("lr", "warmup", "weight_decay", "grad_clip", "iters", "epochs", "data")
               if k in then and then[k] != getattr(run.cfg, k)]  # fmt: skip
     if others:
@@ -496,6 +527,7 @@ def load_checkpoint(out: Path, step: int, run) -> None:
     run.model.load_weights(list(weights.items()), strict=False)
     run.optimizer.state = tree_unflatten(list(state.items()))
     run.step, run.tokens = int(meta["step"]), int(meta["tokens"])
+    run.shard_tokens = json.loads(meta.get("shard_tokens", "[]")) or run.shard_tokens
     run.position = json.loads(meta["position"])
     mx.eval(run.model.parameters(), run.optimizer.state)
 
@@ -513,6 +545,8 @@ class Run:
         self.step, self.tokens = 0, 0
         self.position = {"epoch": 0, "batch": 0}
         self.lead = True  # rank 0 of a data-parallel run (or the only one): it writes
+        self.rank, self.ranks = 0, 1
+        self.shard_tokens = [0] * cfg.parallel  # --parallel: the tokens each adapter trained on
         self.validated = None  # (step, validation loss) of the latest --val-every validation
 
     def adapter_config(self) -> dict:
@@ -657,6 +691,8 @@ def train(cfg: TrainConfig) -> Path:
     optimizer, schedule = make_optimizer(cfg, total)
     run = Run(cfg, model, tokenizer, base, paths, optimizer, schedule)
     run.lead = lead
+    if group is not None:
+        run.rank, run.ranks = group.rank(), group.size()
     if cfg.resume:
         optimizer.init(model.trainable_parameters())
         if lead:
@@ -724,9 +760,17 @@ def _broadcast_run(run, group) -> None:
     if run.optimizer.state:
         run.optimizer.state = broadcast(run.optimizer.state, group)
     pos = run.position
-    counters = mx.array([run.step, run.tokens, pos["epoch"], pos["batch"]], dtype=mx.int32)
-    step, tokens, epoch, batch = broadcast(counters, group).tolist()
+    counters = [run.step, run.tokens, pos["epoch"], pos["batch"], *run.shard_tokens]
+    # integers summed as integers (a float32 sum would round a count above 2^24); tokens as
+    # two 31-bit halves, so that no count overflows int32
+    ints = [part for c in counters for part in (c >> 31, c & (2**31 - 1))]
+    mine = mx.array(ints if group.rank() == 0 else [0] * len(ints), dtype=mx.int32)
+    summed = mx.distributed.all_sum(mine, group=group).tolist()
+    step, tokens, epoch, batch, *shards = [
+        (hi << 31) + lo for hi, lo in zip(summed[::2], summed[1::2], strict=True)
+    ]
     run.step, run.tokens, run.position = step, tokens, {"epoch": epoch, "batch": batch}
+    run.shard_tokens = shards
     mx.eval(run.model.parameters(), run.optimizer.state)
 
 
@@ -837,15 +881,19 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
             lr = float(run.schedule(run.step))
             # each step's randomness (dropout) from the seed and the step alone: a resumed run
             # draws what the uninterrupted one drew, with no random state to save
-            mx.random.seed(cfg.seed * 1_000_003 + run.step)
+            # (another rank another draw: its rows are other rows)
+            mx.random.seed(cfg.seed * 1_000_003 + run.step + 7_919 * run.rank)
             try:
-                loss, count, norm = step_fn(batch)
+                loss, count, norm = step_fn(batch, stop=stop.requested)
             except NonFinite as e:
                 last = newest_checkpoint(out)
                 kept = f"checkpoint_{last}" if last is not None else "no checkpoint yet"
                 raise NonFinite(f"step {run.step + 1}: {e}; stopped (kept: {kept})") from None
             run.step += 1
             run.tokens += count
+            if cfg.parallel > 1:
+                run.shard_tokens = [a + b for a, b in zip(run.shard_tokens, step_fn.last_counts,
+                                                          strict=True)]  # fmt: skip
             seen += sum(int(inputs.size) for inputs, _ in batch)
             bar.update(1)
             _crash_point("step", run.step)
@@ -864,9 +912,10 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
                 bar.write(f"step {run.step}: validation loss {record['val_loss']:.4f}")
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-            if lead and (run.step % cfg.save_every == 0 or stop.requested):
+            stopping = stop.requested or step_fn.stop_requested  # on any rank: on all
+            if lead and (run.step % cfg.save_every == 0 or stopping):
                 save_checkpoint(out, run)
-            if stop.requested:
+            if stopping:
                 bar.write(f"interrupted: saved checkpoint_{run.step}", file=sys.stderr)
                 raise KeyboardInterrupt
     finally:
@@ -910,7 +959,7 @@ def _finish(run, val_examples, test_examples, out: Path) -> None:
         stacked = adapter_tensors(run.model)
         for i in range(cfg.parallel):
             thread = {**config, "parallel": cfg.parallel, "thread": i,
-                      "tokens_trained": None}  # fmt: skip
+                      "tokens_trained": run.shard_tokens[i]}  # fmt: skip
             save_adapter_tensors(out / f"thread_{i}.safetensors", par.shard_tensors(stacked, i),
                                  thread)  # fmt: skip
         save_adapter_tensors(out / FINAL_ADAPTER, par.averaged(stacked), config)

@@ -93,7 +93,7 @@ class Session:
         self._step = self._forward
 
     def _forward(self, tokens, state):
-        h, state = self.model._hidden(tokens, state)
+        h, state = self.model.hidden(tokens, state, check=False)
         return self.model.head(h[:, -1]).astype(mx.float32), state  # [1, vocab]
 
     def reset(self) -> None:
@@ -137,19 +137,15 @@ class Session:
                     f"{self.max_cache} (raise --max-cache, or allow the sliding window)"
                 )
         state, logits = self.state, None
-        checked, model.check_token_ids = model.check_token_ids, False
-        try:
-            for start in range(0, len(ids), self.prefill_step):
-                piece = mx.array([ids[start : start + self.prefill_step]], dtype=mx.int32)
-                h, state = model._hidden(piece, state)
-                state = self._trimmed(state)
-                if start + self.prefill_step >= len(ids):
-                    logits = model.head(h[:, -1]).astype(mx.float32)
-                    mx.eval(logits, state)
-                else:
-                    mx.eval(state)
-        finally:
-            model.check_token_ids = checked
+        for start in range(0, len(ids), self.prefill_step):
+            piece = mx.array([ids[start : start + self.prefill_step]], dtype=mx.int32)
+            h, state = model.hidden(piece, state, check=False)
+            state = self._trimmed(state)
+            if start + self.prefill_step >= len(ids):
+                logits = model.head(h[:, -1]).astype(mx.float32)
+                mx.eval(logits, state)
+            else:
+                mx.eval(state)
         self.tokens, self.state = self.tokens + ids, state  # one assignment: Ctrl-C safe
         return logits
 

@@ -159,13 +159,21 @@ class Model(nn.Module):
         return mx.where(valid[..., None], h, mx.array(mx.nan, h.dtype))
 
     def hidden(
-        self, tokens: mx.array, state: list | None = None, *, checkpoint: bool = False
+        self,
+        tokens: mx.array,
+        state: list | None = None,
+        *,
+        checkpoint: bool = False,
+        check: bool = True,
     ) -> tuple[mx.array, list]:
         """``tokens [B, T]`` after ``state`` (None: the start of a text) -> (final normalised
         hidden states ``[B, T, C]``, before the head; the state after these tokens).
         ``checkpoint``: each block's activations are recomputed in the backward instead of
-        kept (``mx.checkpoint``): less memory for training, one more forward of time."""
-        self.check_tokens(tokens)
+        kept (``mx.checkpoint``): less memory for training, one more forward of time.
+        ``check=False``: the ids are known to be in the vocabulary (sampled, or checked once
+        for a whole text): no read back (see ``check_tokens``)."""
+        if check:
+            self.check_tokens(tokens)
         return self._hidden(tokens, state, checkpoint)
 
     def _hidden(

@@ -2,14 +2,26 @@
 
     python scripts/bench.py blas
     python scripts/bench.py wkv7 moba models    # several sections, one after another
+    python scripts/bench.py all                 # every section: BENCHMARKS.md written anew
+    python scripts/bench.py all --skip train-int8   # that one carried over from the last run
+    python scripts/bench.py render              # BENCHMARKS.md again from benchmarks.json
+    python scripts/bench.py all --quick --output /tmp/bench   # the smoke run
 
-Results are appended to BENCHMARKS.md with the machine, the command, the times and every ratio,
-each set beside the physical limits measured in the same run. ``--quick`` runs a section at
-small sizes: a smoke test of the script, whose numbers say nothing about the code's speed.
+A section run on its own is appended to BENCHMARKS.md with the machine, the command, the times
+and every ratio, each set beside the physical limits measured in the same run. ``all`` runs
+every section and only then rewrites BENCHMARKS.md (a failed verification leaves the old one
+whole): a header naming the machine, MLX, its BLAS and NumPy; a summary of every section's
+goals; one section each. Beside it go the raw measurements (benchmarks.json: ``--skip``
+carries a section over from it, ``render`` re-renders from it without measuring) and
+benchmarks.png where matplotlib is installed (the ``plot`` extra). ``--output DIR`` writes
+elsewhere than the repository's root. ``--quick`` runs at small sizes: a smoke test of the
+script, whose numbers say nothing about the code's speed; ``all --quick`` writes into a new
+temporary folder unless given ``--output``, never into the repository.
 
 Each section is ``measure_<section>(quick)``, which verifies and then times and returns plain
 data (JSON-serialisable), and ``render_<section>(results)``, which turns that data into the
-markdown lines, goals and ratios included, without measuring anything.
+markdown lines, goals and ratios included, without measuring anything; ``goal_lines`` writes
+a section's goals and, for the summary, records them (``render_with_goals``).
 """
 
 from __future__ import annotations
@@ -19,6 +31,8 @@ import datetime
 import functools
 import json
 import os
+import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -46,19 +60,48 @@ def rel_err(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def goal_lines(goals) -> list[str]:
-    """``- name: value (goal >= bound): met`` for each ``(name, value, bound, at_least)``."""
-    lines = ["", "Goals:", ""]
+# The goals each goal_lines call judged go to the innermost list here while render_with_goals
+# collects them: a goal is defined once, in its section's renderer.
+_GOAL_LOGS: list[list[dict]] = []
+
+
+def judge(goals) -> list[dict]:
+    """Each ``(name, value, bound, at_least)`` as a record that says whether it is met."""
+    judged = []
     for name, value, bound, at_least in goals:
         met = value >= bound if at_least else value <= bound
-        sign = ">=" if at_least else "<="
-        lines.append(f"- {name}: {value:.2f} (goal {sign} {bound:g}): {'met' if met else 'MISSED'}")
+        judged.append({"name": name, "value": float(value), "bound": bound,
+                       "at_least": at_least, "met": bool(met)})  # fmt: skip
+    return judged
+
+
+def _goal_bound(goal: dict) -> str:
+    return f"{'>=' if goal['at_least'] else '<='} {goal['bound']:g}"
+
+
+def _goal_verdict(goal: dict) -> str:
+    return "met" if goal["met"] else "MISSED"
+
+
+def goal_lines(goals) -> list[str]:
+    """``- name: value (goal >= bound): met`` for each ``(name, value, bound, at_least)``."""
+    judged = judge(goals)
+    if _GOAL_LOGS:
+        _GOAL_LOGS[-1].extend(judged)
+    lines = ["", "Goals:", ""]
+    for g in judged:
+        lines.append(f"- {g['name']}: {g['value']:.2f} (goal {_goal_bound(g)}): {_goal_verdict(g)}")
     return lines
 
 
-def write_section(title: str, command: str, lines: list[str]) -> None:
-    """Append one result section to BENCHMARKS.md and echo it."""
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+def _now() -> str:
+    return datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+
+
+def write_section(title: str, command: str, lines: list[str], path: Path | None = None) -> None:
+    """Append one result section to ``path`` (default BENCHMARKS.md) and echo it."""
+    path = path or RESULTS
+    stamp = _now()
     text = "\n".join(
         [
             f"## {title} ({stamp})",
@@ -70,11 +113,9 @@ def write_section(title: str, command: str, lines: list[str]) -> None:
         + lines
         + [""]
     )
-    if not RESULTS.exists():
-        RESULTS.write_text(
-            "# Benchmarks\n\nWritten by `scripts/bench.py`; newest sections last.\n\n"
-        )
-    with RESULTS.open("a") as f:
+    if not path.exists():
+        path.write_text("# Benchmarks\n\nWritten by `scripts/bench.py`; newest sections last.\n\n")
+    with path.open("a") as f:
         f.write(text + "\n")
     print(text)
 
@@ -1356,6 +1397,13 @@ def measure_train_int8(quick: bool = False) -> dict:
     }
 
 
+def _train_tokens_per_s(s: dict) -> tuple[float, float]:
+    """Tokens per second of one shape's LoRA step: ours, mlx-lm's (at the batch and T it fit)."""
+    sh = s["shape"]
+    return (sh["batch"] * sh["T"] / s["ours_s"],
+            s["mlx_lm_batch"] * s["mlx_lm_T"] / s["mlx_lm_s"])  # fmt: skip
+
+
 def render_train(r: dict) -> list[str]:
     lines = [
         "Verified first: the first LoRA step's loss, ours vs mlx-lm's on the same weights "
@@ -1383,8 +1431,7 @@ def render_train(r: dict) -> list[str]:
     goals = []
     for name, s in r["shapes"].items():
         sh = s["shape"]
-        ours = sh["batch"] * sh["T"] / s["ours_s"]
-        theirs = s["mlx_lm_batch"] * s["mlx_lm_T"] / s["mlx_lm_s"]
+        ours, theirs = _train_tokens_per_s(s)
         bound = sh["batch"] * sh["T"] / (s["bound_flops"] / (r["matmul_gflops"] * 1e9))
         lines.append(
             f"| {name}: {sh['layers']} x C={sh['C']}, vocab {sh['vocab']}, T={sh['T']}, batch "
@@ -1885,13 +1932,298 @@ SECTIONS = {
 }
 
 
-def run_section(name: str, quick: bool = False) -> dict:
-    """Measure one section, render it, append it to BENCHMARKS.md; returns the measurements."""
+def section_command(name: str, quick: bool) -> str:
+    return f"python scripts/bench.py {name}" + (" --quick" if quick else "")
+
+
+def run_section(name: str, quick: bool = False, path: Path | None = None) -> dict:
+    """Measure one section, render it, append it to ``path`` (default BENCHMARKS.md); returns
+    the measurements."""
     measure, render, _ = SECTIONS[name]
     results = measure(quick=quick)
-    command = f"python scripts/bench.py {name}" + (" --quick" if quick else "")
-    write_section(name, command, render(results))
+    write_section(name, section_command(name, quick), render(results), path)
     return results
+
+
+def render_with_goals(name: str, results: dict) -> tuple[list[str], list[dict]]:
+    """A section's markdown lines and the goals (``judge``'s records) its renderer judged."""
+    _GOAL_LOGS.append([])
+    try:
+        lines = SECTIONS[name][1](results)
+    finally:
+        goals = _GOAL_LOGS.pop()
+    return lines, goals
+
+
+REPORT_NAME, JSON_NAME, PLOT_NAME = "BENCHMARKS.md", "benchmarks.json", "benchmarks.png"
+REPORT_FORMAT = 1  # of benchmarks.json
+QUICK_WARNING = (
+    "**A `--quick` run: small sizes, a smoke test of `scripts/bench.py`. Its numbers mean "
+    "nothing about the code's speed.**"
+)
+
+
+class ReportError(ValueError):
+    """A benchmarks.json that cannot be read back, or a report that cannot be written."""
+
+
+def environment() -> dict:
+    """What a report's numbers were measured on: the machine, MLX, its BLAS, NumPy, Python."""
+    return {
+        "machine": machine_description(),
+        "mlx": mx.__version__,
+        "blas": _blas.describe(),
+        "blas_core_note": _blas.status.core_note,
+        "numpy": np.__version__,
+        "numpy_blas": numpy_blas(),
+        "python": platform.python_version(),
+    }
+
+
+def read_report(path: Path) -> dict:
+    """A benchmarks.json written by ``all``, checked for the fields a report is made of."""
+    try:
+        report = json.loads(path.read_text())
+    except OSError as e:
+        raise ReportError(f"{path}: cannot be read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{path}: not JSON ({e})") from None
+    fields = ("date", "command", "quick", "environment", "sections")
+    ok = isinstance(report, dict) and report.get("format") == REPORT_FORMAT
+    if not (ok and all(k in report for k in fields) and isinstance(report["sections"], dict)):
+        raise ReportError(
+            f"{path}: not a benchmarks.json of `scripts/bench.py all` (format {REPORT_FORMAT} "
+            f"with {', '.join(fields)})"
+        )
+    return report
+
+
+def _carried_over(previous: dict | None, name: str, quick: bool) -> dict:
+    """A skipped section's entry: the earlier report's measurement, or why there is none."""
+    entry = (previous or {}).get("sections", {}).get(name)
+    if entry is None:
+        where = "no earlier benchmarks.json" if previous is None else "not in benchmarks.json"
+        return {"not_run": f"skipped; {where}"}
+    if "results" not in entry:
+        return {"not_run": "skipped; not run in the earlier run either"}
+    if entry.get("quick") != quick:
+        kind = "a --quick" if entry["quick"] else "a full"
+        return {"not_run": f"skipped; the earlier measurement was {kind} run's"}
+    return {**entry, "carried_over": True}
+
+
+def run_all(quick: bool, skip: list[str], out_dir: Path, command: str) -> dict:
+    """Every section but ``skip`` verified and measured, skipped ones carried over from
+    ``out_dir``'s benchmarks.json; then the report written (``write_report``). Nothing is
+    written unless every section verified and measured."""
+    previous_path = out_dir / JSON_NAME
+    previous = read_report(previous_path) if skip and previous_path.exists() else None
+    env = environment()
+    report = {"format": REPORT_FORMAT, "date": _now(), "command": command, "quick": quick,
+              "environment": env, "sections": {}}  # fmt: skip
+    for name in SECTIONS:
+        if name in skip:
+            report["sections"][name] = _carried_over(previous, name, quick)
+            continue
+        print(f"== {name}: {section_command(name, quick)}", flush=True)
+        t0 = time.perf_counter()
+        results = SECTIONS[name][0](quick=quick)
+        seconds = time.perf_counter() - t0
+        print("\n".join(render_with_goals(name, results)[0]) + f"\n\n({seconds:.0f} s)\n")
+        report["sections"][name] = {"date": report["date"], "command": command, "quick": quick,
+                                    "machine": env["machine"], "seconds": seconds,
+                                    "results": results}  # fmt: skip
+    report = json.loads(json.dumps(report))  # rendered from exactly what is saved
+    write_report(report, out_dir)
+    return report
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def _section_status(entry: dict, machine: str) -> str:
+    if "results" not in entry:
+        return f"not run ({entry['not_run']})"
+    done = f"{entry['seconds']:.0f} s"
+    if not entry.get("carried_over"):
+        return f"measured in this run ({done})"
+    elsewhere = f", on {entry['machine']}" if entry["machine"] != machine else ""
+    return f"carried over from the run of {entry['date']} (`{entry['command']}`{elsewhere}; {done})"
+
+
+def render_report(report: dict, plot: str | None = None) -> str:
+    """BENCHMARKS.md of a report: header, summary of every goal, contents, one section each."""
+    env, quick = report["environment"], report["quick"]
+    core_note = f" (core: {env['blas_core_note']})" if env["blas_core_note"] else ""
+    lines = ["# Benchmarks", ""] + ([QUICK_WARNING, ""] if quick else [])
+    lines += [
+        "Written by `scripts/bench.py all`: every section verifies its fast path against a "
+        "reference, then times it, beside baselines and physical limits measured in the same "
+        f"run. The raw measurements are in `{JSON_NAME}` beside this file; "
+        "`python scripts/bench.py render` writes this file again from them.",
+        "",
+        f"- Date: {report['date']}",
+        f"- Machine: {env['machine']}",
+        f"- MLX: {env['mlx']}",
+        f"- MLX's BLAS: {env['blas']}{core_note}",
+        f"- NumPy: {env['numpy']}, its own BLAS: {env['numpy_blas']}",
+        f"- Python: {env['python']}",
+        f"- Command: `{report['command']}`",
+        "",
+    ]
+    rendered, summary, met = {}, [], 0
+    for name in SECTIONS:
+        entry = report["sections"].get(name, {"not_run": "not in benchmarks.json"})
+        body, goals = None, []
+        if "results" in entry:
+            try:
+                body, goals = render_with_goals(name, entry["results"])
+            except (KeyError, IndexError, TypeError) as e:
+                if not entry.get("carried_over"):
+                    raise
+                # measured by an older bench.py whose data this renderer no longer reads
+                entry = {"not_run": f"carried over, but its data no longer renders ({e!r})"}
+        rendered[name] = (entry, body)
+        label = f"[{name}](#{name})" + (" (carried over)" if entry.get("carried_over") else "")
+        for g in goals:
+            summary.append(f"| {label} | {_cell(g['name'])} | {g['value']:.2f} "
+                           f"| {_goal_bound(g)} | {_goal_verdict(g)} |")  # fmt: skip
+            met += g["met"]
+    lines += ["## Summary", "", f"{met} of {len(summary)} goals met.", ""]
+    lines += ["| section | goal | value | bound | |", "|---|---|---|---|---|", *summary, ""]
+    lines += ["## Contents", ""]
+    for name, (entry, _) in rendered.items():
+        status = _section_status(entry, env["machine"])
+        lines.append(f"- [{name}](#{name}): {SECTIONS[name][2]}; {status}")
+    lines += [""] + ([f"![WKV7 and MoBA time against T, LoRA training tokens/s]({plot})", ""]
+                     if plot else [])  # fmt: skip
+    for name, (entry, body) in rendered.items():
+        status = _section_status(entry, env["machine"])
+        lines += [f"## {name}", "", f"Command: `{section_command(name, quick)}`", "",
+                  status[0].upper() + status[1:] + ".", ""]  # fmt: skip
+        if body is not None:
+            lines += body + [""]
+    return "\n".join(lines) + "\n"  # a blank line last: sections run alone are appended
+
+
+def _first(pair):
+    return pair[0]
+
+
+def _plot_times(ax, rows: list, series: list, title: str) -> None:
+    """Time against T, log-log: ``rows`` of (T, runs), ``series`` of (key, label, color,
+    line style); runs that did not run (None) are left out."""
+    for key, label, color, style in series:
+        points = [(T, runs[key]["time"]) for T, runs in rows if runs.get(key)]
+        if points:
+            ax.plot(*zip(*points, strict=True), style, color=color, marker="o", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="seconds", title=title)
+    Ts = sorted({T for T, _ in rows})
+    ax.set_xticks(Ts, [str(T) for T in Ts])
+    ax.set_xticks([], minor=True)
+    ax.legend(fontsize=7)
+
+
+def _fwd_and_fb(implementations) -> list:
+    """``_plot_times`` series of ``(run key prefix, label, color)``: fwd solid, fwd+bwd dashed."""
+    return [(f"{key}_{kind}", f"{label} {name}", color, style)
+            for kind, name, style in (("fwd", "fwd", "-"), ("fb", "fwd+bwd", "--"))
+            for key, label, color in implementations]  # fmt: skip
+
+
+def _plot_wkv7(ax, r: dict) -> None:
+    H = r["base"][1]
+    rows = sorted(((row["T"], row["runs"]) for row in r["rows"] if row["H"] == H), key=_first)
+    series = _fwd_and_fb((("ours", "wkv7", "C0"), ("ref", "step loop", "C1"),
+                          ("lm", "mlx-lm", "C2")))  # fmt: skip
+    _plot_times(ax, rows, series, f"WKV7, B=1 H={H} N={r['N']}")
+
+
+def _plot_moba(ax, r: dict) -> None:
+    rows = [(row["T"], row["runs"]) for row in r["rows"]]
+    series = _fwd_and_fb((("moba", "MoBA", "C0"), ("dense", "dense SDPA", "C3")))
+    _plot_times(ax, rows, series, f"MoBA vs dense causal attention, H={r['H']} D={r['D']}")
+
+
+def _plot_train(ax, r: dict) -> None:
+    shapes = r["shapes"]
+    rates = [_train_tokens_per_s(s) for s in shapes.values()]
+    x = np.arange(len(shapes))
+    for i, (label, color) in enumerate((("mlx_rwkvx", "C0"), ("mlx-lm", "C2"))):
+        ax.bar(x + (i - 0.5) * 0.4, [rate[i] for rate in rates], 0.4, label=label, color=color)
+    for xi, (ours, theirs) in zip(x, rates, strict=True):
+        ax.annotate(f"{ours / theirs:.1f}x", (xi, ours), ha="center", va="bottom", fontsize=8)
+    names = [f"{n}\nT={s['shape']['T']}, batch {s['shape']['batch']}" for n, s in shapes.items()]
+    ax.set(xticks=x, xticklabels=names, yscale="log", ylabel="tokens/s (log)",
+           title=f"LoRA training step (rank {r['rank']}): ours vs mlx-lm")  # fmt: skip
+    ax.set_ylim(min(min(rate) for rate in rates) / 3, 3 * max(max(rate) for rate in rates))
+    ax.legend(fontsize=7)
+
+
+PLOT_PANELS = (("wkv7", _plot_wkv7), ("moba", _plot_moba), ("train", _plot_train))
+
+
+def plot_report(report: dict, path: Path) -> bool:
+    """benchmarks.png at ``path``: the panels whose sections the report holds. False, with one
+    printed line, where matplotlib is not installed or no panel has data."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"{PLOT_NAME} not drawn: matplotlib is not installed (pip install 'mlx_rwkvx[plot]')")
+        return False
+    panels = [(draw, report["sections"][name]["results"]) for name, draw in PLOT_PANELS
+              if "results" in report["sections"].get(name, {})]  # fmt: skip
+    if not panels:
+        print(f"{PLOT_NAME} not drawn: no {', '.join(n for n, _ in PLOT_PANELS)} section run")
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, (draw, results) in zip(axes[0], panels, strict=True):
+        draw(ax, results)
+    note = " (--quick: these numbers mean nothing)" if report["quick"] else ""
+    fig.suptitle(f"scripts/bench.py, {report['date']}{note}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(report: dict, out_dir: Path, with_json: bool = True) -> list[Path]:
+    """benchmarks.png (where matplotlib imports), benchmarks.json and BENCHMARKS.md in
+    ``out_dir``: each written to a temporary file first, renamed over the old one once all are
+    written, so that a failure leaves the old report whole."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staged = {}
+    try:
+        png = out_dir / (PLOT_NAME + ".tmp")
+        if plot_report(report, png):
+            staged[out_dir / PLOT_NAME] = png
+        texts = {JSON_NAME: json.dumps(report, indent=1) + "\n"} if with_json else {}
+        texts[REPORT_NAME] = render_report(report, PLOT_NAME if staged else None)
+        for name, text in texts.items():
+            staged[out_dir / name] = out_dir / (name + ".tmp")
+            staged[out_dir / name].write_text(text)
+    except BaseException:
+        for tmp in [png, *staged.values()]:
+            tmp.unlink(missing_ok=True)
+        raise
+    for path, tmp in staged.items():
+        os.replace(tmp, path)
+    print(f"wrote {', '.join(path.name for path in staged)} in {out_dir}")
+    return list(staged)
+
+
+def _section_list(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"no section {', '.join(unknown)} (sections: {', '.join(SECTIONS)})"
+        )
+    return names
 
 
 def main(argv=None) -> None:
@@ -1916,24 +2248,68 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
+    commands = {
+        "all": "every section; rewrites BENCHMARKS.md, benchmarks.json and benchmarks.png",
+        "render": "BENCHMARKS.md and benchmarks.png again from benchmarks.json, measuring nothing",
+    }
     parser.add_argument(
         "sections",
         nargs="+",
-        choices=list(SECTIONS),
+        choices=[*SECTIONS, *commands],
         metavar="SECTION",
-        help="\n".join(f"{name}: {help_text}" for name, (_, _, help_text) in SECTIONS.items()),
+        help="\n".join(f"{name}: {help_text}" for name, (_, _, help_text) in SECTIONS.items())
+        + "\n"
+        + "\n".join(f"{name}: {help_text}" for name, help_text in commands.items()),
     )
     parser.add_argument(
         "--quick",
         action="store_true",
         help="small sizes: a smoke test of the sections; its numbers mean nothing",
     )
+    parser.add_argument(
+        "--skip",
+        type=_section_list,
+        action="extend",
+        default=[],
+        metavar="SECTION[,SECTION]",
+        help="with all: leave these sections out, carried over from the folder's benchmarks.json "
+        "when it has them",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        metavar="DIR",
+        help="the folder of BENCHMARKS.md (and, for all and render, benchmarks.json and "
+        "benchmarks.png); default the repository's root, for all --quick a new temporary folder",
+    )
     args = parser.parse_args(argv)
+    command = next((c for c in commands if c in args.sections), None)
+    if command and len(args.sections) > 1:
+        parser.error(f"{command} takes no other section")
+    if args.skip and command != "all":
+        parser.error("--skip goes with all")
+    if command == "render" and args.quick:
+        parser.error("render takes no --quick: benchmarks.json says whether its run was quick")
+    out_dir = args.output or RESULTS.parent
+    if command == "all" and args.quick:
+        if args.output is None:
+            import tempfile
+
+            out_dir = Path(tempfile.mkdtemp(prefix="mlx_rwkvx-bench-quick-"))
+        elif out_dir.resolve() == ROOT:
+            parser.error("all --quick does not write into the repository: give --output DIR")
     try:
-        for name in args.sections:
-            run_section(name, quick=args.quick)
+        if command == "all":
+            run_all(args.quick, args.skip, out_dir, "python scripts/bench.py " + shlex.join(argv))
+        elif command == "render":
+            write_report(read_report(out_dir / JSON_NAME), out_dir, with_json=False)
+        else:
+            for name in args.sections:
+                run_section(name, quick=args.quick, path=out_dir / REPORT_NAME)
     except VerificationFailed as e:
         raise SystemExit(f"verify failed: {e}") from None
+    except ReportError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
 
 
 if __name__ == "__main__":

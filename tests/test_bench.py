@@ -191,3 +191,231 @@ def test_cli_turns_a_failed_verification_into_one_line(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match=r"^verify failed: MLX fp32 matmul error 1.00e\+00"):
         bench.main(["blas", "--quick"])
     assert not (tmp_path / "BENCHMARKS.md").exists()
+
+
+def _fake_sections(calls: list) -> dict:
+    """Stand-ins for SECTIONS: two sections with goals (one met, one missed each time) and one
+    without; each measure records its call."""
+
+    def measure(name: str, value: float):
+        def run(quick: bool = False) -> dict:
+            calls.append(name)
+            return {"value": value, "quick": quick}
+
+        return run
+
+    def render(r: dict) -> list[str]:
+        goals = [("value", r["value"], 1, True), ("value | again", r["value"], 0.1, False)]
+        return [f"Verified first: value {r['value']}."] + bench.goal_lines(goals)
+
+    def render_plain(r: dict) -> list[str]:
+        return [f"value {r['value']}, no goals"]
+
+    return {"alpha": (measure("alpha", 2.0), render, "the first stand-in"),
+            "beta": (measure("beta", 0.5), render, "the second"),
+            "gamma": (measure("gamma", 3.0), render_plain, "one without goals")}  # fmt: skip
+
+
+def _summary_rows(text: str) -> list[list[str]]:
+    lines = text.splitlines()
+    start = lines.index("| section | goal | value | bound | |") + 2
+    rows = lines[start : lines.index("", start)]
+    return [[c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows]
+
+
+def _section_text(text: str, name: str) -> str:
+    body = text.split(f"\n## {name}\n", 1)[1]
+    return body.split("\n## ", 1)[0]
+
+
+@pytest.fixture
+def fake_sections(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(bench, "SECTIONS", _fake_sections(calls))
+    monkeypatch.setattr(bench, "RESULTS", tmp_path / "repo" / "BENCHMARKS.md")
+    return calls
+
+
+def test_all_rewrites_the_report_with_a_summary_of_every_goal(fake_sections, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "BENCHMARKS.md").write_text("# an old report\n")
+    bench.main(["all", "--output", str(out)])
+    assert fake_sections == ["alpha", "beta", "gamma"]
+    text = (out / "BENCHMARKS.md").read_text()
+    lines = text.splitlines()
+    assert lines[0] == "# Benchmarks" and bench.QUICK_WARNING not in text
+    assert f"- Command: `python scripts/bench.py all --output {out}`" in lines
+    for field in ("Date", "Machine", "MLX", "MLX's BLAS", "NumPy", "Python"):
+        assert any(ln.startswith(f"- {field}: ") for ln in lines), field
+    # the summary comes before the sections and holds every goal, judged as in its section
+    assert text.index("## Summary") < text.index("## Contents") < text.index("## alpha")
+    assert "1 of 4 goals met." in lines
+    assert _summary_rows(text) == [
+        ["[alpha](#alpha)", "value", "2.00", ">= 1", "met"],
+        ["[alpha](#alpha)", "value \\| again", "2.00", "<= 0.1", "MISSED"],
+        ["[beta](#beta)", "value", "0.50", ">= 1", "MISSED"],
+        ["[beta](#beta)", "value \\| again", "0.50", "<= 0.1", "MISSED"],
+    ]
+    for name in ("alpha", "beta", "gamma"):
+        assert any(ln.startswith(f"- [{name}](#{name}): ") for ln in lines)
+        section = _section_text(text, name)
+        assert f"Command: `python scripts/bench.py {name}`" in section
+        assert "Measured in this run (" in section
+    assert "- value: 2.00 (goal >= 1): met" in _section_text(text, "alpha")
+    assert "value 3.0, no goals" in _section_text(text, "gamma")
+    # the JSON holds the measurements; render writes the same markdown from it alone
+    saved = json.loads((out / "benchmarks.json").read_text())
+    assert saved["sections"]["alpha"]["results"] == {"value": 2.0, "quick": False}
+    (out / "BENCHMARKS.md").unlink()
+    bench.main(["render", "--output", str(out)])
+    assert (out / "BENCHMARKS.md").read_text() == text
+    assert fake_sections == ["alpha", "beta", "gamma"]  # nothing measured again
+    assert not list(out.glob("*.tmp"))
+
+
+def test_all_skip_carries_a_section_over(fake_sections, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    bench.main(["all", "--skip", "beta", "--output", str(out)])  # nothing to carry over yet
+    first = (out / "BENCHMARKS.md").read_text()
+    assert "- [beta](#beta): the second; not run (skipped; no earlier benchmarks.json)" in first
+    assert "Not run (skipped; no earlier benchmarks.json)." in _section_text(first, "beta")
+    bench.main(["all", "--output", str(out)])
+    measured = json.loads((out / "benchmarks.json").read_text())
+    fake_sections.clear()
+    monkeypatch.setattr(bench, "_now", lambda: "2100-01-01 00:00")
+    bench.main(["all", "--skip", "beta,gamma", "--output", str(out)])
+    assert fake_sections == ["alpha"]
+    text = (out / "BENCHMARKS.md").read_text()
+    report = json.loads((out / "benchmarks.json").read_text())
+    assert report["date"] == "2100-01-01 00:00"
+    carried = report["sections"]["beta"]
+    assert carried["carried_over"] and carried["results"] == {"value": 0.5, "quick": False}
+    assert carried["date"] == measured["date"] != report["date"]
+    section = _section_text(text, "beta")
+    assert f"Carried over from the run of {measured['date']} (`python scripts/bench.py all " in (
+        section
+    )
+    assert "- value: 0.50 (goal >= 1): MISSED" in section
+    assert ["[beta](#beta) (carried over)", "value", "0.50", ">= 1", "MISSED"] in (
+        _summary_rows(text)
+    )
+    # carried over again: still the run it was measured in; a --quick run does not take it
+    bench.main(["all", "--skip", "beta", "--output", str(out)])
+    again = json.loads((out / "benchmarks.json").read_text())["sections"]["beta"]
+    assert again["date"] == measured["date"]
+    bench.main(["all", "--quick", "--skip", "beta", "--output", str(out)])
+    quick = (out / "BENCHMARKS.md").read_text()
+    assert bench.QUICK_WARNING in quick.splitlines()[:4]
+    assert "Not run (skipped; the earlier measurement was a full run's)." in (
+        _section_text(quick, "beta")
+    )
+    assert "Command: `python scripts/bench.py alpha --quick`" in _section_text(quick, "alpha")
+
+
+def test_all_failed_verification_leaves_the_old_report(fake_sections, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    bench.main(["all", "--output", str(out)])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def fails(quick=False):
+        raise bench.VerificationFailed("gamma vs its reference 1.0e+00")
+
+    monkeypatch.setitem(bench.SECTIONS, "gamma", (fails, *bench.SECTIONS["gamma"][1:]))
+    with pytest.raises(SystemExit, match=r"^verify failed: gamma vs its reference 1.0e\+00$"):
+        bench.main(["all", "--output", str(out)])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_section_run_alone_is_appended(fake_sections, tmp_path):
+    out = tmp_path / "out"
+    bench.main(["all", "--output", str(out)])
+    report = (out / "BENCHMARKS.md").read_text()
+    bench.main(["gamma", "--output", str(out)])
+    text = (out / "BENCHMARKS.md").read_text()
+    assert text.startswith(report) and "Command: `python scripts/bench.py gamma`" in text
+    assert report.endswith("\n\n")
+    assert re.match(r"## gamma \(\d{4}-\d\d-\d\d \d\d:\d\d\)\n", text[len(report) :])
+
+
+def test_all_quick_writes_outside_the_repository(fake_sections, capsys):
+    bench.main(["all", "--quick"])
+    assert not bench.RESULTS.exists()
+    wrote = Path(re.search(r"^wrote .*BENCHMARKS.md in (\S+)$", capsys.readouterr().out, re.M)[1])
+    try:
+        text = (wrote / "BENCHMARKS.md").read_text()
+        assert text.splitlines()[2] == bench.QUICK_WARNING
+    finally:
+        for p in wrote.iterdir():
+            p.unlink()
+        wrote.rmdir()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["all", "alpha"], "all takes no other section"),
+        (["alpha", "--skip", "beta"], "--skip goes with all"),
+        (["all", "--skip", "alpha,delta"], "no section delta"),
+        (["render", "--quick"], "render takes no --quick"),
+        (["all", "--quick", "--output", str(bench.ROOT)], "does not write into the repository"),
+        (["render", "--output", "{tmp}"], "benchmarks.json: cannot be read"),
+        (["render", "--output", "{tmp}/bad"], "benchmarks.json: not JSON"),
+        (["all", "--skip", "alpha", "--output", "{tmp}/other"], "not a benchmarks.json of"),
+    ],
+)
+def test_cli_refuses_in_one_line(fake_sections, tmp_path, capsys, argv, message):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "benchmarks.json").write_text("{")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "benchmarks.json").write_text('{"format": 1}')
+    with pytest.raises(SystemExit) as e:
+        bench.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert fake_sections == []
+
+
+def _matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def test_all_report_of_the_real_sections(quick_run, monkeypatch, tmp_path):
+    """Every section's quick measurements (as the tests above ran them) through ``all``: the
+    summary has each section's goals, each section its own rendering, the plot its panels."""
+    results = {name: quick_run(name)[0] for name in bench.SECTIONS}
+    for name, (_, render, help_text) in list(bench.SECTIONS.items()):
+        stand_in = lambda quick=False, name=name: json.loads(json.dumps(results[name]))  # noqa: E731
+        monkeypatch.setitem(bench.SECTIONS, name, (stand_in, render, help_text))
+    bench.main(["all", "--quick", "--output", str(tmp_path)])
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    rows = _summary_rows(text)
+    for name in bench.SECTIONS:
+        assert sum(row[0] == f"[{name}](#{name})" for row in rows) == GOAL_COUNTS[name], name
+        lines = bench.SECTIONS[name][1](json.loads(json.dumps(results[name])))
+        assert "\n".join(lines) in _section_text(text, name)
+    assert all(re.fullmatch(r"-?[\d.]+|nan|inf", r[2]) and r[4] in ("met", "MISSED") for r in rows)
+    assert (tmp_path / "benchmarks.png").exists() == _matplotlib()
+    assert ("![" in text) == _matplotlib()
+    (tmp_path / "BENCHMARKS.md").unlink()
+    bench.main(["render", "--output", str(tmp_path)])
+    assert (tmp_path / "BENCHMARKS.md").read_text() == text
+
+
+@pytest.mark.slow
+def test_all_quick_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    repo_report = bench.ROOT / "BENCHMARKS.md"
+    before = repo_report.read_bytes() if repo_report.exists() else None
+    cmd = [sys.executable, str(BENCH_PATH), "all", "--quick", "--output", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert bench.QUICK_WARNING in text
+    assert {row[0].split("]")[0][1:] for row in _summary_rows(text)} == set(GOAL_COUNTS)
+    for name in bench.SECTIONS:
+        assert f"Command: `python scripts/bench.py {name} --quick`" in _section_text(text, name)
+    assert (tmp_path / "benchmarks.png").exists() == _matplotlib()
+    assert (repo_report.read_bytes() if repo_report.exists() else None) == before

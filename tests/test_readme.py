@@ -1,12 +1,31 @@
-"""The README's Python snippets run as written, in order, in a fresh process (each may use
-what an earlier one defined, as a reader would), in an empty working folder."""
+"""The README runs as written. Its Python snippets run in order, in a fresh process (each may
+use what an earlier one defined, as a reader would), in an empty working folder. Every command of
+its ```bash blocks runs too, a block at a time in a folder of its own, on tiny models standing
+in for the real ones: ``RECIPES`` says, per block, what stands in for which name and which
+settings shrink; ``EXEMPT`` lists the commands that do not run, with the reason. A command in
+neither fails the suite.
 
+Two rewrites apply to every command: ``python`` is this interpreter (``sys.executable``), and
+``mlx.launch`` the launcher installed beside it, given a random ``--starting-port`` (tests may
+run side by side). A host ``"ssh": "127.0.0.1"`` in a hostfile runs locally (mlx.launch runs
+no ssh for it), so a two-Mac hostfile becomes two local ranks."""
+
+from __future__ import annotations
+
+import json
+import random
 import re
+import shlex
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parent.parent / "README.md"
+DATA = Path(__file__).resolve().parent / "data"
 
 
 def snippets() -> list[str]:
@@ -69,3 +88,328 @@ def test_readme_design_draws_every_module():
         if not module.name.startswith("_") and not named(module.name, top):
             missing.append(module.name)
     assert not missing, f"README's Design section does not draw {missing}"
+
+
+# ----- the README's bash blocks --------------------------------------------------------------
+
+
+def slug(title: str) -> str:
+    """GitHub's anchor of a heading: "Two Macs with mlx.launch" -> "two-macs-with-mlxlaunch"."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def blocks(lang: str) -> list[tuple[str, str]]:
+    """(id, text) of every ```lang block: the id is the slug of the heading above it ("set-up"
+    before the first), with -2, -3, ... for a second, third block under one heading."""
+    found, heading, count = [], "set-up", {}
+    lines = README.read_text().split("\n")
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            if lines[i][3:].strip() == lang:
+                count[heading] = count.get(heading, 0) + 1
+                n = count[heading]
+                found.append(
+                    (heading if n == 1 else f"{heading}-{n}", "\n".join(lines[i + 1 : end]))
+                )
+            i = end + 1
+            continue
+        if m := re.match(r"#+ (.+)", lines[i]):
+            heading = slug(m.group(1))
+        i += 1
+    return found
+
+
+def headings() -> list[str]:
+    """The slug of every heading outside code blocks."""
+    found, fenced = [], False
+    for line in README.read_text().split("\n"):
+        fenced ^= line.startswith("```")
+        if not fenced and (m := re.match(r"#+ (.+)", line)):
+            found.append(slug(m.group(1)))
+    return found
+
+
+def test_readme_anchors_exist():
+    missing = set(re.findall(r"\]\([^)#]*#([^)]+)\)", README.read_text())) - set(headings())
+    assert not missing, f"README links to missing headings {sorted(missing)}"
+
+
+def commands(text: str) -> list[str]:
+    """A block's commands: continuation lines joined, comment lines and trailing comments (a
+    ``#`` after a space, none of the README's commands quotes one) dropped."""
+    out = []
+    for line in re.sub(r"\\\n\s*", "", text).split("\n"):
+        line = re.sub(r"\s+#\s.*$", "", line).strip()
+        if line and not line.startswith("#"):
+            out.append(line)
+    return out
+
+
+EXEMPT = {
+    "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python -m mlx_rwkvx.demo": (
+        "installs from the package index, which the tests cannot reach; the demo has a test of "
+        "its own"
+    ),
+    'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest': (
+        "installs from the package index, and runs this very suite (.ci/run runs the command)"
+    ),
+    "python scripts/bench.py all": (
+        "the benchmarks: hours on 2 cores, and it rewrites BENCHMARKS.md; tests/test_bench.py "
+        "runs its sections at --quick sizes"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a bash block runs: ``files`` puts a stand-in (a kind ``Fixtures`` builds) under each
+    name the README gives a model, data or hosts file; ``replace`` swaps a setting for a small
+    one (matched as whole words: ``--iters 2000`` leaves ``--iters 20000`` alone), each with
+    its reason; ``expect`` names files the block must leave (``mlx.launch`` exits 0 even when
+    a rank fails); ``stdin`` feeds every command."""
+
+    files: dict[str, str]
+    replace: dict[str, str] = field(default_factory=dict)
+    expect: tuple[str, ...] = ()
+    stdin: str = ""
+    slow: bool = False
+
+
+LONG_RUN = "--iters 2"  # a real run's thousand steps: minutes to hours; two show it works
+
+RECIPES = {
+    "lora-fine-tune-on-a-chat-jsonl": Recipe(
+        files={"rwkv7-1.5b": "rwkv7", "chats": "chats"},
+        replace={"--iters 1000": LONG_RUN},
+        expect=("lora/adapter_final.safetensors", "lora/adapter_config.json", "lora/metrics.jsonl"),
+    ),
+    "int8-base-on-an-8-gb-mac": Recipe(
+        files={"rwkv-qwen-hybrid-1.5B.safetensors": "rfa", "chats": "chats"},
+        replace={"--iters 1000": LONG_RUN},
+        expect=("rfa-lora/adapter_final.safetensors",),
+    ),
+    "state-tuning": Recipe(
+        files={"rwkv7-1.5b": "rwkv7", "chats": "chats"},
+        replace={"--iters 500": LONG_RUN},
+        expect=("state/adapter_final.safetensors",),
+    ),
+    "pretraining": Recipe(
+        # the README's own rwkv-x-small.yaml (World vocabulary: 33M embedding and head)
+        files={"rwkv-x-small.yaml": "readme-yaml", "corpus": "corpus"},
+        replace={
+            "--iters 2000": LONG_RUN,
+            "--iters 20000": LONG_RUN,
+            "--batch-size 8": "--batch-size 2",  # and shorter texts: a step of the 65536-token
+            "--max-seq-len 512": "--max-seq-len 64",  # head costs seconds on 2 cores
+        },
+        expect=("pre-tiny/model/config.json", "pre-small/model/model.safetensors"),
+        slow=True,
+    ),
+    "chat": Recipe(
+        files={"rwkv7-1.5b": "rwkv7", "lora": "lora"},
+        stdin="What is 2 plus 3?\nAnd 4 plus 4?\n",  # two turns, then end of input: the chat ends
+    ),
+    "merge-adapters-from-two-macs": Recipe(
+        files={"rwkv-qwen-hybrid-1.5B.safetensors": "rfa", "chats": "chats"},
+        replace={
+            "--tokenizer tokenizer.json": "--tokenizer bytes",  # the tiny RFA's vocabulary
+            "--epochs 3": LONG_RUN,
+        },
+        expect=(
+            "chats_0.bin",
+            "chats_1.bin",
+            "loras_m4/thread_5.safetensors",
+            "loras_m3/adapter_final.safetensors",
+            "merged.safetensors",
+        ),
+        slow=True,
+    ),
+    "two-macs-with-mlxlaunch": Recipe(
+        files={"rwkv7-1.5b": "rwkv7", "chats": "chats", "hosts.json": "hosts"},
+        replace={"--iters 1000": LONG_RUN},
+        expect=("lora-dp/adapter_final.safetensors", "lora-local/adapter_final.safetensors"),
+        slow=True,
+    ),
+    "convert-a-hugging-face-or-blinkdl-checkpoint": Recipe(
+        files={
+            "rwkv7-g1-1.5b.pth": "rwkv7-pth",
+            "rwkv7-g1-1.5b-hf": "rwkv7-hf",
+            "Qwen2.5-1.5B-Instruct": "qwen2-hf",
+        },
+        expect=(
+            "rwkv7-1.5b/config.json",
+            "rwkv7-1.5b-int8/config.json",
+            "rwkv7-1.5b-from-hf/config.json",
+            "rwkv7-1.5b-hf/config.json",
+            "rwkv7-1.5b-blinkdl.safetensors",
+            "rfa-from-qwen/config.json",
+        ),
+    ),
+}
+
+
+def run_cli(*args: str, cwd: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, f"{args}:\n{out.stdout}\n{out.stderr}"
+
+
+class Fixtures:
+    """The stand-ins, each built once per module on first use: ``rwkv7`` (a 2-block C = 64
+    RWKV-7 folder, bytes as tokens), ``rfa`` (ARWKV, ARWKV, Qwen2 at C = 64, one .safetensors),
+    ``rwkv7-pth`` (BlinkDL's .pth layout, written by torch), ``rwkv7-hf`` and ``qwen2-hf``
+    (Hugging Face folders written by ``convert --to hf``), ``chats`` (a chat data folder),
+    ``corpus`` (a text data folder), ``hosts`` (a hostfile of two local ranks), ``lora`` (an
+    adapter of ``rwkv7`` after one step), ``readme-yaml`` (the README's own YAML file)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.built: dict[str, Path] = {}
+
+    def get(self, kind: str) -> Path:
+        if kind not in self.built:
+            self.built[kind] = getattr(self, "_" + kind.replace("-", "_"))(self.root / kind)
+        return self.built[kind]
+
+    def place(self, kind: str, dest: Path) -> None:
+        if kind == "readme-yaml":  # the README's ```yaml block that starts "# <dest name>"
+            text = [t for _, t in blocks("yaml") if t.startswith(f"# {dest.name}")]
+            assert len(text) == 1, f"README: one ```yaml block headed '# {dest.name}'"
+            dest.write_text(text[0] + "\n")
+            return
+        src = self.get(kind)
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dest)
+
+    @staticmethod
+    def _save(config, path: Path) -> Path:
+        import mlx_rwkvx
+        from mlx_rwkvx.models import Model
+
+        mlx_rwkvx.save(Model(config, seed=0), path)
+        return path
+
+    def _rwkv7(self, path: Path) -> Path:
+        from mlx_rwkvx.models import ModelConfig
+
+        cfg = ModelConfig(vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"] * 2)
+        return self._save(cfg, path)
+
+    def _rfa(self, path: Path) -> Path:
+        """One .safetensors with the config in its metadata, as the seeds' hybrid."""
+        from mlx_rwkvx.models import rfa_config
+
+        attention = dict(n_q_heads=4, n_kv_heads=2, attn_head_dim=16, intermediate_size=128)
+        cfg = rfa_config(vocab_size=256, hidden_size=64, head_size=16, **attention,
+                         block_types=["rwkv7", "rwkv7", "qwen2"])  # fmt: skip
+        return self._save(cfg, path.with_suffix(".safetensors"))
+
+    def _rwkv7_pth(self, path: Path) -> Path:
+        return DATA / "tiny_rwkv7.pth"  # written by torch.save, as BlinkDL's scripts do
+
+    def _rwkv7_hf(self, path: Path) -> Path:
+        run_cli("mlx_rwkvx.convert", str(self.get("rwkv7")), str(path), "--to", "hf", cwd=self.root)
+        return path
+
+    def _qwen2_hf(self, path: Path) -> Path:
+        from mlx_rwkvx.models import rfa_config
+
+        cfg = rfa_config(vocab_size=256, hidden_size=64, head_size=16, n_q_heads=4, n_kv_heads=2,
+                         intermediate_size=128, block_types=["qwen2"] * 4)  # fmt: skip
+        native = self._save(cfg, self.root / "qwen2-native")
+        run_cli("mlx_rwkvx.convert", str(native), str(path), "--to", "hf", cwd=self.root)
+        return path
+
+    def _chats(self, path: Path) -> Path:
+        """The README's example lines and enough sums for --parallel 6 on 75% of them."""
+        (example,) = [t for _, t in blocks("jsonl")]
+        lines = example.split("\n")
+        for a in range(8):
+            for b in range(5):
+                lines.append(json.dumps({"messages": [
+                    {"role": "user", "content": f"What is {a} plus {b}?"},
+                    {"role": "assistant", "content": f"{a + b}."},
+                ]}))  # fmt: skip
+        path.mkdir()
+        (path / "train.jsonl").write_text("\n".join(lines) + "\n")
+        (path / "valid.jsonl").write_text("\n".join(lines[-4:]) + "\n")
+        return path
+
+    def _corpus(self, path: Path) -> Path:
+        path.mkdir()
+        texts = [f"{a} plus {b} is {a + b}. " * 3 for a in range(8) for b in range(5)]
+        (path / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        return path
+
+    def _hosts(self, path: Path) -> Path:
+        local = {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
+        path.write_text(json.dumps([local, local]))
+        return path
+
+    def _lora(self, path: Path) -> Path:
+        run_cli("mlx_rwkvx.train", "--model", str(self.get("rwkv7")), "--data",
+                str(self.get("chats")), "--output", str(path), "--iters", "1",
+                cwd=self.root)  # fmt: skip
+        return path
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    return Fixtures(tmp_path_factory.mktemp("readme-fixtures"))
+
+
+def replace_words(command: str, old: str, new: str) -> str:
+    return re.sub(rf"(?<![\w.-]){re.escape(old)}(?![\w.])", lambda _: new, command)
+
+
+def local(command: str) -> str:
+    """``python`` -> this interpreter; ``mlx.launch`` -> the one beside it, on a random port."""
+    command = replace_words(command, "python", shlex.quote(sys.executable))
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    port = random.randint(20000, 60000)
+    return replace_words(
+        command, "mlx.launch", f"{shlex.quote(str(launcher))} --starting-port {port}"
+    )
+
+
+def test_readme_bash_commands_are_run_or_exempt():
+    found = blocks("bash")
+    unlisted = [(b, c) for b, text in found for c in commands(text)
+                if b not in RECIPES and c not in EXEMPT]  # fmt: skip
+    assert not unlisted, f"README commands neither run (RECIPES) nor EXEMPT: {unlisted}"
+    every = {c for _, text in found for c in commands(text)}
+    assert set(EXEMPT) <= every, f"EXEMPT lists commands the README lost: {set(EXEMPT) - every}"
+    assert set(RECIPES) <= {b for b, _ in found}, "RECIPES names blocks the README lost"
+    for block, text in found:
+        if block in RECIPES:
+            cmds = commands(text)
+            assert any(c not in EXEMPT for c in cmds), f"{block}: nothing left to run"
+            recipe = RECIPES[block]
+            for old in recipe.replace:
+                assert any(replace_words(c, old, "") != c for c in cmds), f"{block}: no {old!r}"
+            for name in recipe.files:
+                assert name in text, f"{block}: the README no longer names {name}"
+
+
+@pytest.mark.parametrize(
+    "block", [pytest.param(b, marks=pytest.mark.slow) if r.slow else b for b, r in RECIPES.items()]
+)
+def test_readme_bash_block_runs(block, fixtures, tmp_path):
+    recipe = RECIPES[block]
+    text = dict(blocks("bash"))[block]
+    for name, kind in recipe.files.items():
+        fixtures.place(kind, tmp_path / name)
+    for command in commands(text):
+        if command in EXEMPT:
+            continue
+        for old, new in recipe.replace.items():
+            command = replace_words(command, old, new)
+        command = local(command)
+        out = subprocess.run(command, shell=True, executable="/bin/bash", cwd=tmp_path,
+                             input=recipe.stdin, capture_output=True, text=True,
+                             timeout=600)  # fmt: skip
+        assert out.returncode == 0, f"{command}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+    missing = [f for f in recipe.expect if not (tmp_path / f).exists()]
+    assert not missing, f"{block}: the commands left no {missing}"

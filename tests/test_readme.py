@@ -1,9 +1,10 @@
-"""The README runs as written. Its Python snippets run in order, in a fresh process (each may
-use what an earlier one defined, as a reader would), in an empty working folder. Every command of
-its ```bash blocks runs too, a block at a time in a folder of its own, on tiny models standing
-in for the real ones: ``RECIPES`` says, per block, what stands in for which name and which
-settings shrink; ``EXEMPT`` lists the commands that do not run, with the reason. A command in
-neither fails the suite.
+"""The README runs. Its Python snippets run in order, in a fresh process (each may use what an
+earlier one defined, as a reader would), in an empty working folder. Every command of its
+```bash blocks runs too, a block at a time in a folder of its own, on tiny models and data
+standing in for the real ones: ``RECIPES`` says, per block, what stands in for which name and
+which settings are substituted (fewer steps, mostly), and what the block must leave or print;
+``EXEMPT`` lists the commands that do not run (set-up and benchmarks), with the reason. A
+command in neither fails the suite.
 
 Two rewrites apply to every command: ``python`` is this interpreter (``sys.executable``), and
 ``mlx.launch`` the launcher installed beside it, given a random ``--starting-port`` (tests may
@@ -168,15 +169,18 @@ class Recipe:
     name the README gives a model, data or hosts file; ``replace`` swaps a setting for a small
     one (matched as whole words: ``--iters 2000`` leaves ``--iters 20000`` alone), each with
     its reason; ``expect`` names files the block must leave (``mlx.launch`` exits 0 even when
-    a rank fails); ``stdin`` feeds every command."""
+    a rank fails); ``stdin`` feeds every command, and with ``chat`` every ``--chat`` command
+    must answer each of its lines with some text."""
 
     files: dict[str, str]
     replace: dict[str, str] = field(default_factory=dict)
     expect: tuple[str, ...] = ()
     stdin: str = ""
+    chat: bool = False
     slow: bool = False
 
 
+BPE_VOCAB = 320  # the 256 bytes, merges, <|endoftext|>: a tokenizer.json of a tiny model
 LONG_RUN = "--iters 2"  # a real run's thousand steps: minutes to hours; two show it works
 
 RECIPES = {
@@ -209,14 +213,19 @@ RECIPES = {
     ),
     "chat": Recipe(
         files={"rwkv7-1.5b": "rwkv7", "lora": "lora"},
+        # a seeded sampler: the answers checked are the same on every run (a random model's
+        # first sampled token is its end of text about once in 256)
+        replace={"--top-p 0.9": "--top-p 0.9 --seed 0"},
         stdin="What is 2 plus 3?\nAnd 4 plus 4?\n",  # two turns, then end of input: the chat ends
+        chat=True,
     ),
     "merge-adapters-from-two-macs": Recipe(
-        files={"rwkv-qwen-hybrid-1.5B.safetensors": "rfa", "chats": "chats"},
-        replace={
-            "--tokenizer tokenizer.json": "--tokenizer bytes",  # the tiny RFA's vocabulary
-            "--epochs 3": LONG_RUN,
+        files={
+            "rwkv-qwen-hybrid-1.5B.safetensors": "rfa-bpe",
+            "tokenizer.json": "tokenizer-json",  # beside the model, as Qwen2's beside the seeds'
+            "chats": "chats",
         },
+        replace={"--epochs 3": LONG_RUN},
         expect=(
             "chats_0.bin",
             "chats_1.bin",
@@ -260,6 +269,8 @@ def run_cli(*args: str, cwd: Path) -> None:
 class Fixtures:
     """The stand-ins, each built once per module on first use: ``rwkv7`` (a 2-block C = 64
     RWKV-7 folder, bytes as tokens), ``rfa`` (ARWKV, ARWKV, Qwen2 at C = 64, one .safetensors),
+    ``tokenizer-json`` (a byte-level BPE ``tokenizer.json``, Qwen2's kind, trained on ``chats``)
+    and ``rfa-bpe`` (``rfa`` with that tokenizer's vocabulary size, to sit beside it),
     ``rwkv7-pth`` (BlinkDL's .pth layout, written by torch), ``rwkv7-hf`` and ``qwen2-hf``
     (Hugging Face folders written by ``convert --to hf``), ``chats`` (a chat data folder),
     ``corpus`` (a text data folder), ``hosts`` (a hostfile of two local ranks), ``lora`` (an
@@ -297,14 +308,36 @@ class Fixtures:
         cfg = ModelConfig(vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"] * 2)
         return self._save(cfg, path)
 
-    def _rfa(self, path: Path) -> Path:
+    def _rfa(self, path: Path, vocab_size: int = 256) -> Path:
         """One .safetensors with the config in its metadata, as the seeds' hybrid."""
         from mlx_rwkvx.models import rfa_config
 
         attention = dict(n_q_heads=4, n_kv_heads=2, attn_head_dim=16, intermediate_size=128)
-        cfg = rfa_config(vocab_size=256, hidden_size=64, head_size=16, **attention,
+        cfg = rfa_config(vocab_size=vocab_size, hidden_size=64, head_size=16, **attention,
                          block_types=["rwkv7", "rwkv7", "qwen2"])  # fmt: skip
         return self._save(cfg, path.with_suffix(".safetensors"))
+
+    def _rfa_bpe(self, path: Path) -> Path:
+        from tokenizers import Tokenizer
+
+        vocab = Tokenizer.from_file(str(self.get("tokenizer-json"))).get_vocab_size()
+        return self._rfa(path, vocab_size=vocab)
+
+    def _tokenizer_json(self, path: Path) -> Path:
+        """Byte-level BPE as Qwen2's: every byte a token, then merges, then an end of text."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["<|endoftext|>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=False)  # fmt: skip
+        lines = (self.get("chats") / "train.jsonl").read_text().splitlines()
+        texts = [m["content"] for line in lines for m in json.loads(line)["messages"]]
+        tokenizer.train_from_iterator(texts, trainer)
+        tokenizer.save(str(path))
+        return path
 
     def _rwkv7_pth(self, path: Path) -> Path:
         return DATA / "tiny_rwkv7.pth"  # written by torch.save, as BlinkDL's scripts do
@@ -374,6 +407,12 @@ def local(command: str) -> str:
     )
 
 
+def chat_answers(stdout: str) -> list[str]:
+    """The answers of ``generate --chat`` fed by a pipe: each is what follows its prompt
+    ``> `` (at a line's start) up to the statistics line ``[N tokens, ...]`` after it."""
+    return re.findall(r"^> (.*?)\n\[\d+ tokens, ", stdout, flags=re.S | re.M)
+
+
 def test_readme_bash_commands_are_run_or_exempt():
     found = blocks("bash")
     unlisted = [(b, c) for b, text in found for c in commands(text)
@@ -411,5 +450,11 @@ def test_readme_bash_block_runs(block, fixtures, tmp_path):
                              input=recipe.stdin, capture_output=True, text=True,
                              timeout=600)  # fmt: skip
         assert out.returncode == 0, f"{command}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+        if recipe.chat and " --chat" in command:
+            answers = chat_answers(out.stdout)
+            turns = recipe.stdin.splitlines()
+            assert len(answers) == len(turns) and all(a.strip() for a in answers), (
+                f"{command}: {len(turns)} turns, answers {answers}\nstdout:\n{out.stdout}"
+            )
     missing = [f for f in recipe.expect if not (tmp_path / f).exists()]
     assert not missing, f"{block}: the commands left no {missing}"

@@ -15,8 +15,10 @@ goals; one section each. Beside it go the raw measurements (benchmarks.json: ``-
 carries a section over from it, ``render`` re-renders from it without measuring) and
 benchmarks.png where matplotlib is installed (the ``plot`` extra). ``--output DIR`` writes
 elsewhere than the repository's root. ``--quick`` runs at small sizes: a smoke test of the
-script, whose numbers say nothing about the code's speed; ``all --quick`` writes into a new
-temporary folder unless given ``--output``, never into the repository.
+script, whose numbers say nothing about the code's speed; it writes into a new temporary folder
+unless given ``--output``, and never into the repository. While ``all`` runs,
+benchmarks.partial.json holds the sections measured so far: after a failure or Ctrl-C,
+``--skip`` carries them over from it.
 
 Each section is ``measure_<section>(quick)``, which verifies and then times and returns plain
 data (JSON-serialisable), and ``render_<section>(results)``, which turns that data into the
@@ -27,6 +29,7 @@ a section's goals and, for the summary, records them (``render_with_goals``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -35,6 +38,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,8 +74,9 @@ def judge(goals) -> list[dict]:
     judged = []
     for name, value, bound, at_least in goals:
         met = value >= bound if at_least else value <= bound
-        judged.append({"name": name, "value": float(value), "bound": bound,
-                       "at_least": at_least, "met": bool(met)})  # fmt: skip
+        judged.append(
+            dict(name=name, value=float(value), bound=bound, at_least=at_least, met=bool(met))
+        )
     return judged
 
 
@@ -99,7 +104,8 @@ def _now() -> str:
 
 
 def write_section(title: str, command: str, lines: list[str], path: Path | None = None) -> None:
-    """Append one result section to ``path`` (default BENCHMARKS.md) and echo it."""
+    """Echo one result section, then append it to ``path`` (default BENCHMARKS.md); ReportError
+    where it cannot be written."""
     path = path or RESULTS
     stamp = _now()
     text = "\n".join(
@@ -113,11 +119,16 @@ def write_section(title: str, command: str, lines: list[str], path: Path | None 
         + lines
         + [""]
     )
-    if not path.exists():
-        path.write_text("# Benchmarks\n\nWritten by `scripts/bench.py`; newest sections last.\n\n")
-    with path.open("a") as f:
-        f.write(text + "\n")
     print(text)
+    try:
+        if not path.exists():
+            path.write_text(
+                "# Benchmarks\n\nWritten by `scripts/bench.py`; newest sections last.\n\n"
+            )
+        with path.open("a") as f:
+            f.write(text + "\n")
+    except OSError as e:
+        raise ReportError(f"{path}: cannot be written ({e.strerror or e})") from None
 
 
 def _sizes(table: dict, quick: bool) -> dict:
@@ -1400,8 +1411,8 @@ def measure_train_int8(quick: bool = False) -> dict:
 def _train_tokens_per_s(s: dict) -> tuple[float, float]:
     """Tokens per second of one shape's LoRA step: ours, mlx-lm's (at the batch and T it fit)."""
     sh = s["shape"]
-    return (sh["batch"] * sh["T"] / s["ours_s"],
-            s["mlx_lm_batch"] * s["mlx_lm_T"] / s["mlx_lm_s"])  # fmt: skip
+    ours = sh["batch"] * sh["T"] / s["ours_s"]
+    return ours, s["mlx_lm_batch"] * s["mlx_lm_T"] / s["mlx_lm_s"]
 
 
 def render_train(r: dict) -> list[str]:
@@ -1956,7 +1967,17 @@ def render_with_goals(name: str, results: dict) -> tuple[list[str], list[dict]]:
 
 
 REPORT_NAME, JSON_NAME, PLOT_NAME = "BENCHMARKS.md", "benchmarks.json", "benchmarks.png"
+# What ``all`` saves after each measured section: a late failure or Ctrl-C keeps what was
+# measured, and ``--skip`` carries it over.
+PARTIAL_NAME = "benchmarks.partial.json"
 REPORT_FORMAT = 1  # of benchmarks.json
+# The fields of benchmarks.json the report is rendered from, checked by read_report: the run's,
+# its environment's (``environment``'s keys) and a measured section's.
+RUN_FIELDS = {"date": str, "command": str, "quick": bool, "environment": dict, "sections": dict}
+ENVIRONMENT_FIELDS = ("machine", "mlx", "blas", "blas_core_note", "numpy", "numpy_blas", "python")
+ENTRY_FIELDS = {"date": str, "command": str, "quick": bool, "machine": str, "seconds": (int, float)}
+# What a renderer or a plot panel raises on data of a layout it no longer reads.
+DATA_ERRORS = (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError)
 QUICK_WARNING = (
     "**A `--quick` run: small sizes, a smoke test of `scripts/bench.py`. Its numbers mean "
     "nothing about the code's speed.**"
@@ -1980,61 +2001,130 @@ def environment() -> dict:
     }
 
 
+def _entry_problem(entry) -> str | None:
+    """What is wrong with one section of a benchmarks.json, or None."""
+    if not isinstance(entry, dict):
+        return "is not an object"
+    if "results" not in entry:
+        return None if isinstance(entry.get("not_run"), str) else "has neither results nor not_run"
+    bad = [k for k, kind in ENTRY_FIELDS.items() if not isinstance(entry.get(k), kind)]
+    if bad:
+        return f"has results but no valid {', '.join(bad)} (expected {', '.join(ENTRY_FIELDS)})"
+    return None
+
+
 def read_report(path: Path) -> dict:
-    """A benchmarks.json written by ``all``, checked for the fields a report is made of."""
+    """A benchmarks.json written by ``all``, checked for every field its report is rendered
+    from: the run's, its environment's and each section's."""
     try:
         report = json.loads(path.read_text())
     except OSError as e:
         raise ReportError(f"{path}: cannot be read ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise ReportError(f"{path}: not JSON ({e})") from None
-    fields = ("date", "command", "quick", "environment", "sections")
     ok = isinstance(report, dict) and report.get("format") == REPORT_FORMAT
-    if not (ok and all(k in report for k in fields) and isinstance(report["sections"], dict)):
+    if not (ok and all(isinstance(report.get(k), kind) for k, kind in RUN_FIELDS.items())):
         raise ReportError(
             f"{path}: not a benchmarks.json of `scripts/bench.py all` (format {REPORT_FORMAT} "
-            f"with {', '.join(fields)})"
+            f"with {', '.join(RUN_FIELDS)})"
         )
+    missing = [k for k in ENVIRONMENT_FIELDS if k not in report["environment"]]
+    if missing:
+        raise ReportError(f"{path}: its environment has no {', '.join(missing)}")
+    for name, entry in report["sections"].items():
+        problem = _entry_problem(entry)
+        if problem:
+            raise ReportError(f"{path}: section {name} {problem}")
     return report
 
 
-def _carried_over(previous: dict | None, name: str, quick: bool) -> dict:
-    """A skipped section's entry: the earlier report's measurement, or why there is none."""
-    entry = (previous or {}).get("sections", {}).get(name)
-    if entry is None:
-        where = "no earlier benchmarks.json" if previous is None else "not in benchmarks.json"
+def _previous_reports(out_dir: Path) -> list[dict]:
+    """The reports ``--skip`` carries sections over from, newest first: ``out_dir``'s
+    benchmarks.json and the benchmarks.partial.json an unfinished ``all`` left there."""
+    paths = [p for p in (out_dir / PARTIAL_NAME, out_dir / JSON_NAME) if p.exists()]
+    paths.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    return [read_report(p) for p in paths]
+
+
+def _carried_over(previous: list[dict], name: str, quick: bool) -> dict:
+    """A skipped section's entry: the newest of the earlier reports' measurements of the same
+    kind (--quick or full), or why there is none."""
+    entries = [r["sections"][name] for r in previous if name in r["sections"]]
+    if not entries:
+        where = "not in benchmarks.json" if previous else "no earlier benchmarks.json"
         return {"not_run": f"skipped; {where}"}
-    if "results" not in entry:
+    measured = [e for e in entries if "results" in e]
+    if not measured:
         return {"not_run": "skipped; not run in the earlier run either"}
-    if entry.get("quick") != quick:
-        kind = "a --quick" if entry["quick"] else "a full"
+    same = [e for e in measured if e["quick"] == quick]
+    if not same:
+        kind = "a --quick" if measured[0]["quick"] else "a full"
         return {"not_run": f"skipped; the earlier measurement was {kind} run's"}
-    return {**entry, "carried_over": True}
+    return {**same[0], "carried_over": True}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``text`` written to a temporary file beside ``path``, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ReportError(f"{path}: cannot be written ({e.strerror or e})") from None
 
 
 def run_all(quick: bool, skip: list[str], out_dir: Path, command: str) -> dict:
     """Every section but ``skip`` verified and measured, skipped ones carried over from
-    ``out_dir``'s benchmarks.json; then the report written (``write_report``). Nothing is
-    written unless every section verified and measured."""
-    previous_path = out_dir / JSON_NAME
-    previous = read_report(previous_path) if skip and previous_path.exists() else None
+    ``out_dir``'s benchmarks.json (or a newer benchmarks.partial.json); then the report written
+    (``write_report``). The report is written only once every section verified and measured;
+    until then benchmarks.partial.json holds what was measured, rewritten after each section."""
+    previous = _previous_reports(out_dir) if skip else []
     env = environment()
-    report = {"format": REPORT_FORMAT, "date": _now(), "command": command, "quick": quick,
-              "environment": env, "sections": {}}  # fmt: skip
-    for name in SECTIONS:
-        if name in skip:
-            report["sections"][name] = _carried_over(previous, name, quick)
-            continue
-        print(f"== {name}: {section_command(name, quick)}", flush=True)
-        t0 = time.perf_counter()
-        results = SECTIONS[name][0](quick=quick)
-        seconds = time.perf_counter() - t0
-        print("\n".join(render_with_goals(name, results)[0]) + f"\n\n({seconds:.0f} s)\n")
-        report["sections"][name] = {"date": report["date"], "command": command, "quick": quick,
-                                    "machine": env["machine"], "seconds": seconds,
-                                    "results": results}  # fmt: skip
-    report = json.loads(json.dumps(report))  # rendered from exactly what is saved
-    write_report(report, out_dir)
+    report = {
+        "format": REPORT_FORMAT,
+        "date": _now(),
+        "command": command,
+        "quick": quick,
+        "environment": env,
+        "sections": {},
+    }
+    partial, kept = out_dir / PARTIAL_NAME, []  # the sections measured and saved there
+    try:
+        for name in SECTIONS:
+            if name in skip:
+                report["sections"][name] = _carried_over(previous, name, quick)
+                continue
+            print(f"== {name}: {section_command(name, quick)}", flush=True)
+            t0 = time.perf_counter()
+            # rendered from exactly what is saved
+            results = json.loads(json.dumps(SECTIONS[name][0](quick=quick)))
+            seconds = time.perf_counter() - t0
+            report["sections"][name] = {
+                "date": report["date"],
+                "command": command,
+                "quick": quick,
+                "machine": env["machine"],
+                "seconds": seconds,
+                "results": results,
+            }
+            try:
+                _write_atomic(partial, json.dumps(report, indent=1) + "\n")
+                kept.append(name)
+            except ReportError as e:
+                print(f"{e}; measuring goes on", file=sys.stderr)
+            print("\n".join(render_with_goals(name, results)[0]) + f"\n\n({seconds:.0f} s)\n")
+        write_report(report, out_dir)
+    except BaseException:
+        if kept:
+            done = ",".join(n for n in SECTIONS if n in skip or n in kept)
+            print(
+                f"{', '.join(kept)} measured and kept in {partial}: "
+                f"`all --skip {done}` carries them over",
+                file=sys.stderr,
+            )
+        raise
     return report
 
 
@@ -2052,8 +2142,16 @@ def _section_status(entry: dict, machine: str) -> str:
     return f"carried over from the run of {entry['date']} (`{entry['command']}`{elsewhere}; {done})"
 
 
+def _count_line(met: int, goals: int, not_run: int) -> str:
+    """``M of N goals met.``, with ``; K sections not run`` where some did not run."""
+    sections = f"; {not_run} section{'s' if not_run != 1 else ''} not run" if not_run else ""
+    return f"{met} of {goals} goals met{sections}."
+
+
 def render_report(report: dict, plot: str | None = None) -> str:
-    """BENCHMARKS.md of a report: header, summary of every goal, contents, one section each."""
+    """BENCHMARKS.md of a report: header, summary of every goal, contents, one section each.
+    A carried-over section whose data this bench.py no longer renders is reported as not run;
+    one measured in the report's own run raises ReportError."""
     env, quick = report["environment"], report["quick"]
     core_note = f" (core: {env['blas_core_note']})" if env["blas_core_note"] else ""
     lines = ["# Benchmarks", ""] + ([QUICK_WARNING, ""] if quick else [])
@@ -2072,36 +2170,46 @@ def render_report(report: dict, plot: str | None = None) -> str:
         f"- Command: `{report['command']}`",
         "",
     ]
-    rendered, summary, met = {}, [], 0
+    rendered, summary, met, judged, not_run = {}, [], 0, 0, 0
     for name in SECTIONS:
         entry = report["sections"].get(name, {"not_run": "not in benchmarks.json"})
         body, goals = None, []
         if "results" in entry:
             try:
                 body, goals = render_with_goals(name, entry["results"])
-            except (KeyError, IndexError, TypeError) as e:
+            except DATA_ERRORS as e:
                 if not entry.get("carried_over"):
-                    raise
+                    raise ReportError(
+                        f"section {name} does not render ({e!r}): measured by another version "
+                        "of scripts/bench.py?"
+                    ) from None
                 # measured by an older bench.py whose data this renderer no longer reads
                 entry = {"not_run": f"carried over, but its data no longer renders ({e!r})"}
         rendered[name] = (entry, body)
         label = f"[{name}](#{name})" + (" (carried over)" if entry.get("carried_over") else "")
+        if body is None:
+            not_run += 1
+            summary.append(f"| {label} | not run ({_cell(entry['not_run'])}) | | | |")
         for g in goals:
-            summary.append(f"| {label} | {_cell(g['name'])} | {g['value']:.2f} "
-                           f"| {_goal_bound(g)} | {_goal_verdict(g)} |")  # fmt: skip
+            summary.append(
+                f"| {label} | {_cell(g['name'])} | {g['value']:.2f} | {_goal_bound(g)} "
+                f"| {_goal_verdict(g)} |"
+            )
             met += g["met"]
-    lines += ["## Summary", "", f"{met} of {len(summary)} goals met.", ""]
+        judged += len(goals)
+    lines += ["## Summary", "", _count_line(met, judged, not_run), ""]
     lines += ["| section | goal | value | bound | |", "|---|---|---|---|---|", *summary, ""]
     lines += ["## Contents", ""]
     for name, (entry, _) in rendered.items():
         status = _section_status(entry, env["machine"])
         lines.append(f"- [{name}](#{name}): {SECTIONS[name][2]}; {status}")
-    lines += [""] + ([f"![WKV7 and MoBA time against T, LoRA training tokens/s]({plot})", ""]
-                     if plot else [])  # fmt: skip
+    lines.append("")
+    if plot:
+        lines += [f"![WKV7 and MoBA time against T, LoRA training tokens/s]({plot})", ""]
     for name, (entry, body) in rendered.items():
         status = _section_status(entry, env["machine"])
-        lines += [f"## {name}", "", f"Command: `{section_command(name, quick)}`", "",
-                  status[0].upper() + status[1:] + ".", ""]  # fmt: skip
+        lines += [f"## {name}", "", f"Command: `{section_command(name, quick)}`", ""]
+        lines += [status[0].upper() + status[1:] + ".", ""]
         if body is not None:
             lines += body + [""]
     return "\n".join(lines) + "\n"  # a blank line last: sections run alone are appended
@@ -2111,62 +2219,97 @@ def _first(pair):
     return pair[0]
 
 
-def _plot_times(ax, rows: list, series: list, title: str) -> None:
-    """Time against T, log-log: ``rows`` of (T, runs), ``series`` of (key, label, color,
-    line style); runs that did not run (None) are left out."""
-    for key, label, color, style in series:
-        points = [(T, runs[key]["time"]) for T, runs in rows if runs.get(key)]
-        if points:
-            ax.plot(*zip(*points, strict=True), style, color=color, marker="o", label=label)
+def _draw_times(ax, lines: list, Ts: list, title: str) -> None:
+    """Time against T, log-log: ``lines`` of (label, color, line style, points)."""
+    for label, color, style, points in lines:
+        ax.plot(*zip(*points, strict=True), style, color=color, marker="o", label=label)
     ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="seconds", title=title)
-    Ts = sorted({T for T, _ in rows})
     ax.set_xticks(Ts, [str(T) for T in Ts])
     ax.set_xticks([], minor=True)
     ax.legend(fontsize=7)
 
 
+def _times_panel(rows: list, series: list, title: str):
+    """``_draw_times`` of ``rows`` of (T, runs), ``series`` of (key, label, color, line style);
+    runs that did not run (None) are left out."""
+    lines = []
+    for key, label, color, style in series:
+        points = [(int(T), float(runs[key]["time"])) for T, runs in rows if runs.get(key)]
+        if points:
+            lines.append((label, color, style, points))
+    Ts = sorted({int(T) for T, _ in rows})
+    return functools.partial(_draw_times, lines=lines, Ts=Ts, title=title)
+
+
 def _fwd_and_fb(implementations) -> list:
-    """``_plot_times`` series of ``(run key prefix, label, color)``: fwd solid, fwd+bwd dashed."""
-    return [(f"{key}_{kind}", f"{label} {name}", color, style)
-            for kind, name, style in (("fwd", "fwd", "-"), ("fb", "fwd+bwd", "--"))
-            for key, label, color in implementations]  # fmt: skip
+    """``_times_panel`` series of ``(run key prefix, label, color)``: fwd solid, fwd+bwd dashed."""
+    return [
+        (f"{key}_{kind}", f"{label} {name}", color, style)
+        for kind, name, style in (("fwd", "fwd", "-"), ("fb", "fwd+bwd", "--"))
+        for key, label, color in implementations
+    ]
 
 
-def _plot_wkv7(ax, r: dict) -> None:
+def _wkv7_panel(r: dict):
     H = r["base"][1]
     rows = sorted(((row["T"], row["runs"]) for row in r["rows"] if row["H"] == H), key=_first)
-    series = _fwd_and_fb((("ours", "wkv7", "C0"), ("ref", "step loop", "C1"),
-                          ("lm", "mlx-lm", "C2")))  # fmt: skip
-    _plot_times(ax, rows, series, f"WKV7, B=1 H={H} N={r['N']}")
+    implementations = (("ours", "wkv7", "C0"), ("ref", "step loop", "C1"), ("lm", "mlx-lm", "C2"))
+    return _times_panel(rows, _fwd_and_fb(implementations), f"WKV7, B=1 H={H} N={r['N']}")
 
 
-def _plot_moba(ax, r: dict) -> None:
+def _moba_panel(r: dict):
     rows = [(row["T"], row["runs"]) for row in r["rows"]]
     series = _fwd_and_fb((("moba", "MoBA", "C0"), ("dense", "dense SDPA", "C3")))
-    _plot_times(ax, rows, series, f"MoBA vs dense causal attention, H={r['H']} D={r['D']}")
+    return _times_panel(rows, series, f"MoBA vs dense causal attention, H={r['H']} D={r['D']}")
 
 
-def _plot_train(ax, r: dict) -> None:
-    shapes = r["shapes"]
-    rates = [_train_tokens_per_s(s) for s in shapes.values()]
-    x = np.arange(len(shapes))
+def _draw_bars(ax, names: list, rates: list, ratios: list, ylim: tuple, title: str) -> None:
+    """Tokens/s of ours and mlx-lm's per shape, log scale, each pair with its ratio."""
+    x = np.arange(len(names))
     for i, (label, color) in enumerate((("mlx_rwkvx", "C0"), ("mlx-lm", "C2"))):
         ax.bar(x + (i - 0.5) * 0.4, [rate[i] for rate in rates], 0.4, label=label, color=color)
-    for xi, (ours, theirs) in zip(x, rates, strict=True):
-        ax.annotate(f"{ours / theirs:.1f}x", (xi, ours), ha="center", va="bottom", fontsize=8)
-    names = [f"{n}\nT={s['shape']['T']}, batch {s['shape']['batch']}" for n, s in shapes.items()]
-    ax.set(xticks=x, xticklabels=names, yscale="log", ylabel="tokens/s (log)",
-           title=f"LoRA training step (rank {r['rank']}): ours vs mlx-lm")  # fmt: skip
-    ax.set_ylim(min(min(rate) for rate in rates) / 3, 3 * max(max(rate) for rate in rates))
+    for xi, (ours, _), ratio in zip(x, rates, ratios, strict=True):
+        ax.annotate(f"{ratio:.1f}x", (xi, ours), ha="center", va="bottom", fontsize=8)
+    ax.set(xticks=x, xticklabels=names, yscale="log", ylabel="tokens/s (log)", title=title)
+    ax.set_ylim(*ylim)
     ax.legend(fontsize=7)
 
 
-PLOT_PANELS = (("wkv7", _plot_wkv7), ("moba", _plot_moba), ("train", _plot_train))
+def _train_panel(r: dict):
+    shapes = r["shapes"]
+    rates = [tuple(map(float, _train_tokens_per_s(s))) for s in shapes.values()]
+    ratios = [ours / theirs for ours, theirs in rates]
+    names = [f"{n}\nT={s['shape']['T']}, batch {s['shape']['batch']}" for n, s in shapes.items()]
+    ylim = (min(min(rate) for rate in rates) / 3, 3 * max(max(rate) for rate in rates))
+    title = f"LoRA training step (rank {r['rank']}): ours vs mlx-lm"
+    return functools.partial(
+        _draw_bars, names=names, rates=rates, ratios=ratios, ylim=ylim, title=title
+    )
+
+
+# Each panel's function reads its section's results into a drawer of one axes: data of a
+# layout it no longer reads fails there, before anything is drawn.
+PLOT_PANELS = (("wkv7", _wkv7_panel), ("moba", _moba_panel), ("train", _train_panel))
+
+
+def plot_panels(report: dict) -> list:
+    """The drawers of the panels whose sections the report holds; a panel whose data does not
+    fit (an older bench.py's layout) is left out, with one printed line."""
+    drawers = []
+    for name, panel in PLOT_PANELS:
+        entry = report["sections"].get(name, {})
+        if "results" not in entry:
+            continue
+        try:
+            drawers.append(panel(entry["results"]))
+        except DATA_ERRORS as e:
+            print(f"{PLOT_NAME}: the {name} panel is left out, its data does not fit ({e!r})")
+    return drawers
 
 
 def plot_report(report: dict, path: Path) -> bool:
-    """benchmarks.png at ``path``: the panels whose sections the report holds. False, with one
-    printed line, where matplotlib is not installed or no panel has data."""
+    """benchmarks.png at ``path``: the panels of ``plot_panels``. False, with one printed line,
+    where matplotlib is not installed or no panel has data."""
     try:
         import matplotlib
 
@@ -2175,14 +2318,14 @@ def plot_report(report: dict, path: Path) -> bool:
     except ImportError:
         print(f"{PLOT_NAME} not drawn: matplotlib is not installed (pip install 'mlx_rwkvx[plot]')")
         return False
-    panels = [(draw, report["sections"][name]["results"]) for name, draw in PLOT_PANELS
-              if "results" in report["sections"].get(name, {})]  # fmt: skip
-    if not panels:
-        print(f"{PLOT_NAME} not drawn: no {', '.join(n for n, _ in PLOT_PANELS)} section run")
+    drawers = plot_panels(report)
+    if not drawers:
+        names = ", ".join(n for n, _ in PLOT_PANELS)
+        print(f"{PLOT_NAME} not drawn: no {names} section run, or none whose data fits")
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, (draw, results) in zip(axes[0], panels, strict=True):
-        draw(ax, results)
+    fig, axes = plt.subplots(1, len(drawers), figsize=(5.5 * len(drawers), 4.2), squeeze=False)
+    for ax, draw in zip(axes[0], drawers, strict=True):
+        draw(ax)
     note = " (--quick: these numbers mean nothing)" if report["quick"] else ""
     fig.suptitle(f"scripts/bench.py, {report['date']}{note}", fontsize=9)
     fig.tight_layout()
@@ -2194,11 +2337,12 @@ def plot_report(report: dict, path: Path) -> bool:
 def write_report(report: dict, out_dir: Path, with_json: bool = True) -> list[Path]:
     """benchmarks.png (where matplotlib imports), benchmarks.json and BENCHMARKS.md in
     ``out_dir``: each written to a temporary file first, renamed over the old one once all are
-    written, so that a failure leaves the old report whole."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    written, so that a failure leaves the old report whole. Then a benchmarks.png the new
+    report does not show is removed, and with the JSON the benchmarks.partial.json."""
+    png = out_dir / (PLOT_NAME + ".tmp")
     staged = {}
     try:
-        png = out_dir / (PLOT_NAME + ".tmp")
+        out_dir.mkdir(parents=True, exist_ok=True)
         if plot_report(report, png):
             staged[out_dir / PLOT_NAME] = png
         texts = {JSON_NAME: json.dumps(report, indent=1) + "\n"} if with_json else {}
@@ -2206,14 +2350,41 @@ def write_report(report: dict, out_dir: Path, with_json: bool = True) -> list[Pa
         for name, text in texts.items():
             staged[out_dir / name] = out_dir / (name + ".tmp")
             staged[out_dir / name].write_text(text)
-    except BaseException:
+        for path, tmp in staged.items():
+            os.replace(tmp, path)
+    except BaseException as e:
         for tmp in [png, *staged.values()]:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise ReportError(
+                f"{out_dir}: the report cannot be written ({e.strerror or e})"
+            ) from None
         raise
-    for path, tmp in staged.items():
-        os.replace(tmp, path)
+    stale = [] if out_dir / PLOT_NAME in staged else [out_dir / PLOT_NAME]
+    if with_json:
+        stale.append(out_dir / PARTIAL_NAME)
+    for path in stale:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
     print(f"wrote {', '.join(path.name for path in staged)} in {out_dir}")
     return list(staged)
+
+
+def output_folder(path: Path) -> Path:
+    """``path`` made where it is missing and checked writable, before anything is measured."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ReportError(f"{path}: cannot hold the report ({e.strerror or e})") from None
+    return path
+
+
+def _in_repository(path: Path) -> bool:
+    path = path.resolve()
+    return path == ROOT or ROOT in path.parents
 
 
 def _section_list(text: str) -> list[str]:
@@ -2273,14 +2444,15 @@ def main(argv=None) -> None:
         default=[],
         metavar="SECTION[,SECTION]",
         help="with all: leave these sections out, carried over from the folder's benchmarks.json "
-        "when it has them",
+        "(or a newer benchmarks.partial.json) when it has them",
     )
     parser.add_argument(
         "--output",
         type=Path,
         metavar="DIR",
         help="the folder of BENCHMARKS.md (and, for all and render, benchmarks.json and "
-        "benchmarks.png); default the repository's root, for all --quick a new temporary folder",
+        "benchmarks.png); default the repository's root, with --quick a new temporary folder "
+        "(a --quick run never writes into the repository)",
     )
     args = parser.parse_args(argv)
     command = next((c for c in commands if c in args.sections), None)
@@ -2290,15 +2462,19 @@ def main(argv=None) -> None:
         parser.error("--skip goes with all")
     if command == "render" and args.quick:
         parser.error("render takes no --quick: benchmarks.json says whether its run was quick")
+    if args.quick and args.output is not None and _in_repository(args.output):
+        parser.error(
+            f"--quick does not write into the repository ({args.output}): give --output a "
+            "folder outside it"
+        )
     out_dir = args.output or RESULTS.parent
-    if command == "all" and args.quick:
-        if args.output is None:
-            import tempfile
-
-            out_dir = Path(tempfile.mkdtemp(prefix="mlx_rwkvx-bench-quick-"))
-        elif out_dir.resolve() == ROOT:
-            parser.error("all --quick does not write into the repository: give --output DIR")
+    temporary = args.quick and args.output is None
+    if temporary:
+        out_dir = Path(tempfile.mkdtemp(prefix="mlx_rwkvx-bench-quick-"))
+        print(f"--quick: writing into a new temporary folder, {out_dir}", flush=True)
     try:
+        if command != "render":
+            output_folder(out_dir)  # before anything is measured
         if command == "all":
             run_all(args.quick, args.skip, out_dir, "python scripts/bench.py " + shlex.join(argv))
         elif command == "render":
@@ -2310,6 +2486,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"verify failed: {e}") from None
     except ReportError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, f"{parser.prog}: interrupted\n")
+    finally:
+        if temporary:
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()  # only where nothing was written into it
 
 
 if __name__ == "__main__":

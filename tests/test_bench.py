@@ -7,7 +7,9 @@ The quick sizes say nothing about speed: only the shape of what is written is ch
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -90,8 +92,17 @@ EXPECTED = {
         r"^- loss\+backward peak memory, dense / fused: [\d.]+ \(goal >= 8\)",
     ],
 }
-GOAL_COUNTS = {"blas": 2, "wkv7": 5, "moba": 4, "models": 5, "loss": 1, "train": 2, "train-int8": 2,
-               "generate": 4, "parallel": 1}  # fmt: skip
+GOAL_COUNTS = {
+    "blas": 2,
+    "wkv7": 5,
+    "moba": 4,
+    "models": 5,
+    "loss": 1,
+    "train": 2,
+    "train-int8": 2,
+    "generate": 4,
+    "parallel": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -185,12 +196,17 @@ def test_verification_fails_before_anything_is_timed(monkeypatch, name):
         measure(quick=True)
 
 
-def test_cli_turns_a_failed_verification_into_one_line(monkeypatch, tmp_path):
+QUICK_FOLDER = r"^--quick: writing into a new temporary folder, (\S+)$"
+
+
+def test_cli_turns_a_failed_verification_into_one_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "rel_err", lambda x, ref: 1.0)
     monkeypatch.setattr(bench, "RESULTS", tmp_path / "BENCHMARKS.md")
     with pytest.raises(SystemExit, match=r"^verify failed: MLX fp32 matmul error 1.00e\+00"):
         bench.main(["blas", "--quick"])
     assert not (tmp_path / "BENCHMARKS.md").exists()
+    # the temporary folder of a --quick run is not left behind empty
+    assert not Path(re.search(QUICK_FOLDER, capsys.readouterr().out, re.M)[1]).exists()
 
 
 def _fake_sections(calls: list) -> dict:
@@ -211,9 +227,11 @@ def _fake_sections(calls: list) -> dict:
     def render_plain(r: dict) -> list[str]:
         return [f"value {r['value']}, no goals"]
 
-    return {"alpha": (measure("alpha", 2.0), render, "the first stand-in"),
-            "beta": (measure("beta", 0.5), render, "the second"),
-            "gamma": (measure("gamma", 3.0), render_plain, "one without goals")}  # fmt: skip
+    return {
+        "alpha": (measure("alpha", 2.0), render, "the first stand-in"),
+        "beta": (measure("beta", 0.5), render, "the second"),
+        "gamma": (measure("gamma", 3.0), render_plain, "one without goals"),
+    }
 
 
 def _summary_rows(text: str) -> list[list[str]]:
@@ -313,18 +331,47 @@ def test_all_skip_carries_a_section_over(fake_sections, tmp_path, monkeypatch):
     assert "Command: `python scripts/bench.py alpha --quick`" in _section_text(quick, "alpha")
 
 
-def test_all_failed_verification_leaves_the_old_report(fake_sections, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "failure, code",
+    [
+        (
+            bench.VerificationFailed("gamma vs its reference 1.0e+00"),
+            "verify failed: gamma vs its reference 1.0e+00",
+        ),
+        (KeyboardInterrupt(), 130),
+    ],
+)
+def test_all_failure_leaves_the_old_report_and_keeps_the_measured(
+    fake_sections, tmp_path, monkeypatch, capsys, failure, code
+):
     out = tmp_path / "out"
+    monkeypatch.setattr(bench, "_now", lambda: "2000-01-01 00:00")
     bench.main(["all", "--output", str(out)])
     before = {p.name: p.read_bytes() for p in out.iterdir()}
+    gamma = bench.SECTIONS["gamma"]
 
     def fails(quick=False):
-        raise bench.VerificationFailed("gamma vs its reference 1.0e+00")
+        raise failure
 
-    monkeypatch.setitem(bench.SECTIONS, "gamma", (fails, *bench.SECTIONS["gamma"][1:]))
-    with pytest.raises(SystemExit, match=r"^verify failed: gamma vs its reference 1.0e\+00$"):
+    monkeypatch.setitem(bench.SECTIONS, "gamma", (fails, *gamma[1:]))
+    monkeypatch.setattr(bench, "_now", lambda: "2000-01-02 00:00")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
         bench.main(["all", "--output", str(out)])
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert e.value.code == code
+    assert "`all --skip alpha,beta` carries them over" in capsys.readouterr().err
+    # the report as it was, and beside it what this run measured before it failed
+    partial = out / "benchmarks.partial.json"
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p != partial} == before
+    kept = json.loads(partial.read_text())["sections"]
+    assert list(kept) == ["alpha", "beta"] and kept["beta"]["date"] == "2000-01-02 00:00"
+    # carried over from the newer partial report, which goes once the report is written
+    monkeypatch.setitem(bench.SECTIONS, "gamma", gamma)
+    fake_sections.clear()
+    bench.main(["all", "--skip", "alpha,beta", "--output", str(out)])
+    assert fake_sections == ["gamma"] and not partial.exists()
+    report = json.loads((out / "benchmarks.json").read_text())["sections"]
+    assert report["alpha"]["date"] == "2000-01-02 00:00" and report["alpha"]["carried_over"]
 
 
 def test_a_section_run_alone_is_appended(fake_sections, tmp_path):
@@ -338,17 +385,51 @@ def test_a_section_run_alone_is_appended(fake_sections, tmp_path):
     assert re.match(r"## gamma \(\d{4}-\d\d-\d\d \d\d:\d\d\)\n", text[len(report) :])
 
 
-def test_all_quick_writes_outside_the_repository(fake_sections, capsys):
-    bench.main(["all", "--quick"])
+@pytest.mark.parametrize("argv", [["all", "--quick"], ["gamma", "--quick"]])
+def test_quick_writes_outside_the_repository(fake_sections, capsys, argv):
+    bench.main(argv)
     assert not bench.RESULTS.exists()
-    wrote = Path(re.search(r"^wrote .*BENCHMARKS.md in (\S+)$", capsys.readouterr().out, re.M)[1])
+    wrote = Path(re.search(QUICK_FOLDER, capsys.readouterr().out, re.M)[1])
     try:
         text = (wrote / "BENCHMARKS.md").read_text()
-        assert text.splitlines()[2] == bench.QUICK_WARNING
+        assert not wrote.is_relative_to(bench.ROOT)
+        if argv[0] == "all":
+            assert text.splitlines()[2] == bench.QUICK_WARNING
+        else:
+            assert "Command: `python scripts/bench.py gamma --quick`" in text
     finally:
         for p in wrote.iterdir():
             p.unlink()
         wrote.rmdir()
+
+
+def _entry(results, **fields) -> dict:
+    """A measured section of a benchmarks.json."""
+    return {
+        "date": "2000-01-01 00:00",
+        "command": "python scripts/bench.py all",
+        "quick": False,
+        "machine": "a machine",
+        "seconds": 1.0,
+        "results": results,
+        **fields,
+    }
+
+
+def _report_json(sections: dict) -> str:
+    env = {key: "n/a" for key in bench.ENVIRONMENT_FIELDS}
+    report = {
+        "format": bench.REPORT_FORMAT,
+        "date": "2000-01-01 00:00",
+        "quick": False,
+        "command": "python scripts/bench.py all",
+        "environment": env,
+        "sections": sections,
+    }
+    return json.dumps(report)
+
+
+NOT_IN_REPO = bench.ROOT / "bench-quick-output"
 
 
 @pytest.mark.parametrize(
@@ -359,22 +440,145 @@ def test_all_quick_writes_outside_the_repository(fake_sections, capsys):
         (["all", "--skip", "alpha,delta"], "no section delta"),
         (["render", "--quick"], "render takes no --quick"),
         (["all", "--quick", "--output", str(bench.ROOT)], "does not write into the repository"),
+        (["all", "--quick", "--output", str(NOT_IN_REPO)], "does not write into the repository"),
+        (["gamma", "--quick", "--output", str(NOT_IN_REPO)], "does not write into the repository"),
         (["render", "--output", "{tmp}"], "benchmarks.json: cannot be read"),
         (["render", "--output", "{tmp}/bad"], "benchmarks.json: not JSON"),
         (["all", "--skip", "alpha", "--output", "{tmp}/other"], "not a benchmarks.json of"),
+        (["render", "--output", "{tmp}/no-env"], "its environment has no machine, mlx"),
+        (
+            ["render", "--output", "{tmp}/no-seconds"],
+            "section alpha has results but no valid seconds (expected date, command",
+        ),
+        (["all", "--skip", "beta", "--output", "{tmp}/not-a-section"], "section beta is not an"),
+        (["render", "--output", "{tmp}/old"], "section alpha does not render (KeyError('value'))"),
+        (["all", "--output", "{tmp}/file"], "file: cannot hold the report (File exists)"),
+        (["gamma", "--output", "{tmp}/file/sub"], "cannot hold the report (Not a directory)"),
     ],
 )
 def test_cli_refuses_in_one_line(fake_sections, tmp_path, capsys, argv, message):
-    (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "benchmarks.json").write_text("{")
-    (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "benchmarks.json").write_text('{"format": 1}')
+    (tmp_path / "file").write_text("")
+    contents = {
+        "bad": "{",
+        "other": '{"format": 1}',
+        "no-env": json.dumps({**json.loads(_report_json({})), "environment": {}}),
+        "no-seconds": _report_json({"alpha": {**_entry({"value": 1}), "seconds": None}}),
+        "not-a-section": _report_json({"beta": [1]}),
+        "old": _report_json({"alpha": _entry({"old": 1})}),  # measured by another bench.py
+    }
+    for name, text in contents.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "benchmarks.json").write_text(text)
     with pytest.raises(SystemExit) as e:
         bench.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
-    assert fake_sections == []
+    assert message in err.splitlines()[-1] and "Traceback" not in err
+    assert fake_sections == [] and not NOT_IN_REPO.exists()
+    assert not list(tmp_path.glob("*/*.tmp"))
+
+
+def test_cli_refuses_an_unwritable_folder_before_measuring(
+    fake_sections, tmp_path, monkeypatch, capsys
+):
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(bench.tempfile, "TemporaryFile", refused)  # root may write anywhere
+    with pytest.raises(SystemExit) as e:
+        bench.main(["all", "--output", str(tmp_path)])
+    assert e.value.code == 2 and fake_sections == []
+    assert "cannot hold the report (Permission denied)" in capsys.readouterr().err
+
+
+def test_a_section_makes_its_missing_output_folder(fake_sections, tmp_path):
+    out = tmp_path / "new" / "deeper"
+    bench.main(["gamma", "--output", str(out)])
+    assert "Command: `python scripts/bench.py gamma`" in (out / "BENCHMARKS.md").read_text()
+
+
+def test_summary_has_a_row_for_each_section_not_run(fake_sections, tmp_path):
+    bench.main(["all", "--skip", "alpha,beta,gamma", "--output", str(tmp_path)])
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "0 of 0 goals met; 3 sections not run." in text.splitlines()
+    assert _summary_rows(text) == [
+        [f"[{name}](#{name})", "not run (skipped; no earlier benchmarks.json)", "", "", ""]
+        for name in ("alpha", "beta", "gamma")
+    ]
+    bench.main(["all", "--skip", "gamma", "--output", str(tmp_path)])
+    assert "1 of 4 goals met; 1 section not run." in (tmp_path / "BENCHMARKS.md").read_text()
+
+
+def test_failed_renames_leave_no_temporary_files(fake_sections, tmp_path, monkeypatch, capsys):
+    bench.main(["all", "--output", str(tmp_path)])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def refused(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench.os, "replace", refused)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["all", "--output", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "benchmarks.partial.json: cannot be written (No space left on device); measuring" in err
+    assert err.endswith(
+        f"error: {tmp_path}: the report cannot be written (No space left on device)\n"
+    )
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.fixture
+def fake_pyplot(monkeypatch) -> list:
+    """A stand-in for matplotlib whose figures save a few bytes, so that plot_report runs where
+    matplotlib is not installed; the axes it hands out, for the test to look at."""
+    plt, axes = mock.MagicMock(), []
+
+    def subplots(rows, columns, **kwargs):
+        fig = mock.MagicMock()
+        fig.savefig.side_effect = lambda path, **kwargs: Path(path).write_bytes(b"png")
+        axes.extend(mock.MagicMock() for _ in range(columns))
+        return fig, [axes[-columns:]]
+
+    plt.subplots.side_effect = subplots
+    monkeypatch.setitem(sys.modules, "matplotlib", mock.MagicMock(pyplot=plt))
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", plt)
+    return axes
+
+
+MOBA = {"H": 2, "D": 32, "rows": [{"T": 64, "runs": {"moba_fwd": {"time": 0.1}, "dense_fb": None}}]}
+
+
+def test_all_leaves_out_carried_over_data_that_no_longer_fits(
+    fake_sections, tmp_path, monkeypatch, capsys, fake_pyplot
+):
+    """A section measured by an older bench.py and carried over: its plot panel and its section
+    are left out, each with one line, and the rest of the report is written."""
+    render = bench.SECTIONS["gamma"][1]
+    monkeypatch.setitem(bench.SECTIONS, "wkv7", (None, render, "plotted, stale"))
+    moba = (lambda quick=False: MOBA, lambda r: ["moba stand-in"], "plotted")
+    monkeypatch.setitem(bench.SECTIONS, "moba", moba)
+    stale = _entry({"rows": [{"T": 64}]})  # no base, no value: an older layout
+    (tmp_path / "benchmarks.json").write_text(_report_json({"wkv7": stale}))
+    bench.main(["all", "--skip", "wkv7", "--output", str(tmp_path)])
+    left_out = "the wkv7 panel is left out, its data does not fit (KeyError('base'))"
+    assert f"benchmarks.png: {left_out}" in capsys.readouterr().out.splitlines()
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    why = "carried over, but its data no longer renders (KeyError('value'))"
+    assert ["[wkv7](#wkv7)", f"not run ({why})", "", "", ""] in _summary_rows(text)
+    assert "1 of 4 goals met; 1 section not run." in text.splitlines()
+    assert "moba stand-in" in _section_text(text, "moba")
+    assert (tmp_path / "benchmarks.png").read_bytes() == b"png" and "![" in text
+    (ax,) = fake_pyplot  # moba's panel alone, with its one run
+    assert [c.kwargs["label"] for c in ax.plot.call_args_list] == ["MoBA fwd"]
+
+
+def test_a_report_without_a_plot_removes_the_old_one(fake_sections, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed
+    (tmp_path / "benchmarks.png").write_bytes(b"an older run's")
+    bench.main(["all", "--output", str(tmp_path)])
+    assert not (tmp_path / "benchmarks.png").exists()
+    assert "![" not in (tmp_path / "BENCHMARKS.md").read_text()
 
 
 def _matplotlib() -> bool:
@@ -401,6 +605,16 @@ def test_all_report_of_the_real_sections(quick_run, monkeypatch, tmp_path):
     (tmp_path / "BENCHMARKS.md").unlink()
     bench.main(["render", "--output", str(tmp_path)])
     assert (tmp_path / "BENCHMARKS.md").read_text() == text
+
+
+def test_plot_panels_read_the_real_sections(quick_run):
+    sections = {name: {"results": quick_run(name)[0]} for name in ("wkv7", "moba", "train")}
+    drawers = bench.plot_panels(json.loads(json.dumps({"sections": sections})))
+    assert len(drawers) == len(bench.PLOT_PANELS)
+    for draw in drawers:
+        ax = mock.MagicMock()
+        draw(ax)
+        assert ax.set.call_args.kwargs["title"]
 
 
 @pytest.mark.slow

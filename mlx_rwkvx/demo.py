@@ -1,105 +1,436 @@
-"""``python -m mlx_rwkvx.demo``: the built-in default run.
+"""``python -m mlx_rwkvx.demo [--quick] [--out DIR]``: the toolkit's whole job in minutes, offline.
 
-For now a smoke run of what the toolkit has: the environment report with its matmul timing;
-the WKV7 recurrence forward and backward on a random RWKV-7-like problem, checked against the
-plain step loop; and a tiny random RWKV-X model saved, loaded and decoded greedily, its last
-decode step checked against a full prefill. Exits 1 if a check fails.
+1. A synthetic corpus, as text: key-value recall (``key=value;`` pairs, then ``?`` and the keys
+   asked again: each value is 3 digits, chance 1 in 1000), copying and small sums; held-out
+   examples from another seed.
+2. Pretraining a tiny RWKV-X (byte tokenizer, RWKV-7 and MoBA blocks) on it with
+   ``python -m mlx_rwkvx.train --mode pretrain``.
+3. A new task the base never saw, reversing a word, fine-tuned as two Macs would:
+   the data split 3:1 by ``python -m mlx_rwkvx.pretokenize --split-weights 3,1``, the larger
+   part trained with ``--parallel 2``, the other alone, and the Macs' LoRA adapters merged by
+   ``python -m mlx_rwkvx.merge``: the seeds' FedAvg (A and B averaged apart), and exactly (the
+   updates B @ A of the three shards averaged by their tokens, re-factored by SVD).
+4. Answers to a few held-out prompts before and after each stage and a table of held-out
+   accuracy per task and stage.
+
+Every stage runs the command-line tools' own ``main`` with the arguments printed beside it.
+Everything lands in ``--out`` (default ``./mlx_rwkvx-demo``; an earlier run there is replaced):
+the model, the adapters, ``metrics.jsonl`` (a line per stage), ``loss.png`` (with matplotlib),
+and the data. Accuracy is exact match of the whole answer under greedy decoding (computed for a
+batch at once: the answer's tokens are each the argmax after the ones before them). ``--quick``
+runs the same stages at toy sizes (for the tests: well under a minute, accuracy meaningless).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
+import random
+import shlex
+import shutil
+import string
 import sys
-import tempfile
 import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import mlx_rwkvx
-from mlx_rwkvx import info
+from mlx_rwkvx import merge as merge_cli
+from mlx_rwkvx import pretokenize as pretokenize_cli
+from mlx_rwkvx import train as train_cli
+from mlx_rwkvx.models import Model, ModelConfig
 
-GRAD_TOL = 1e-5  # DESIGN.md, float32 ops: gradients within 1e-5 of the reference
-DECODE_TOL = 1e-5  # a whole tiny model: decode and prefill agree within 1e-5
+import mlx.core as mx
+import numpy as np
+
+DEFAULT_OUT = "mlx_rwkvx-demo"
+TRAIN_SEED, HELD_OUT_SEED = 0, 1  # the corpus and the held-out examples: never the same draws
+SPLIT = "3,1"  # the fine-tuning data: 3 parts on the first Mac, 1 on the second
+ANSWER_DIGITS = 3  # a recall answer: 1 in 1000 by chance
 
 
-def wkv7_smoke(T: int = 512, H: int = 4, N: int = 64) -> tuple[list[str], bool]:
-    """Run ``wkv7`` and ``wkv7_ref`` on the same inputs; report agreement and times."""
-    from mlx_rwkvx.ops.wkv7 import wkv7, wkv7_ref
+@dataclass(frozen=True)
+class Sizes:
+    """How big each part of the demo is (``FULL`` meets the goals; ``QUICK`` only runs)."""
 
-    import mlx.core as mx
+    pairs: int  # key=value pairs before the question mark
+    queries: int  # keys asked after it
+    word: int  # letters of a word to copy
+    pretrain_units: int  # a recall text, two copy texts and a sum text each
+    finetune_examples: int
+    held_out: int  # examples per task for the accuracy table
+    hidden: int
+    head_size: int
+    blocks: tuple[str, ...]
+    chunk: int
+    top_k: int
+    batch: int
+    pretrain_lr: float
+    finetune_lr: float
+    finetune_epochs: int
+    lora_rank: int
 
-    keys = mx.random.split(mx.random.key(0), 6)
-    shape = (1, T, H, N)
-    r, k, v = (mx.random.uniform(-0.5, 0.5, shape, key=keys[i]) for i in range(3))
-    log_w = mx.log(mx.random.uniform(0.5, 0.999, shape, key=keys[3]))
-    kk = mx.random.normal(shape, key=keys[4])
-    kk = kk / mx.linalg.norm(kk, axis=-1, keepdims=True)
-    b = kk * mx.random.uniform(shape=shape, key=keys[5])
-    args = [r, log_w, k, v, -kk, b]
 
-    def run(fn):
-        def loss(*xs):
-            y, s = fn(*xs)
-            return (y * y).sum() + s.sum()
+FULL = Sizes(
+    pairs=8, queries=8, word=6, pretrain_units=3600, finetune_examples=1600, held_out=200,
+    hidden=128, head_size=32, blocks=("rwkv7", "rwkv7", "moba", "rwkv7"), chunk=16, top_k=3,
+    batch=16, pretrain_lr=1e-3, finetune_lr=1e-3, finetune_epochs=4, lora_rank=32,
+)  # fmt: skip
+QUICK = Sizes(
+    pairs=4, queries=2, word=4, pretrain_units=64, finetune_examples=128, held_out=16,
+    hidden=64, head_size=16, blocks=("rwkv7", "moba", "rwkv7"), chunk=8, top_k=2, batch=8,
+    pretrain_lr=3e-3, finetune_lr=2e-3, finetune_epochs=1, lora_rank=4,
+)  # fmt: skip
 
+
+# ----- the corpus --------------------------------------------------------------------------------
+
+
+class Tasks:
+    """The tasks, each a (prompt, answer) maker over a seeded ``random.Random``.
+
+    ``recall``: ``abc=123;...;xyz=456;?xyz=`` -> ``456``; ``copy``: ``copy:hello|`` ->
+    ``hello``; ``sum``: ``12+34=`` -> ``46``; ``reverse`` (fine-tuning only, a task the base
+    never saw): ``reverse:hello|`` -> ``olleh``. A training text puts several answers in a row
+    (all the keys asked after one context). The fine-tuning task keeps to letters the base has
+    seen: a LoRA adapter leaves the head as it is, and the rows of bytes never seen in
+    pretraining stay untrained."""
+
+    def __init__(self, sizes: Sizes):
+        self.sizes = sizes
+
+    def context(self, rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
+        keys: list[str] = []
+        while len(keys) < self.sizes.pairs:
+            key = "".join(rng.choice(string.ascii_lowercase) for _ in range(3))
+            if key not in keys:
+                keys.append(key)
+        pairs = [(k, f"{rng.randrange(10**ANSWER_DIGITS):0{ANSWER_DIGITS}d}") for k in keys]
+        return "".join(f"{k}={v};" for k, v in pairs), pairs
+
+    def question(self, task: str, rng: random.Random) -> tuple[str, str]:
+        if task == "recall":
+            ctx, pairs = self.context(rng)
+            key, value = rng.choice(pairs)
+            return f"{ctx}?{key}=", value
+        if task in ("copy", "reverse"):
+            word = "".join(rng.choice(string.ascii_lowercase) for _ in range(self.sizes.word))
+            return f"{task}:{word}|", word[::-1] if task == "reverse" else word
+        if task == "sum":
+            a, b = rng.randrange(50), rng.randrange(50)
+            return f"{a}+{b}=", str(a + b)
+        raise ValueError(task)
+
+    def text(self, task: str, rng: random.Random) -> str:
+        if task == "recall":
+            ctx, pairs = self.context(rng)
+            asked = rng.sample(pairs, self.sizes.queries)
+            return ctx + "?" + "".join(f"{k}={v};" for k, v in asked)
+        n = {"sum": 6}.get(task, 4)
+        return "".join(p + a + ";" for p, a in (self.question(task, rng) for _ in range(n)))
+
+    def pretrain_corpus(self, units: int, rng: random.Random) -> list[str]:
+        """``units`` times a recall text, two copy texts and a sum text."""
+        return [self.text(t, rng) for _ in range(units) for t in ("recall", "copy", "copy", "sum")]
+
+    def finetune_corpus(self, n: int, rng: random.Random) -> list[str]:
+        return [self.text("reverse", rng) for _ in range(n)]
+
+
+def write_jsonl(path: Path, texts: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+
+
+# ----- scoring -----------------------------------------------------------------------------------
+
+
+def accuracy(model: Model, tokenizer, questions: list[tuple[str, str]]) -> float:
+    """Exact-match accuracy of greedy answers, for the whole list in one batched forward: each
+    answer token is scored as the argmax after the prompt and the answer's tokens before it,
+    which is exactly when greedy decoding writes that answer."""
+    rows = [(tokenizer.encode(p), tokenizer.encode(a)) for p, a in questions]
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = np.zeros((len(rows), width), dtype=np.int32)
+    for i, (p, a) in enumerate(rows):
+        ids[i, : len(p) + len(a)] = p + a
+    right = 0
+    for start in range(0, len(rows), 64):
+        pred = np.array(mx.argmax(model(mx.array(ids[start : start + 64])), axis=-1))
+        for j, (p, a) in enumerate(rows[start : start + 64]):
+            right += all(pred[j, len(p) - 1 + t] == a[t] for t in range(len(a)))
+    return right / len(rows)
+
+
+def greedy(model: Model, tokenizer, prompt: str, answer: str) -> str:
+    """The model's greedy answer through the generation API (one more token than the answer
+    has: the answer ends at its ``;``)."""
+    text = mlx_rwkvx.generate(model, tokenizer, prompt, max_tokens=len(answer) + 1, temp=0.0)
+    return text.split(";")[0]
+
+
+# ----- the stages --------------------------------------------------------------------------------
+
+
+class Demo:
+    def __init__(self, out: Path, sizes: Sizes, quick: bool):
+        self.out, self.sizes, self.quick = out, sizes, quick
+        self.tasks = Tasks(sizes)
+        rng = random.Random(HELD_OUT_SEED)
+        self.held_out = {
+            t: [self.tasks.question(t, rng) for _ in range(sizes.held_out)]
+            for t in ("recall", "copy", "sum", "reverse")
+        }
+        self.table: list[tuple[str, dict[str, float]]] = []
+        self.times: dict[str, float] = {}
+        self.records: list[dict] = []
+
+    def say(self, text: str = "") -> None:
+        print(text, flush=True)
+
+    def stage(self, name: str) -> None:
+        self.say(f"\n=== {name} " + "=" * max(3, 72 - len(name)))
+
+    def run_cli(self, module: str, main, args: list[str]) -> None:
+        self.say("$ python -m " + module + " " + " ".join(shlex.quote(a) for a in args))
+        try:
+            main(args)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise RuntimeError(f"demo: python -m {module} exited with {e.code}") from None
+
+    def score(self, label: str, model: Model, tokenizer) -> dict[str, float]:
+        scores = {t: accuracy(model, tokenizer, q) for t, q in self.held_out.items()}
+        self.table.append((label, scores))
+        self.say(f"held-out accuracy ({label}): " +
+                 ", ".join(f"{t} {s:.0%}" for t, s in scores.items()))  # fmt: skip
+        for task in ("recall", "copy", "sum", "reverse"):
+            prompt, answer = self.held_out[task][0]
+            got = greedy(model, tokenizer, prompt, answer)
+            mark = "right" if got == answer else "wrong"
+            self.say(f"  {task:8s} {prompt}  ->  {got!r}  (expected {answer!r}: {mark})")
+        return scores
+
+    def record(self, stage: str, seconds: float, **facts) -> None:
+        self.times[stage] = seconds
+        self.records.append({"stage": stage, "seconds": round(seconds, 2), **facts})
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(self.records[-1]) + "\n")
+
+    # --- 1. corpus
+    def corpus(self) -> None:
+        self.stage("1. corpus")
         t0 = time.perf_counter()
-        value, grads = mx.value_and_grad(loss, argnums=list(range(6)))(*args)
-        mx.eval(value, grads)
-        return value, grads, time.perf_counter() - t0
+        s, rng = self.sizes, random.Random(TRAIN_SEED)
+        data = self.out / "data"
+        pretrain = self.tasks.pretrain_corpus(s.pretrain_units, rng)
+        write_jsonl(data / "pretrain" / "train.jsonl", pretrain)
+        valid = self.tasks.pretrain_corpus(max(2, s.pretrain_units // 50), random.Random(7))
+        write_jsonl(data / "pretrain" / "valid.jsonl", valid)
+        write_jsonl(data / "reverse.jsonl", self.tasks.finetune_corpus(s.finetune_examples, rng))
+        with open(data / "held_out.jsonl", "w") as f:
+            for task, questions in self.held_out.items():
+                for p, a in questions:
+                    f.write(json.dumps({"task": task, "prompt": p, "answer": a}) + "\n")
+        self.say(f"{len(pretrain)} pretraining texts in {data / 'pretrain'}, for example:")
+        for text in pretrain[:1] + pretrain[3:5]:
+            self.say(f"  {text}")
+        self.say(f"{s.finetune_examples} fine-tuning texts (the new task: the word reversed) in "
+                 f"{data / 'reverse.jsonl'}, for example:\n  "
+                 + (data / "reverse.jsonl").read_text().split("\n")[0])  # fmt: skip
+        self.say(f"held-out questions ({s.held_out} a task, seed {HELD_OUT_SEED}): "
+                 f"{data / 'held_out.jsonl'}")  # fmt: skip
+        self.record("corpus", time.perf_counter() - t0, pretrain_texts=len(pretrain))
 
-    fast, fast_grads, t_fast = run(wkv7)
-    ref, ref_grads, t_ref = run(wkv7_ref)
-    grad_err = max(
-        (mx.linalg.norm(g - h) / mx.linalg.norm(h)).item()
-        for g, h in zip(fast_grads, ref_grads, strict=True)
-    )
-    return [
-        f"wkv7       T={T} H={H} N={N}: loss {fast.item():.6f} (step loop {ref.item():.6f}), "
-        f"gradients within {grad_err:.1e} of the step loop",
-        f"           forward+backward {t_fast * 1e3:.0f} ms, step loop {t_ref * 1e3:.0f} ms",
-    ], grad_err <= GRAD_TOL
+    def model_config(self) -> ModelConfig:
+        s = self.sizes
+        return ModelConfig(
+            vocab_size=256,
+            hidden_size=s.hidden,
+            head_size=s.head_size,
+            block_types=list(s.blocks),
+            moba_chunk_size=s.chunk,
+            moba_top_k=s.top_k,
+        )
+
+    # --- 2. pretraining
+    def pretrain(self) -> Path:
+        self.stage("2. pretraining a tiny RWKV-X")
+        s = self.sizes
+        cfg = self.model_config()
+        cfg_path = self.out / "model_config.json"
+        cfg_path.write_text(json.dumps(asdict(cfg), indent=2))
+        untrained = Model(cfg, init="pretrain", seed=TRAIN_SEED)
+        self.say(f"model: {', '.join(cfg.block_types)}; hidden {cfg.hidden_size}; MoBA chunks "
+                 f"of {cfg.moba_chunk_size}, top {cfg.moba_top_k}")  # fmt: skip
+        tokenizer = mlx_rwkvx.io.tokenizers.ByteTokenizer(256)
+        before = self.score("untrained", untrained, tokenizer)
+        self.say(
+            "(batches group texts of one length, so mostly of one task: the logged loss jumps "
+            "between tasks; the validation loss at the end covers them all)"
+        )
+        t0 = time.perf_counter()
+        out = self.out / "pretrain"
+        self.run_cli("mlx_rwkvx.train", train_cli.main, [
+            "--mode", "pretrain", "--model", str(cfg_path), "--data", str(self.out / "data" /
+            "pretrain"), "--output", str(out), "--epochs", "1", "--batch-size", str(s.batch),
+            "--lr", str(s.pretrain_lr), "--warmup", "50", "--max-seq-len", "256",
+            "--log-every", "25", "--save-every", "100000", "--seed", str(TRAIN_SEED),
+        ])  # fmt: skip
+        seconds = time.perf_counter() - t0
+        model, tokenizer = mlx_rwkvx.load(out / "model")
+        after = self.score("pretrained", model, tokenizer)
+        self.record("pretrain", seconds, **_losses(out), before=before, after=after)
+        return out / "model"
+
+    # --- 3. fine-tuning as two Macs, and the merge
+    def finetune(self, base: Path) -> Path:
+        s = self.sizes
+        self.stage("3. the data split for two Macs (3:1)")
+        t0 = time.perf_counter()
+        parts = self.out / "data" / "reverse.bin"
+        self.run_cli("mlx_rwkvx.pretokenize", pretokenize_cli.main, [
+            "--tokenizer", "bytes", "--data", str(self.out / "data" / "reverse.jsonl"),
+            "--output", str(parts), "--split-weights", SPLIT,
+        ])  # fmt: skip
+        self.record("split", time.perf_counter() - t0)
+        common = [
+            "--model", str(base), "--mode", "lora", "--lora-rank", str(s.lora_rank),
+            "--lora-targets", "all", "--lr", str(s.finetune_lr), "--warmup", "20",
+            "--epochs", str(s.finetune_epochs), "--batch-size", str(s.batch // 2),
+            "--log-every", "25", "--save-every", "100000", "--seed", str(TRAIN_SEED),
+        ]  # fmt: skip
+        adapters = []
+        for mac, part, extra in (("mac-1", 0, ["--parallel", "2"]), ("mac-2", 1, [])):
+            what = "two shards at once (--parallel 2)" if extra else "one shard"
+            self.stage(f"4. LoRA fine-tuning on {mac}: part {part}, {what}")
+            t0 = time.perf_counter()
+            out = self.out / mac
+            self.run_cli("mlx_rwkvx.train", train_cli.main, [
+                *common, "--data", str(parts.with_name(f"reverse_{part}.bin")), "--output",
+                str(out), *extra,
+            ])  # fmt: skip
+            seconds = time.perf_counter() - t0
+            adapter = out / "adapter_final.safetensors"
+            model, tokenizer = mlx_rwkvx.load(base, adapter=adapter)
+            scores = self.score(f"{mac} adapter", model, tokenizer)
+            self.record(mac, seconds, **_losses(out), after=scores)
+            adapters.append(adapter)
+        self.stage("5. merging the two Macs' adapters")
+        # the seeds' way first: each Mac's FedAvg (A and B averaged, not their product), then
+        # the FedAvg of the two; then the exact merge: the three shards' updates B @ A averaged
+        # by the tokens each trained on, re-factored to the adapters' rank
+        t0 = time.perf_counter()
+        fedavg = self.out / "merged-fedavg"
+        self.run_cli("mlx_rwkvx.merge", merge_cli.main, [
+            "--output", str(fedavg), "--weights", "auto", "--method", "fedavg",
+            *map(str, adapters),
+        ])  # fmt: skip
+        model, tokenizer = mlx_rwkvx.load(base, adapter=fedavg)
+        self.score("merged by FedAvg", model, tokenizer)
+        merged = self.out / "merged"
+        shards = [self.out / "mac-1" / f"thread_{i}.safetensors" for i in range(2)]
+        self.run_cli("mlx_rwkvx.merge", merge_cli.main, [
+            "--output", str(merged), "--weights", "auto", "--method", "delta",
+            *map(str, [*shards, adapters[1]]),
+        ])  # fmt: skip
+        seconds = time.perf_counter() - t0
+        model, tokenizer = mlx_rwkvx.load(base, adapter=merged)
+        scores = self.score("merged exactly", model, tokenizer)
+        self.record("merge", seconds, after=scores)
+        return merged
+
+    def report(self, base: Path, merged: Path, started: float) -> None:
+        self.stage("results")
+        tasks = list(self.held_out)
+        self.say(f"held-out accuracy, {self.sizes.held_out} questions a task (exact match, "
+                 "greedy):")  # fmt: skip
+        self.say("| stage | " + " | ".join(tasks) + " |")
+        self.say("|---|" + "---:|" * len(tasks))
+        for label, scores in self.table:
+            self.say(f"| {label} | " + " | ".join(f"{scores[t]:.1%}" for t in tasks) + " |")
+        total = time.perf_counter() - started
+        self.say("\ntime per stage: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.times.items())
+                 + f"; in all {total:.0f} s")  # fmt: skip
+        goals = {"recall after pretraining": self.table[1][1]["recall"],
+                 "reverse after the merge": self.table[-1][1]["reverse"]}  # fmt: skip
+        for name, value in goals.items():
+            met = "met" if value >= 0.9 else "MISSED"
+            self.say(f"goal: {name} {value:.1%} (>= 90%): {met}" + (" (--quick: sizes too "
+                     "small to mean anything)" if self.quick else ""))  # fmt: skip
+        self.record("total", total, goals=goals, quick=self.quick)
+        _plot(self.out)
+        prompt, _ = self.held_out["reverse"][1]
+        self.say("\nChat with the result (the merged adapter on the pretrained model):")
+        self.say(f"  python -m mlx_rwkvx.generate --model {shlex.quote(str(base))} --adapter "
+                 f"{shlex.quote(str(merged))} --temp 0 --max-tokens 4 --prompt "
+                 f"{shlex.quote(prompt)}")  # fmt: skip
 
 
-def model_smoke(tmp: str) -> tuple[list[str], bool]:
-    """Build, save, load and decode a tiny random RWKV-X model; check decode against prefill."""
-    import mlx_rwkvx
-    from mlx_rwkvx.models import Model, preset
+def _losses(out: Path) -> dict:
+    """A run's mean training loss over its first and over its last tenth of steps."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    n = max(1, len(losses) // 10)
+    return {"first_loss": sum(losses[:n]) / n, "last_loss": sum(losses[-n:]) / n,
+            "steps": len(losses)}  # fmt: skip
 
-    import mlx.core as mx
 
-    model = Model(preset("rwkv-x-tiny"), seed=0)
-    mlx_rwkvx.save(model, tmp)
-    model, tokenizer = mlx_rwkvx.load(tmp)
-    prompt = tokenizer.encode("RWKV-X says: ")
-    cache = model.make_cache()
-    logits = model(mx.array([prompt]), cache)
-    tokens = []
-    for _ in range(12):
-        tokens.append(int(mx.argmax(logits[0, -1]).item()))
-        logits = model(mx.array([tokens[-1:]]), cache)
-    full = model(mx.array([prompt + tokens]))
-    err = (mx.abs(full[0, -1] - logits[0, -1]).max() / mx.abs(full[0, -1]).max()).item()
-    layout = ", ".join(model.config.block_types)
-    return [
-        f"model      rwkv-x-tiny [{layout}], saved and loaded from {tmp}",
-        f"           greedy bytes after the prompt: {tokenizer.decode_bytes(tokens)!r}",
-        f"           last decode step vs full prefill: max relative difference {err:.1e}",
-    ], err <= DECODE_TOL
+def _plot(out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no loss.png; pip install 'mlx_rwkvx[plot]')")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, runs, title in (
+        (axes[0], ["pretrain"], "pretraining"),
+        (axes[1], ["mac-1", "mac-2"], "LoRA fine-tuning (the new task)"),
+    ):
+        for run in runs:
+            rows = [json.loads(x) for x in (out / run / "metrics.jsonl").read_text().splitlines()]
+            steps = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+            ax.plot(*zip(*steps, strict=True), label=run)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (nats per byte)")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=100)
+    plt.close(fig)
+    print(f"wrote {out / 'loss.png'}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mlx_rwkvx.demo", description=__doc__)
-    parser.parse_args(argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_rwkvx.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"where everything goes (default: ./{DEFAULT_OUT})")  # fmt: skip
+    parser.add_argument("--quick", action="store_true",
+                        help="toy sizes: every stage in well under a minute")  # fmt: skip
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and not (out / "metrics.jsonl").exists() and any(out.iterdir()):
+        print(f"demo: error: --out {out}: a folder that is not an earlier demo's (no "
+              "metrics.jsonl); give an empty or new folder", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    started = time.perf_counter()
     mlx_rwkvx.configure()
-    print("\n".join(info.report(timing=True)))
-    lines, ok_wkv = wkv7_smoke()
-    print("\n".join(lines))
-    with tempfile.TemporaryDirectory() as tmp:
-        lines, ok_model = model_smoke(os.path.join(tmp, "rwkv-x-tiny"))
-    print("\n".join(lines))
-    if not (ok_wkv and ok_model):
-        print("demo: a check FAILED (see above)", file=sys.stderr)
-        sys.exit(1)
-    print("demo: all checks passed")
+    demo = Demo(out, QUICK if args.quick else FULL, args.quick)
+    demo.corpus()
+    base = demo.pretrain()
+    merged = demo.finetune(base)
+    demo.report(base, merged, started)
 
 
 if __name__ == "__main__":

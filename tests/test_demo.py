@@ -1,0 +1,75 @@
+"""``python -m mlx_rwkvx.demo --quick``: every stage runs through the real command-line tools,
+the losses fall, the files a user is promised exist, and the printed chat command works."""
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_rwkvx.demo", "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, proc.stdout, {r["stage"]: r for r in records}
+
+
+def test_every_stage_ran(demo):
+    _, stdout, stages = demo
+    assert list(stages) == ["corpus", "pretrain", "split", "mac-1", "mac-2", "merge", "total"]
+    for command in ("mlx_rwkvx.train --mode pretrain", "mlx_rwkvx.pretokenize",
+                    "--split-weights 3,1", "--parallel 2", "mlx_rwkvx.merge"):  # fmt: skip
+        assert command in stdout
+    assert "| merged exactly |" in stdout and "| merged by FedAvg |" in stdout
+    assert "time per stage:" in stdout
+
+
+def test_losses_fall(demo):
+    _, _, stages = demo
+    for stage in ("pretrain", "mac-1", "mac-2"):
+        assert stages[stage]["last_loss"] < stages[stage]["first_loss"], stage
+    assert stages["pretrain"]["last_loss"] < 0.6 * stages["pretrain"]["first_loss"]
+
+
+def test_files_exist(demo):
+    out, _, _ = demo
+    for path in (
+        "pretrain/model/config.json", "pretrain/metrics.jsonl", "data/reverse_0.bin",
+        "data/reverse_1.bin", "data/held_out.jsonl", "mac-1/thread_0.safetensors",
+        "mac-1/thread_1.safetensors", "mac-1/adapter_final.safetensors",
+        "mac-2/adapter_final.safetensors", "merged/adapter_final.safetensors",
+        "merged-fedavg/adapter_final.safetensors",
+    ):  # fmt: skip
+        assert (out / path).is_file(), path
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "loss.png").is_file()
+
+
+def test_printed_chat_command_runs(demo):
+    out, stdout, _ = demo
+    line = stdout.strip().splitlines()[-1].strip()
+    args = shlex.split(line)
+    assert args[:3] == ["python", "-m", "mlx_rwkvx.generate"], line
+    proc = subprocess.run([sys.executable, *args[1:]], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_refuses_a_folder_it_did_not_write(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_rwkvx.demo", "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "not an earlier demo's" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -362,10 +362,10 @@ class Demo:
                      "small to mean anything)" if self.quick else ""))  # fmt: skip
         self.record("total", total, goals=goals, quick=self.quick)
         _plot(self.out)
-        prompt, _ = self.held_out["reverse"][1]
+        prompt, answer = self.held_out["reverse"][1]
         self.say("\nChat with the result (the merged adapter on the pretrained model):")
         self.say(f"  python -m mlx_rwkvx.generate --model {shlex.quote(str(base))} --adapter "
-                 f"{shlex.quote(str(merged))} --temp 0 --max-tokens 4 --prompt "
+                 f"{shlex.quote(str(merged))} --temp 0 --max-tokens {len(answer) + 1} --prompt "
                  f"{shlex.quote(prompt)}")  # fmt: skip
 
 
@@ -406,6 +406,11 @@ def _plot(out: Path) -> None:
     print(f"wrote {out / 'loss.png'}")
 
 
+def _usage_error(message: str) -> None:
+    print(f"demo: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m mlx_rwkvx.demo",
@@ -418,12 +423,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="toy sizes: every stage in well under a minute")  # fmt: skip
     args = parser.parse_args(argv)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        _usage_error(f"--out {out}: not a folder")
     if out.exists() and not (out / "metrics.jsonl").exists() and any(out.iterdir()):
-        print(f"demo: error: --out {out}: a folder that is not an earlier demo's (no "
-              "metrics.jsonl); give an empty or new folder", file=sys.stderr)  # fmt: skip
-        sys.exit(2)
+        _usage_error(f"--out {out}: a folder that is not an earlier demo's (no metrics.jsonl); "
+                     "give an empty or new folder")  # fmt: skip
     shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    try:
+        out.mkdir(parents=True)
+    except OSError as e:
+        _usage_error(f"--out {out}: cannot create it ({e.strerror})")
     started = time.perf_counter()
     mlx_rwkvx.configure()
     demo = Demo(out, QUICK if args.quick else FULL, args.quick)

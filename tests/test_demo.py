@@ -73,3 +73,14 @@ def test_refuses_a_folder_it_did_not_write(tmp_path):
     assert proc.returncode == 2
     assert "not an earlier demo's" in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_refuses_a_file_as_out(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_rwkvx.demo", "--quick", "--out", str(tmp_path / "file")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "not a folder" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+    assert (tmp_path / "file").read_text() == "mine"

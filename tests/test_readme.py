@@ -157,8 +157,8 @@ EXEMPT = {
         "installs from the package index, and runs this very suite (.ci/run runs the command)"
     ),
     "python scripts/bench.py all": (
-        "the benchmarks: hours on 2 cores, and it rewrites BENCHMARKS.md; tests/test_bench.py "
-        "runs its sections at --quick sizes"
+        "the benchmarks: minutes to an hour on 2 cores, and it rewrites BENCHMARKS.md; "
+        "tests/test_bench.py runs its sections at --quick sizes"
     ),
 }
 

@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import mlx_rwkvx
 from mlx_rwkvx import merge as merge_cli
@@ -44,7 +45,8 @@ import mlx.core as mx
 import numpy as np
 
 DEFAULT_OUT = "mlx_rwkvx-demo"
-TRAIN_SEED, HELD_OUT_SEED = 0, 1  # the corpus and the held-out examples: never the same draws
+TRAIN_SEED, HELD_OUT_SEED, VALID_SEED = 0, 1, 2  # the training texts never hold a held-out question
+MARKER = ".mlx_rwkvx-demo"  # in --out: a folder the demo wrote, which a rerun may replace
 SPLIT = "3,1"  # the fine-tuning data: 3 parts on the first Mac, 1 on the second
 ANSWER_DIGITS = 3  # a recall answer: 1 in 1000 by chance
 
@@ -98,6 +100,7 @@ class Tasks:
 
     def __init__(self, sizes: Sizes):
         self.sizes = sizes
+        self.held_out: set[str] = set()  # prompts (and recall contexts) training never draws
 
     def context(self, rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
         keys: list[str] = []
@@ -109,6 +112,12 @@ class Tasks:
         return "".join(f"{k}={v};" for k, v in pairs), pairs
 
     def question(self, task: str, rng: random.Random) -> tuple[str, str]:
+        while True:
+            prompt, answer = self._question(task, rng)
+            if prompt not in self.held_out and prompt.split("?")[0] not in self.held_out:
+                return prompt, answer
+
+    def _question(self, task: str, rng: random.Random) -> tuple[str, str]:
         if task == "recall":
             ctx, pairs = self.context(rng)
             key, value = rng.choice(pairs)
@@ -124,6 +133,8 @@ class Tasks:
     def text(self, task: str, rng: random.Random) -> str:
         if task == "recall":
             ctx, pairs = self.context(rng)
+            while ctx in self.held_out:
+                ctx, pairs = self.context(rng)
             asked = rng.sample(pairs, self.sizes.queries)
             return ctx + "?" + "".join(f"{k}={v};" for k, v in asked)
         n = {"sum": 6}.get(task, 4)
@@ -149,9 +160,9 @@ def write_jsonl(path: Path, texts: list[str]) -> None:
 
 def accuracy(model: Model, tokenizer, questions: list[tuple[str, str]]) -> float:
     """Exact-match accuracy of greedy answers, for the whole list in one batched forward: each
-    answer token is scored as the argmax after the prompt and the answer's tokens before it,
-    which is exactly when greedy decoding writes that answer."""
-    rows = [(tokenizer.encode(p), tokenizer.encode(a)) for p, a in questions]
+    token of the answer and its closing ``;`` is scored as the argmax after the prompt and the
+    tokens before it, which is exactly when greedy decoding writes that answer and stops."""
+    rows = [(tokenizer.encode(p), tokenizer.encode(a + ";")) for p, a in questions]
     width = max(len(p) + len(a) for p, a in rows)
     ids = np.zeros((len(rows), width), dtype=np.int32)
     for i, (p, a) in enumerate(rows):
@@ -165,10 +176,9 @@ def accuracy(model: Model, tokenizer, questions: list[tuple[str, str]]) -> float
 
 
 def greedy(model: Model, tokenizer, prompt: str, answer: str) -> str:
-    """The model's greedy answer through the generation API (one more token than the answer
-    has: the answer ends at its ``;``)."""
-    text = mlx_rwkvx.generate(model, tokenizer, prompt, max_tokens=len(answer) + 1, temp=0.0)
-    return text.split(";")[0]
+    """The model's greedy text through the generation API, as long as the answer and its
+    closing ``;``."""
+    return mlx_rwkvx.generate(model, tokenizer, prompt, max_tokens=len(answer) + 1, temp=0.0)
 
 
 # ----- the stages --------------------------------------------------------------------------------
@@ -183,6 +193,9 @@ class Demo:
             t: [self.tasks.question(t, rng) for _ in range(sizes.held_out)]
             for t in ("recall", "copy", "sum", "reverse")
         }
+        for questions in self.held_out.values():
+            for prompt, _ in questions:
+                self.tasks.held_out |= {prompt, prompt.split("?")[0]}
         self.table: list[tuple[str, dict[str, float]]] = []
         self.times: dict[str, float] = {}
         self.records: list[dict] = []
@@ -209,8 +222,8 @@ class Demo:
         for task in ("recall", "copy", "sum", "reverse"):
             prompt, answer = self.held_out[task][0]
             got = greedy(model, tokenizer, prompt, answer)
-            mark = "right" if got == answer else "wrong"
-            self.say(f"  {task:8s} {prompt}  ->  {got!r}  (expected {answer!r}: {mark})")
+            mark = "right" if got == answer + ";" else "wrong"
+            self.say(f"  {task:8s} {prompt}  ->  {got!r}  (expected {answer + ';'!r}: {mark})")
         return scores
 
     def record(self, stage: str, seconds: float, **facts) -> None:
@@ -227,7 +240,8 @@ class Demo:
         data = self.out / "data"
         pretrain = self.tasks.pretrain_corpus(s.pretrain_units, rng)
         write_jsonl(data / "pretrain" / "train.jsonl", pretrain)
-        valid = self.tasks.pretrain_corpus(max(2, s.pretrain_units // 50), random.Random(7))
+        valid_rng = random.Random(VALID_SEED)
+        valid = self.tasks.pretrain_corpus(max(2, s.pretrain_units // 50), valid_rng)
         write_jsonl(data / "pretrain" / "valid.jsonl", valid)
         write_jsonl(data / "reverse.jsonl", self.tasks.finetune_corpus(s.finetune_examples, rng))
         with open(data / "held_out.jsonl", "w") as f:
@@ -406,7 +420,7 @@ def _plot(out: Path) -> None:
     print(f"wrote {out / 'loss.png'}")
 
 
-def _usage_error(message: str) -> None:
+def _usage_error(message: str) -> NoReturn:
     print(f"demo: error: {message}", file=sys.stderr)
     sys.exit(2)
 
@@ -422,17 +436,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="toy sizes: every stage in well under a minute")  # fmt: skip
     args = parser.parse_args(argv)
-    out = Path(args.out)
+    out = Path(args.out).expanduser().resolve()  # the printed commands run from any folder
     if out.exists() and not out.is_dir():
         _usage_error(f"--out {out}: not a folder")
-    if out.exists() and not (out / "metrics.jsonl").exists() and any(out.iterdir()):
-        _usage_error(f"--out {out}: a folder that is not an earlier demo's (no metrics.jsonl); "
-                     "give an empty or new folder")  # fmt: skip
-    shutil.rmtree(out, ignore_errors=True)
+    if out.exists() and any(out.iterdir()):
+        if not (out / MARKER).is_file():
+            _usage_error(f"--out {out}: a folder the demo did not write (no {MARKER}); give an "
+                         "empty or new folder")  # fmt: skip
+        if out == Path.cwd() or out in Path.cwd().parents:
+            _usage_error(f"--out {out}: holds the current folder; give another")
     try:
+        if out.exists():
+            shutil.rmtree(out)  # an earlier demo's run: replaced
         out.mkdir(parents=True)
+        (out / MARKER).write_text("written by python -m mlx_rwkvx.demo: a rerun replaces it\n")
     except OSError as e:
-        _usage_error(f"--out {out}: cannot create it ({e.strerror})")
+        _usage_error(f"--out {out}: {e.strerror}")
     started = time.perf_counter()
     mlx_rwkvx.configure()
     demo = Demo(out, QUICK if args.quick else FULL, args.quick)

@@ -11,10 +11,11 @@ import pytest
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlx_rwkvx.demo", "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+    folder = tmp_path_factory.mktemp("demo")
+    out = folder / "run"
+    proc = subprocess.run(  # a relative --out, as a user gives it
+        [sys.executable, "-m", "mlx_rwkvx.demo", "--quick", "--out", "run"],
+        capture_output=True, text=True, timeout=600, cwd=folder,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -29,6 +30,7 @@ def test_every_stage_ran(demo):
         assert command in stdout
     assert "| merged exactly |" in stdout and "| merged by FedAvg |" in stdout
     assert "time per stage:" in stdout
+    assert stdout.count("(expected ") == 4 * 6  # four prompts after each of the six scorings
 
 
 def test_losses_fall(demo):
@@ -60,8 +62,11 @@ def test_printed_chat_command_runs(demo):
     line = stdout.strip().splitlines()[-1].strip()
     args = shlex.split(line)
     assert args[:3] == ["python", "-m", "mlx_rwkvx.generate"], line
-    proc = subprocess.run([sys.executable, *args[1:]], capture_output=True, text=True, timeout=120)
+    assert str(out.resolve()) in line  # absolute: it runs from any folder
+    proc = subprocess.run([sys.executable, *args[1:]], capture_output=True, text=True,
+                          timeout=120, cwd=out.parent.parent)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip(), "the model answered nothing"
 
 
 def test_refuses_a_folder_it_did_not_write(tmp_path):
@@ -71,8 +76,23 @@ def test_refuses_a_folder_it_did_not_write(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2
-    assert "not an earlier demo's" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert "the demo did not write" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_refuses_a_training_run(tmp_path):
+    # a train --output folder also holds metrics.jsonl: the demo must not take it for its own
+    run = tmp_path / "my-lora"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (run / "adapter_final.safetensors").write_bytes(b"weights")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_rwkvx.demo", "--quick", "--out", str(run)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["adapter_final.safetensors", "metrics.jsonl"]
 
 
 def test_refuses_a_file_as_out(tmp_path):

@@ -111,6 +111,11 @@ class Tasks:
         pairs = [(k, f"{rng.randrange(10**ANSWER_DIGITS):0{ANSWER_DIGITS}d}") for k in keys]
         return "".join(f"{k}={v};" for k, v in pairs), pairs
 
+    def hold_out(self, questions: list[tuple[str, str]]) -> None:
+        """Never draw these questions (nor, for recall, their contexts) for training."""
+        for prompt, _ in questions:
+            self.held_out |= {prompt, prompt.split("?")[0]}
+
     def question(self, task: str, rng: random.Random) -> tuple[str, str]:
         while True:
             prompt, answer = self._question(task, rng)
@@ -194,8 +199,7 @@ class Demo:
             for t in ("recall", "copy", "sum", "reverse")
         }
         for questions in self.held_out.values():
-            for prompt, _ in questions:
-                self.tasks.held_out |= {prompt, prompt.split("?")[0]}
+            self.tasks.hold_out(questions)
         self.table: list[tuple[str, dict[str, float]]] = []
         self.times: dict[str, float] = {}
         self.records: list[dict] = []
@@ -383,10 +387,15 @@ class Demo:
                  f"{shlex.quote(prompt)}")  # fmt: skip
 
 
+def _steps(out: Path) -> list[tuple[int, float]]:
+    """A training run's (step, loss) from its metrics.jsonl."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
 def _losses(out: Path) -> dict:
     """A run's mean training loss over its first and over its last tenth of steps."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if "loss" in r]
+    losses = [loss for _, loss in _steps(out)]
     n = max(1, len(losses) // 10)
     return {"first_loss": sum(losses[:n]) / n, "last_loss": sum(losses[-n:]) / n,
             "steps": len(losses)}  # fmt: skip
@@ -407,9 +416,7 @@ def _plot(out: Path) -> None:
         (axes[1], ["mac-1", "mac-2"], "LoRA fine-tuning (the new task)"),
     ):
         for run in runs:
-            rows = [json.loads(x) for x in (out / run / "metrics.jsonl").read_text().splitlines()]
-            steps = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-            ax.plot(*zip(*steps, strict=True), label=run)
+            ax.plot(*zip(*_steps(out / run), strict=True), label=run)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (nats per byte)")
         ax.set_title(title)

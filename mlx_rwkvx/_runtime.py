@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+from mlx_rwkvx.errors import UserError
+
 import mlx.core as mx
 
 # MLX's CPU allocator keeps only 32 MB of freed buffers by default. Larger arrays are then
@@ -31,9 +33,12 @@ def configure() -> None:
     if wanted is not None:
         try:
             limit = int(wanted)
+            if not 0 <= limit < 2**64:  # MLX takes a size_t
+                raise ValueError
         except ValueError:
-            raise ValueError(
-                f"MLX_RWKVX_CACHE_LIMIT={wanted!r}: expected a number of bytes (0: MLX's default)"
+            raise UserError(
+                f"MLX_RWKVX_CACHE_LIMIT={wanted!r}: expected a number of bytes from 0 (MLX's "
+                "default) to 2^64 - 1"
             ) from None
         if limit > 0:
             mx.set_cache_limit(limit)

@@ -10,12 +10,17 @@ layer not listed in ``--qwen-layers`` becomes an ARWKV time-mix initialised from
 from __future__ import annotations
 
 import argparse
-import sys
+import os
+import tempfile
 
 import mlx_rwkvx
-from mlx_rwkvx.io.formats import CheckpointError, write_blinkdl, write_hf, write_native
+from mlx_rwkvx import cli
+from mlx_rwkvx.cli import help_text
+from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.io.formats import write_blinkdl, write_hf, write_native
 from mlx_rwkvx.io.load import DTYPES, load
-from mlx_rwkvx.io.tokenizers import tokenizer_files
+from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
+from mlx_rwkvx.io.tokenizers import ByteTokenizer, byte_tokenizer_files, tokenizer_files
 from mlx_rwkvx.models.config import RFA_SWITCHES, default_qwen_layers, rfa_config
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.models.quantize import quantize_bits
@@ -23,10 +28,11 @@ from mlx_rwkvx.models.quantize import quantize_bits
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+PROG = "mlx_rwkvx.convert"
 WRITERS = {"native": write_native, "hf": write_hf, "blinkdl": write_blinkdl}
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """Flags that do not fit together or do not fit the checkpoint."""
 
 
@@ -93,44 +99,54 @@ def convert(
     dtype=None,
     to_rfa: bool = False,
     qwen_layers=None,
-    head_size: int = 64,
+    head_size: int | None = None,
     overwrite: bool = False,
 ) -> Model:
     """Read ``src``, transform, write ``dst`` with the tokenizer files of ``src`` beside the
     weights; returns the written model. An existing ``dst`` is replaced only with
-    ``overwrite``. Raises CheckpointError or UsageError (both ValueErrors) naming the problem.
-    """
+    ``overwrite``, and only when it is a checkpoint; a ``dst`` that is, holds or lies inside
+    ``src``, or would replace the current folder, is refused. ``head_size`` (default 64) and
+    ``qwen_layers`` go with ``to_rfa``. While it runs, ``dst`` is locked (``io/targets.py``): a
+    second conversion into it is refused. Raises CheckpointError, TargetError or UsageError
+    (UserErrors) naming the problem."""
     if to not in WRITERS:
         raise UsageError(f"--to must be one of {sorted(WRITERS)}, got {to!r}")
+    if not to_rfa and (head_size is not None or qwen_layers is not None):
+        given = "--head-size" if head_size is not None else "--qwen-layers"
+        raise UsageError(f"{given} sets up --to-rfa: it needs --to-rfa")
     bits = quantize_bits(quantize)
     if bits and to != "native":
         raise UsageError("--quantize writes INT8 weights, which only the native format holds")
+    real = resolve_target(dst, what="DST", inputs=[src])
+    with output_lock(real, "DST"):
+        remove_stale(os.path.dirname(real), os.path.basename(real))
+        return _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrite)
+
+
+def _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrite) -> Model:
     model, tokenizer = load(src, dtype=dtype)
     if to_rfa:
         n = len(model.config.block_types)
         layers = qwen_layers if qwen_layers is not None else default_qwen_layers(n)
-        model = qwen2_to_rfa(model, layers, head_size=head_size)
+        model = qwen2_to_rfa(model, layers, head_size=64 if head_size is None else head_size)
     if bits:
         model.quantize(bits=bits)
         mx.eval(model.parameters())
     tensors = dict(tree_flatten(model.parameters()))
     # the native config records the quantization, without which its tensors do not load
     extra = {"quantization": model.quantization} if to == "native" else {}
-    WRITERS[to](
-        dst,
-        model.config,
-        tensors,
-        extra_files=tokenizer_files(tokenizer),
-        overwrite=overwrite,
-        **extra,
-    )
+    with tempfile.TemporaryDirectory() as folder:
+        files = tokenizer_files(tokenizer)
+        if to == "hf" and isinstance(tokenizer, ByteTokenizer):  # files for transformers too
+            files = byte_tokenizer_files(folder, tokenizer.vocab_size)
+        WRITERS[to](dst, model.config, tensors, extra_files=files, overwrite=overwrite, **extra)
     return model
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_rwkvx.convert",
-        description=__doc__,
+        prog=PROG,
+        description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("src", help="checkpoint to read (folder, .safetensors or .pth)")
@@ -151,17 +167,17 @@ def main(argv: list[str] | None = None) -> None:
         help="cast floating weights (default: as stored)",
     )
     parser.add_argument("--to-rfa", action="store_true", help="Qwen2 -> RFA (see above)")
-    parser.add_argument("--head-size", type=int, default=64, help="--to-rfa: WKV head size")
+    parser.add_argument("--head-size", type=int, default=None,
+                        help="--to-rfa: WKV head size (default: 64)")  # fmt: skip
     parser.add_argument(
         "--qwen-layers",
         default=None,
-        help="comma-separated layers kept as Qwen2 (default: 3, 7, 11, ...)",
+        help="--to-rfa: comma-separated layers kept as Qwen2 (default: 3, 7, 11, ...)",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing checkpoint at DST"
     )
     args = parser.parse_args(argv)
-    mlx_rwkvx.configure()
     layers = None
     if args.qwen_layers is not None:
         try:
@@ -170,7 +186,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(
                 f"--qwen-layers: expected comma-separated integers, got {args.qwen_layers!r}"
             )
-    try:
+
+    def body():
+        mlx_rwkvx.configure()
         convert(
             args.src,
             args.dst,
@@ -182,9 +200,8 @@ def main(argv: list[str] | None = None) -> None:
             head_size=args.head_size,
             overwrite=args.overwrite,
         )
-    except (CheckpointError, UsageError) as e:
-        print(f"mlx_rwkvx.convert: error: {e}", file=sys.stderr)
-        sys.exit(2)
+
+    cli.run(PROG, body)
     print(f"wrote {args.dst} ({args.to})")
 
 

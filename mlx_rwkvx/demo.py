@@ -29,21 +29,24 @@ import random
 import shlex
 import shutil
 import string
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import mlx_rwkvx
+from mlx_rwkvx import cli
 from mlx_rwkvx import merge as merge_cli
 from mlx_rwkvx import pretokenize as pretokenize_cli
 from mlx_rwkvx import train as train_cli
+from mlx_rwkvx.cli import help_text
+from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
 from mlx_rwkvx.models import Model, ModelConfig
 
 import mlx.core as mx
 import numpy as np
 
+PROG = "mlx_rwkvx.demo"
 DEFAULT_OUT = "mlx_rwkvx-demo"
 TRAIN_SEED, HELD_OUT_SEED, VALID_SEED = 0, 1, 2  # the training texts never hold a held-out question
 MARKER = ".mlx_rwkvx-demo"  # in --out: a folder the demo wrote, which a rerun may replace
@@ -215,6 +218,9 @@ class Demo:
         try:
             main(args)
         except SystemExit as e:
+            interrupted = {code: signum for signum, code in cli.EXIT_CODES.items()}
+            if e.code in interrupted:  # Ctrl-C or SIGTERM in the command: the demo stops too
+                raise cli.Interrupted(interrupted[e.code]) from None
             if e.code not in (0, None):
                 raise RuntimeError(f"demo: python -m {module} exited with {e.code}") from None
 
@@ -427,15 +433,27 @@ def _plot(out: Path) -> None:
     print(f"wrote {out / 'loss.png'}")
 
 
-def _usage_error(message: str) -> NoReturn:
-    print(f"demo: error: {message}", file=sys.stderr)
-    sys.exit(2)
+def _prepare(out: Path) -> None:
+    """Make ``out`` the demo's own empty folder: a new or empty one, or an earlier demo run
+    (its marker) replaced; anything else is refused. Called holding ``out``'s lock."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: not a folder")
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise UserError(f"--out {out}: a folder the demo did not write (no {MARKER}); give an "
+                        "empty or new folder")  # fmt: skip
+    try:
+        if out.exists():
+            shutil.rmtree(out)  # an earlier demo's run: replaced
+        out.mkdir(parents=True)
+        (out / MARKER).write_text("written by python -m mlx_rwkvx.demo: a rerun replaces it\n")
+    except OSError as e:
+        raise UserError(f"--out {out}: {e.strerror}") from e
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m mlx_rwkvx.demo",
-        description=__doc__,
+        description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", default=DEFAULT_OUT,
@@ -443,29 +461,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="toy sizes: every stage in well under a minute")  # fmt: skip
     args = parser.parse_args(argv)
-    out = Path(args.out).expanduser().resolve()  # the printed commands run from any folder
-    if out.exists() and not out.is_dir():
-        _usage_error(f"--out {out}: not a folder")
-    if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).is_file():
-            _usage_error(f"--out {out}: a folder the demo did not write (no {MARKER}); give an "
-                         "empty or new folder")  # fmt: skip
-        if out == Path.cwd() or out in Path.cwd().parents:
-            _usage_error(f"--out {out}: holds the current folder; give another")
-    try:
-        if out.exists():
-            shutil.rmtree(out)  # an earlier demo's run: replaced
-        out.mkdir(parents=True)
-        (out / MARKER).write_text("written by python -m mlx_rwkvx.demo: a rerun replaces it\n")
-    except OSError as e:
-        _usage_error(f"--out {out}: {e.strerror}")
-    started = time.perf_counter()
-    mlx_rwkvx.configure()
-    demo = Demo(out, QUICK if args.quick else FULL, args.quick)
-    demo.corpus()
-    base = demo.pretrain()
-    merged = demo.finetune(base)
-    demo.report(base, merged, started)
+
+    def body():
+        # resolved: the printed commands run from any folder; never the current folder or one
+        # above it, the home folder or /
+        out = Path(resolve_target(Path(args.out).expanduser(), what="--out"))
+        with output_lock(str(out), "--out"):
+            remove_stale(str(out.parent), out.name)
+            _prepare(out)
+            started = time.perf_counter()
+            mlx_rwkvx.configure()
+            demo = Demo(out, QUICK if args.quick else FULL, args.quick)
+            demo.corpus()
+            base = demo.pretrain()
+            merged = demo.finetune(base)
+            demo.report(base, merged, started)
+
+    cli.run(PROG, body, kept="the stages finished so far are in --out")
 
 
 if __name__ == "__main__":

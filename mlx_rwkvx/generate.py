@@ -13,13 +13,16 @@ function even after ``import mlx_rwkvx.generate`` made the package attribute thi
 
 from __future__ import annotations
 
+import math
 import os
+import signal
 import sys
 import types
 from dataclasses import dataclass
 
 import mlx_rwkvx
-from mlx_rwkvx import generation, settings
+from mlx_rwkvx import cli, generation, settings
+from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.generation import DEFAULT_MAX_CACHE, Chat, chat_format, stream_generate
 from mlx_rwkvx.io.load import load
 from mlx_rwkvx.ops import prepare
@@ -27,6 +30,8 @@ from mlx_rwkvx.settings import opt
 from mlx_rwkvx.tuner.adapters import apply_adapter
 
 import mlx.core as mx
+
+PROG = "mlx_rwkvx.generate"
 
 
 @dataclass
@@ -92,7 +97,7 @@ def config_from(argv) -> GenerateConfig:
     return cfg
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """What was given does not fit: one line, exit 2."""
 
 
@@ -113,6 +118,20 @@ def _check(cfg: GenerateConfig) -> None:
     for name in ("max_tokens", "max_cache", "temp", "top_p", "min_p", "top_k"):
         if getattr(cfg, name) is None:  # a YAML "name: null"
             raise UsageError(f"--{name.replace('_', '-')} needs a value")
+    for name in ("temp", "top_p", "min_p", "repetition_penalty"):
+        value = getattr(cfg, name)
+        if value is not None and not math.isfinite(value):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    if cfg.seed is not None and not 0 <= cfg.seed < 2**64:
+        raise UsageError(f"--seed must be in 0 .. 2^64 - 1, got {cfg.seed}")
+    if cfg.prompt is not None and cfg.chat:
+        raise UsageError("--prompt answers once, --chat is a conversation: give one of them")
+    if cfg.ignore_chat_template:
+        given = [f"--{n.replace('_', '-')}" for n in ("system", "chat_template")
+                 if getattr(cfg, n) is not None]  # fmt: skip
+        if given:
+            raise UsageError(f"{' and '.join(given)} with --ignore-chat-template: the prompt "
+                             "goes in as it is, with no template to carry them")  # fmt: skip
     for name in ("max_tokens", "max_cache"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
@@ -162,8 +181,14 @@ def _one_answer(cfg: GenerateConfig, model, tokenizer) -> None:
     ):
         print(last.text, end="", flush=True)
     print()
+    if last is not None and last.finish_reason == "cache":
+        print(CACHE_FULL.format(cfg.max_cache), file=sys.stderr)
     if cfg.verbose and last is not None:
         print(_stats(last), file=sys.stderr)
+
+
+CACHE_FULL = ("[stopped: the attention blocks' KV cache is full (--max-cache {}) and --no-window "
+              "keeps no sliding window]")  # fmt: skip
 
 
 def _stats(r) -> str:
@@ -247,12 +272,16 @@ def _answer(chat: Chat, line: str, screen: _Screen) -> None:
     try:
         for last in responses:
             screen.say(last.text, end="")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         responses.close()
+        if cli.signal_of(e) != signal.SIGINT:  # SIGTERM ends the chat, not the answer
+            raise
         screen.say("")
         screen.dim("[stopped]")
         return
     screen.say("")
+    if last is not None and last.finish_reason == "cache":
+        screen.dim(CACHE_FULL.format(chat.session.max_cache))
     if last is not None:
         reused = f", {chat.reused} held" if chat.reused else ""
         screen.dim(
@@ -282,7 +311,9 @@ def _chat_loop(cfg: GenerateConfig, model, tokenizer) -> None:
         except EOFError:
             screen.say("")
             return
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            if cli.signal_of(e) != signal.SIGINT:
+                raise
             screen.say("")
             continue
         line = line.strip()
@@ -292,7 +323,9 @@ def _chat_loop(cfg: GenerateConfig, model, tokenizer) -> None:
             try:
                 if not _command(chat, line, screen):
                     return
-            except KeyboardInterrupt:  # a slow /save or /load: the chat goes on
+            except KeyboardInterrupt as e:  # a slow /save or /load: the chat goes on
+                if cli.signal_of(e) != signal.SIGINT:
+                    raise
                 screen.say("")
                 screen.dim("[stopped]")
             continue
@@ -304,6 +337,10 @@ def _chat_loop(cfg: GenerateConfig, model, tokenizer) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = config_from(argv)
+    cli.run(PROG, lambda: _main(cfg), kept="the answer so far is above")
+
+
+def _main(cfg: GenerateConfig) -> None:
     try:
         _check(cfg)
         mlx_rwkvx.configure()
@@ -323,11 +360,7 @@ def main(argv: list[str] | None = None) -> None:
                 "--prompt - (read standard input) or --chat"
             )
     except ValueError as e:  # UsageError, CheckpointError, AdapterError: the user's to fix
-        print(f"mlx_rwkvx.generate: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("", file=sys.stderr)
-        sys.exit(130)
+        cli.fail(PROG, str(e))
 
 
 class _CallableModule(types.ModuleType):

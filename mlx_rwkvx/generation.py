@@ -17,12 +17,14 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from mlx_rwkvx.io.atomic import CheckpointError, atomic_target, check_target, save_safetensors
+from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.io.tokenizers import rwkv_chat_text
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.tuner.adapters import adapter_tensors, fingerprint
@@ -223,23 +225,32 @@ def _sampling(
         ("min_p", min_p, 0.0),
         ("top_k", top_k, 0),
     ):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < lo:
-            raise ValueError(f"generate: {name} must be a number >= {lo}, got {value!r}")
+        if not _number(value) or not value >= lo:
+            raise ValueError(f"generate: {name} must be a finite number >= {lo}, got {value!r}")
     if top_p > 1 or min_p > 1:
         raise ValueError(f"generate: top_p and min_p must be at most 1, got {top_p}, {min_p}")
     if repetition_penalty is not None and not (
-        isinstance(repetition_penalty, (int, float)) and repetition_penalty > 0
+        _number(repetition_penalty) and repetition_penalty > 0
     ):
         raise ValueError(
             f"generate: repetition_penalty must be a positive number, got {repetition_penalty!r}"
         )
     if seed is not None:
+        if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64):
+            raise ValueError(f"generate: seed must be an int in 0 .. 2^64 - 1, got {seed!r}")
         mx.random.seed(seed)
+    if sampler is not None and not callable(sampler):
+        raise TypeError(f"generate: sampler must be a function of the logits, got {sampler!r}")
     if sampler is None:
         sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=int(top_k))
     if logits_processors is None:
         logits_processors = make_logits_processors(repetition_penalty=repetition_penalty)
     return sampler, list(logits_processors)
+
+
+def _number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))  # fmt: skip
 
 
 def _vocab_mask(known: int, vocab: int):
@@ -296,6 +307,13 @@ def stream_generate(
     prompt's tokens are fed after them, and the session holds every fed token at the end (the
     last sampled token is not fed). ``max_kv_size``: mlx-lm's name for ``max_cache``.
     """
+    if not isinstance(model, Model):
+        raise TypeError(f"generate: model must be an mlx_rwkvx Model, got {type(model).__name__}")
+    if tokenizer is None or not callable(getattr(tokenizer, "encode", None)):
+        raise TypeError(
+            f"generate: tokenizer must have encode and decode (mlx_rwkvx.load returns it), got "
+            f"{type(tokenizer).__name__}"
+        )
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"generate: max_tokens must be a positive int, got {max_tokens!r}")
     if isinstance(stop, str):
@@ -453,10 +471,16 @@ def chat_format(tokenizer, template: str | None = None) -> ChatFormat:
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"chat template {template}: cannot read it ({e})") from e
     render = _jinja(text)
+    probe = "<probe: the user's words>"
     try:
-        render([{"role": "user", "content": "hi"}], True)
+        rendered = render([{"role": "user", "content": probe}], True)
     except Exception as e:  # jinja2's own errors: a template that does not render
         raise ValueError(f"chat template {template}: does not render ({e})") from e
+    if probe not in rendered:  # a file that is not a template renders as itself
+        raise ValueError(
+            f"chat template {template}: does not render the messages (their text is not in "
+            "what it writes): not a chat template?"
+        )
     return ChatFormat(os.path.abspath(template), render, _im_end_stop(tokenizer, text))
 
 
@@ -472,6 +496,15 @@ def _im_end_stop(tokenizer, template: str | None = None, force: bool = False) ->
 
 
 # ----- the chat --------------------------------------------------------------------------------
+
+
+def is_conversation(path: str) -> bool:
+    """Whether ``path`` is a conversation ``Chat.save`` wrote (its metadata says so)."""
+    try:
+        _, meta = read_safetensors(path)
+    except CheckpointError:
+        return False
+    return meta.get("format") == STATE_FORMAT
 
 
 class Chat:
@@ -605,7 +638,9 @@ class Chat:
             tensors[f"{name}.tokens"] = mx.array(tokens or [0], dtype=mx.int32)
             if state is not None:  # an empty KV cache has no tensor: it comes from init_state
                 tensors.update({f"{name}.{k}": v for k, v in tree_flatten(state) if v.size})
-        check_target(path, overwrite=True, folder=False)
+        # replaces a conversation saved before, never another file (a model, a document)
+        check_target(path, overwrite=True, folder=False, recognise=is_conversation,
+                     kind="a saved conversation")  # fmt: skip
         with atomic_target(path, folder=False) as tmp:
             save_safetensors(tmp, tensors, meta)
 
@@ -622,6 +657,9 @@ class Chat:
             (k, tensors.get(f"{name}.{k}", v) if v.size == 0 else tensors[f"{name}.{k}"])
             for k, v in tree_flatten(self.model.init_state(1))
         ]
+        for k, v in flat:
+            if mx.issubdtype(v.dtype, mx.floating) and not mx.all(mx.isfinite(v)).item():
+                raise ValueError(f"{name}.{k} holds NaN or infinite values")
         state = tree_unflatten(flat)
         self.model.check_state(state, 1)
         return tokens, state

@@ -14,26 +14,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import mlx_rwkvx
+from mlx_rwkvx import cli
+from mlx_rwkvx.cli import help_text
+from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.io.atomic import CheckpointError, atomic_target, check_target, save_text
+from mlx_rwkvx.io.detect import is_checkpoint
 from mlx_rwkvx.io.load import load, save
+from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
 from mlx_rwkvx.models.quantize import dequantize_model, quantize_bits
 from mlx_rwkvx.tuner import merge as merging
 from mlx_rwkvx.tuner.adapters import (
     ADAPTER_CONFIG,
     FINAL_ADAPTER,
-    AdapterError,
     apply_adapter_tensors,
     fuse_adapters,
+    is_adapter_file,
     save_adapter_tensors,
 )
 
 import mlx.core as mx
 
+PROG = "mlx_rwkvx.merge"
 
-class UsageError(ValueError):
+
+class UsageError(UserError):
     """Flags that do not fit together."""
 
 
@@ -47,18 +53,33 @@ def _weights(text: str | None):
 
 
 def write_adapter(path: str, tensors: dict, config: dict, overwrite: bool) -> None:
-    """An adapter file (config in its metadata) or folder (and ``adapter_config.json``)."""
+    """An adapter file (config in its metadata) or folder (and ``adapter_config.json``). An
+    existing one is replaced only with ``overwrite``, only when it is an adapter, and a folder
+    only when it holds nothing else (a training run's checkpoints and metrics are never
+    dropped)."""
     if path.endswith(".safetensors"):
         save_adapter_tensors(path, tensors, config, overwrite=overwrite)
         return
-    check_target(path, overwrite=overwrite, folder=True, is_checkpoint=_is_adapter_folder)
+    _check_adapter_folder(path, overwrite)
     with atomic_target(path, folder=True) as tmp:
         save_adapter_tensors(os.path.join(tmp, FINAL_ADAPTER), tensors, config)
         save_text(os.path.join(tmp, ADAPTER_CONFIG), json.dumps(config, indent=2))
 
 
 def _is_adapter_folder(path: str) -> bool:
-    return os.path.exists(os.path.join(path, FINAL_ADAPTER))
+    return is_adapter_file(os.path.join(path, FINAL_ADAPTER))
+
+
+def _check_adapter_folder(path: str, overwrite: bool) -> None:
+    check_target(path, overwrite=overwrite, folder=True, recognise=_is_adapter_folder,
+                 kind="an adapter folder")  # fmt: skip
+    if os.path.isdir(path):
+        lost = sorted(set(os.listdir(path)) - {FINAL_ADAPTER, ADAPTER_CONFIG})
+        if lost:
+            raise CheckpointError(
+                f"{path}: replacing it would drop {lost[:6]}, which a merged adapter does not "
+                "bring; write to a new folder"
+            )
 
 
 def _requantize_error(model, fused_float: dict, bits: int) -> float:
@@ -107,7 +128,7 @@ def fuse_into(model_path: str, config: dict, tensors: dict, out: str, args) -> s
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m mlx_rwkvx.merge",
-        description=__doc__,
+        description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="adapter files or folders")
@@ -136,16 +157,32 @@ def run(args) -> str:
         raise UsageError("--quantize goes with --fuse-into (an adapter has no base weights)")
     if args.rank is not None and args.method != "delta":
         raise UsageError("--rank goes with --method delta")
-    out = args.output
+    inputs = [*args.adapters, args.fuse_into]
+    out = resolve_target(args.output, what="--output", inputs=inputs)
+    with output_lock(out, "--output"):
+        remove_stale(os.path.dirname(out), os.path.basename(out))
+        return _run(args, out)
+
+
+def _run(args, out: str) -> str:
     single = out.endswith(".safetensors")
-    check = None if args.fuse_into or single else _is_adapter_folder
-    if args.fuse_into and not single:
-        check = lambda path: os.path.exists(os.path.join(path, "config.json"))  # noqa: E731
-    check_target(out, overwrite=args.overwrite, folder=not single, is_checkpoint=check)
+    if args.fuse_into:
+        check_target(out, overwrite=args.overwrite, folder=not single, recognise=is_checkpoint,
+                     kind="a model")  # fmt: skip
+    elif single:
+        check_target(out, overwrite=args.overwrite, folder=False, recognise=is_adapter_file,
+                     kind="an adapter file")  # fmt: skip
+    else:
+        _check_adapter_folder(out, args.overwrite)
     adapters = [merging.read(path) for path in args.adapters]
+    if args.fuse_into and adapters[0].kind == "state":
+        raise UsageError(
+            f"{adapters[0].path}: a state-tuning adapter has no weights to fuse into a model; "
+            "use it as it is (--adapter)"
+        )
     if len(adapters) == 1 and args.fuse_into:  # fusing one adapter: nothing to merge
         only = adapters[0]
-        config, tensors = only.config, merging._float32(only.tensors)
+        config, tensors = only.config, merging.as_float32(only.tensors)
         lines = [f"read {only.path}"]
     else:
         merging.check(adapters, args.method, force=args.force)
@@ -167,21 +204,21 @@ def run(args) -> str:
                 f"{report['max_relative_error']:.2%})"
             )
     if args.fuse_into:
-        lines.append(fuse_into(args.fuse_into, config, tensors, args.output, args))
+        lines.append(fuse_into(args.fuse_into, config, tensors, out, args))
     else:
-        write_adapter(args.output, tensors, config, args.overwrite)
+        write_adapter(out, tensors, config, args.overwrite)
     lines.append(f"wrote {args.output}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    mlx_rwkvx.configure()
-    try:
-        print(run(args))
-    except (UsageError, AdapterError, CheckpointError) as e:
-        print(f"mlx_rwkvx.merge: error: {e}", file=sys.stderr)
-        sys.exit(2)
+
+    def body():
+        mlx_rwkvx.configure()
+        return run(args)
+
+    print(cli.run(PROG, body))
 
 
 if __name__ == "__main__":

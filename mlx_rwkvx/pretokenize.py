@@ -22,23 +22,31 @@ import argparse
 import os
 import sys
 import time
+from contextlib import ExitStack
 
+from mlx_rwkvx import cli
+from mlx_rwkvx.cli import help_text
+from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
 from mlx_rwkvx.io.tokenizers import WORLD_VOCAB, ByteTokenizer, HFTokenizer, WorldTokenizer
 from mlx_rwkvx.tuner.data import (
     SPLITS,
     DataError,
+    cut_note,
     find_split,
+    is_bin,
     load_examples,
     split_shards,
     write_bin,
 )
 
+PROG = "mlx_rwkvx.pretokenize"
 PROGRESS_EVERY_TTY = 0.5  # seconds between progress updates on a terminal (one line, redrawn)
 PROGRESS_EVERY_LOG = 10.0  # ... and in a log, a line each
 SKIPS_SHOWN = 10  # bad records reported one by one under --skip-bad; the rest are counted
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """Flags that do not fit together or do not fit the data."""
 
 
@@ -146,12 +154,32 @@ def _jobs(args, weights) -> list[tuple[str, str, list[str]]]:
 def pretokenize(args) -> None:
     weights = _weights(args)
     jobs = _jobs(args, weights)
+    inputs = [args.data]
+    if args.tokenizer not in (None, "world", "bytes"):  # a file, or a folder holding one
+        spec = args.tokenizer
+        names = ("tokenizer.json", WORLD_VOCAB) if os.path.isdir(spec) else ("",)
+        inputs += [os.path.join(spec, name) if name else spec for name in names]
+    outputs = [resolve_target(out, what="--output", inputs=inputs)
+               for _, _, outs in jobs for out in outs]  # fmt: skip
+    with ExitStack() as locks:
+        for out in sorted(set(outputs)):
+            locks.enter_context(output_lock(out, "--output"))
+            remove_stale(os.path.dirname(out), os.path.basename(out))
+        _pretokenize(args, weights, jobs)
+
+
+def _pretokenize(args, weights, jobs) -> None:
     for _, _, outputs in jobs:
         for out in outputs:
             if os.path.isdir(out):
                 raise UsageError(f"{out}: is a folder; expected a file name")
             if os.path.exists(out) and not args.overwrite:
                 raise UsageError(f"{out}: already exists (--overwrite replaces it)")
+            if os.path.exists(out) and not is_bin(out):
+                raise UsageError(
+                    f"{out}: already exists and is not a pre-tokenized .bin (its counts do not "
+                    "fit its size); refusing to replace it"
+                )
             above = os.path.dirname(os.path.abspath(out))
             while not os.path.exists(above):  # the folder that would hold it, made below
                 above = os.path.dirname(above)
@@ -159,7 +187,10 @@ def pretokenize(args) -> None:
                 raise UsageError(f"{out}: {above} is a file, not a folder")
     needs_tokenizer = any(not file.endswith(".bin") for _, file, _ in jobs)
     if needs_tokenizer and args.tokenizer is None:
-        raise UsageError("--tokenizer is needed to tokenize text")
+        raise UsageError(
+            "--tokenizer is needed to tokenize text: a tokenizer.json (or the model's folder), "
+            "a World vocabulary, 'world', or 'bytes' for a byte-level model (vocabulary <= 256)"
+        )
     tokenizer = open_tokenizer(args.tokenizer) if args.tokenizer is not None else None
 
     ready = []  # every split read and checked before any file is written
@@ -190,6 +221,9 @@ def pretokenize(args) -> None:
         )
         if skipped:
             print(f"{file}: skipped {skipped} bad records (--skip-bad)")
+        note = cut_note(examples, args.max_seq_len, "--max-seq-len")
+        if note:
+            print(note)
         masked = sum(1 for e in examples if not e.trained[1:].all())
         if masked:
             print(
@@ -202,15 +236,14 @@ def pretokenize(args) -> None:
             raise UsageError(str(e)) from e
     for outputs, shards in ready:
         for out, shard in zip(outputs, shards, strict=True):
-            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            write_bin(out, [e.tokens for e in shard])
+            write_bin(out, [e.tokens for e in shard], overwrite=args.overwrite)
             print(f"wrote {out} ({len(shard):,} examples)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mlx_rwkvx.pretokenize",
-        description=__doc__,
+        description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--tokenizer", help="tokenizer.json, a World vocabulary, world or bytes")
@@ -233,11 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.max_seq_len is not None and args.max_seq_len < 1:
         parser.error(f"--max-seq-len must be >= 1, got {args.max_seq_len}")
-    try:
-        pretokenize(args)
-    except (DataError, UsageError) as e:
-        print(f"mlx_rwkvx.pretokenize: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.run(PROG, lambda: pretokenize(args))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx_rwkvx
 from mlx_rwkvx.convert import convert, qwen2_to_rfa
 from mlx_rwkvx.io.formats import CheckpointError, detect, to_blinkdl, write_hf
+from mlx_rwkvx.io.targets import is_temp
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
 from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config
 
@@ -63,7 +64,7 @@ def test_native_round_trip(tmp_path, cfg, single_file):
     assert loaded.config.to_dict() == cfg.to_dict()
     assert same_model(loaded, model)
     assert isinstance(tokenizer, ByteTokenizer)
-    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]  # atomic writes leave nothing
+    assert not [n for n in os.listdir(tmp_path) if is_temp(n)]  # atomic writes leave nothing
 
 
 def test_single_file_metadata_carries_block_types(tmp_path):
@@ -422,7 +423,7 @@ def test_quantized_or_hybrid_models_do_not_export_to_other_formats(tmp_path):
 def test_interrupted_save_leftovers_are_ignored(tmp_path):
     model = Model(rwkv7_cfg(), seed=1)
     write_hf(str(tmp_path), model.config, params(model))
-    (tmp_path / "model.safetensors.tmp-123.safetensors").write_bytes(b"half written")
+    (tmp_path / ".mlx_rwkvx-tmp-123.new.model.safetensors").write_bytes(b"half written")
     loaded, _ = mlx_rwkvx.load(str(tmp_path))
     assert same_model(loaded, model)
 
@@ -538,7 +539,7 @@ def test_overwrite_replaces_a_checkpoint_whole(tmp_path):
     write_hf(str(tmp_path / "hf"), new.config, params(new), overwrite=True)
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
     assert same_model(mlx_rwkvx.load(tmp_path / "hf")[0], new)
-    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n or ".old" in n]
+    assert not [n for n in os.listdir(tmp_path) if is_temp(n)]
 
 
 def test_a_failed_write_keeps_the_old_checkpoint(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlx_rwkvx
 from mlx_rwkvx import merge as merge_cli
+from mlx_rwkvx.io.targets import is_temp
 from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.tuner import merge as merging
 from mlx_rwkvx.tuner.adapters import (
@@ -220,7 +221,7 @@ def test_refusals_write_nothing(tmp_path, pair, case, message):
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert not (tmp_path / "out.safetensors").exists()
-    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert not [p for p in tmp_path.iterdir() if is_temp(p.name)]
 
 
 def test_existing_output_kept_unless_overwrite(pair, tmp_path):
@@ -230,6 +231,11 @@ def test_existing_output_kept_unless_overwrite(pair, tmp_path):
     out = run_cli("--output", target, a, b)
     assert out.returncode == 2 and "already exists" in out.stderr
     assert target.read_bytes() == b"precious"
+    out = run_cli("--output", target, a, b, "--overwrite")  # replaces only an adapter
+    assert out.returncode == 2 and "is not an adapter file" in out.stderr
+    assert target.read_bytes() == b"precious"
+    target.unlink()
+    assert run_cli("--output", target, a, b, "--method", "concat").returncode == 0
     assert run_cli("--output", target, a, b, "--overwrite").returncode == 0
     assert read_adapter(target)[0]["merge_method"] == "fedavg"
 

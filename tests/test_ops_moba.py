@@ -4,6 +4,7 @@ The oracle gets the float32 selection (a near-tie between two gates could otherw
 different chunk in float64), except in the test of the selection rule itself.
 """
 
+from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.ops import moba as M
 from mlx_rwkvx.ops.dispatch import KERNEL
 from mlx_rwkvx.ops.moba import blockwise
@@ -201,10 +202,12 @@ def test_forcing_a_missing_kernel_is_an_error(monkeypatch):
     _, args, cs, top_k = make(CASES["sparse"])
     monkeypatch.setenv(M.ENV_VAR, "kernel")
     monkeypatch.setattr(M.DISPATCH, "kernel_available", lambda key=None: False)
-    with pytest.raises(RuntimeError, match="moba: kernel asked for, but this device has no"):
+    with pytest.raises(
+        UserError, match="moba: MLX_RWKVX_[A-Z0-9]+='kernel', but .* no moba kernel"
+    ):
         M.moba_attention(*args, chunk_size=cs, top_k=top_k)
     monkeypatch.delenv(M.ENV_VAR)
-    with pytest.raises(RuntimeError, match="moba: kernel asked for"):
+    with pytest.raises(UserError, match="moba: impl='kernel', but this device has no"):
         M.moba_attention(*args, chunk_size=cs, top_k=top_k, impl="kernel")
 
 

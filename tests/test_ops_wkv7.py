@@ -6,6 +6,7 @@ The kernel's CPU flavour passes the same checks in tests/test_kernels_wkv7.py.
 import importlib
 import warnings
 
+from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.ops.dispatch import KERNEL
 
 import mlx.core as mx
@@ -217,7 +218,9 @@ def test_forcing_a_missing_kernel_is_an_error(monkeypatch):
     monkeypatch.setenv(W.ENV_VAR, "kernel")
     monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda key=None: False)
     args = to_mx(random_wkv7_inputs(np.random.default_rng(0), 1, 5, 2, 16))
-    with pytest.raises(RuntimeError, match="wkv7: kernel asked for, but this device has no"):
+    with pytest.raises(
+        UserError, match="wkv7: MLX_RWKVX_[A-Z0-9]+='kernel', but .* no wkv7 kernel"
+    ):
         W.wkv7(*args)
 
 

@@ -1,32 +1,46 @@
 """Writing checkpoints so that nothing is ever half-written or silently replaced.
 
-Everything is written under a temporary name beside the target, flushed to disk, then renamed
-over it in one step: an interrupted or failed write (a full disk, a read-only folder) leaves
-the target as it was and no temporary file behind, and raises one ``CheckpointError`` naming
-the path and the reason. An existing target is replaced only when asked (``overwrite``), and
-a folder only when it holds a checkpoint (never a folder of other files).
+Everything is written under a temporary name beside the target (``io/targets.py``: hidden, with
+the writer's pid), flushed to disk, then renamed over it in one step: an interrupted or failed
+write (a full disk, a read-only folder, SIGTERM) leaves the target as it was and no temporary
+file behind, and raises one ``CheckpointError`` naming the path and the reason (SIGKILL leaves
+the temporary, which the next run on the target removes). An existing target is replaced only
+when asked (``overwrite``), and only when it is what the writer writes (``recognise``: a
+model, an adapter, a conversation, a ``.bin``), never a folder or file of anything else; a
+target that would delete the current folder, the home folder or ``/`` is refused always.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from mlx_rwkvx._crash import crash_point
+from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.io.targets import (
+    TMP_PREFIX,
+    check_not_unsafe,
+    is_temp,
+    reason,
+    remove_path,
+    temp_path,
+)
 
 import mlx.core as mx
 
-TMP_TAG = ".tmp-"  # in every temporary name: readers skip such files, and tests look for them
+__all__ = ["TMP_PREFIX", "CheckpointError", "atomic_target", "check_target", "is_temp"]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be read or written: the message names the file and the problem
     (and, for a bad tensor, the tensor)."""
 
 
 def _reason(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
+    if isinstance(e, OSError):
+        return reason(e)
     text = str(e) or type(e).__name__
     if "Unable to write" in text:  # how MLX's safetensors writer reports a short write
         text += "; is the disk full?"
@@ -60,11 +74,27 @@ def _make_parents(path: str) -> list[str]:
     return list(reversed(made))
 
 
-def check_target(path: str, *, overwrite: bool, folder: bool, is_checkpoint=None) -> None:
-    """Raise CheckpointError unless ``path`` may be written: it does not exist, is an empty
-    folder, or (``overwrite``) is a file, or a folder that ``is_checkpoint`` accepts."""
+def check_target(
+    path: str,
+    *,
+    overwrite: bool,
+    folder: bool,
+    recognise: Callable[[str], bool] | None = None,
+    kind: str = "a checkpoint",
+    is_checkpoint: Callable[[str], bool] | None = None,
+) -> None:
+    """Raise CheckpointError (TargetError for an unsafe path) unless ``path`` may be written:
+    it does not exist, is an empty folder, or (``overwrite``) is a file or folder that
+    ``recognise`` accepts as ``kind`` (what this writer writes; ``is_checkpoint`` is its older
+    name). Never a path that would delete the current folder, the home folder or ``/``, and
+    never a device, a pipe or a socket."""
+    recognise = recognise or is_checkpoint
+    check_not_unsafe(path, "output")
     if not os.path.lexists(path):
         return
+    if os.path.exists(path) and not (os.path.isdir(path) or os.path.isfile(path)):
+        raise CheckpointError(f"{path}: not a regular file or folder (a device, a pipe or a "
+                              "socket); never written")  # fmt: skip
     if os.path.isdir(path):
         if not folder:
             raise CheckpointError(f"{path}: is a folder; expected a file name")
@@ -75,15 +105,17 @@ def check_target(path: str, *, overwrite: bool, folder: bool, is_checkpoint=None
                 f"{path}: already exists and is not empty (overwrite=True or --overwrite "
                 "replaces it)"
             )
-        if is_checkpoint is not None and not is_checkpoint(path):
+        if recognise is None or not recognise(path):
             raise CheckpointError(
-                f"{path}: holds files that are not a checkpoint; refusing to replace the folder"
+                f"{path}: holds files that are not {kind}; refusing to replace the folder"
             )
         return
     if folder:
         raise CheckpointError(f"{path}: is a file; expected a folder")
     if not overwrite:
         raise CheckpointError(f"{path}: already exists (overwrite=True or --overwrite replaces it)")
+    if recognise is not None and not recognise(path):
+        raise CheckpointError(f"{path}: already exists and is not {kind}; refusing to replace it")
 
 
 @contextmanager
@@ -92,7 +124,7 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
     on success it takes ``path``'s place (fsync, rename); on any failure it is removed, missing
     parent folders created for it are removed too, ``path`` is unchanged, and an I/O error
     becomes one CheckpointError. Call ``check_target`` first."""
-    path = os.path.abspath(path)
+    path = check_not_unsafe(path, "output")  # its real path: the rename replaces the target
     parent = os.path.dirname(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -102,10 +134,7 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
         made = _make_parents(path)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot create its folder ({_reason(e)})") from e
-    name = os.path.basename(path)
-    tmp = os.path.join(os.path.dirname(path), f".{name}{TMP_TAG}{os.getpid()}")
-    if not folder and name.endswith(".safetensors"):
-        tmp += ".safetensors"  # MLX's writer insists on the extension
+    tmp = temp_path(path)  # ends in the target's name: MLX's writer insists on .safetensors
     old = None
     try:
         if folder:
@@ -115,12 +144,13 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
             _fsync_tree(tmp)
         else:
             _fsync(tmp)
+        crash_point("commit", os.path.basename(path))  # written, not yet renamed into place
         if folder and os.path.isdir(path):
-            old = os.path.join(os.path.dirname(path), f".{name}.old{TMP_TAG}{os.getpid()}")
+            old = temp_path(path, "old")
             os.rename(path, old)
         os.replace(tmp, path)
     except BaseException as e:
-        _remove(tmp)
+        remove_path(tmp)
         if old is not None and not os.path.exists(path):
             os.rename(old, path)  # put the previous checkpoint back
             old = None
@@ -140,16 +170,6 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
         pass
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        try:
-            os.remove(path)
-        except OSError:
-            pass
 
 
 def save_safetensors(path: str, tensors: dict, metadata: dict | None = None) -> None:

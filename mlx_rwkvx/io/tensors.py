@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from mlx_rwkvx.io.atomic import TMP_TAG, CheckpointError
+from mlx_rwkvx.io.atomic import CheckpointError
 from mlx_rwkvx.io.pth import PthError, read_pth
 
 import mlx.core as mx
@@ -57,7 +57,7 @@ def read_folder_safetensors(folder: str) -> tuple[dict[str, mx.array], dict[str,
 
     With ``model.safetensors.index.json`` exactly the files it lists are read, and every
     tensor must sit in the file the index names (as transformers reads it); without one, every
-    ``*.safetensors`` but adapters and interrupted saves (``.tmp-`` names)."""
+    ``*.safetensors`` but adapters and hidden files (interrupted saves among them)."""
     index_path = os.path.join(folder, INDEX_FILE)
     weight_map = None
     if os.path.exists(index_path):
@@ -72,7 +72,7 @@ def read_folder_safetensors(folder: str) -> tuple[dict[str, mx.array], dict[str,
         names = sorted(
             n
             for n in os.listdir(folder)
-            if n.endswith(".safetensors") and n != ADAPTERS_FILE and TMP_TAG not in n
+            if n.endswith(".safetensors") and n != ADAPTERS_FILE and not n.startswith(".")
         )
     if not names:
         raise CheckpointError(f"{folder}: no .safetensors weights in the folder")

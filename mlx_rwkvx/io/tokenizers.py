@@ -31,9 +31,19 @@ HF_TOKENIZER_FILES = (
 )
 
 
+RWKV_ROLES = ("system", "user", "assistant")  # the turns RWKV's chat format has names for
+
+
 def rwkv_chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
     """RWKV's plain chat format: ``User: ...\n\nAssistant: ...\n\n``, one turn a paragraph
-    (``System: ...`` first where there is one), and ``Assistant:`` to prompt an answer."""
+    (``System: ...`` first where there is one), and ``Assistant:`` to prompt an answer. Another
+    role is a ValueError (it would become a speaker the model never saw, ``Wizard:``)."""
+    for m in messages:
+        if m["role"] not in RWKV_ROLES:
+            raise ValueError(
+                f"role {m['role']!r}: RWKV's chat format has {', '.join(RWKV_ROLES)} turns only "
+                "(a tokenizer's own chat template may take others)"
+            )
     text = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages)
     return text + "Assistant:" if add_generation_prompt else text
 
@@ -299,6 +309,29 @@ def load_tokenizer(path: str, vocab_size: int):
             f"{vocab_size}: it belongs to another model"
         )
     return tokenizer
+
+
+def byte_tokenizer_files(folder: str, vocab_size: int = 256) -> dict[str, str]:
+    """The byte tokenizer in Hugging Face's form, written into ``folder``: ``tokenizer.json``
+    (byte-level BPE without merges: each UTF-8 byte its own token, id = the byte, as
+    ``ByteTokenizer`` encodes) and ``tokenizer_config.json`` (id 0 ends a text). Returns name
+    -> path, for ``write_hf``'s ``extra_files``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    char = bytes_to_unicode()  # GPT-2's printable stand-in of each byte
+    n = min(vocab_size, 256)
+    tok = Tokenizer(models.BPE(vocab={char[b]: b for b in range(n)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    paths = {name: os.path.join(folder, name) for name in ("tokenizer.json",
+                                                           "tokenizer_config.json")}  # fmt: skip
+    tok.save(paths["tokenizer.json"])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": char[0],
+              "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False}  # fmt: skip
+    with open(paths["tokenizer_config.json"], "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return paths
 
 
 def tokenizer_files(tokenizer) -> dict[str, str]:

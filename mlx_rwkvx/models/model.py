@@ -46,6 +46,8 @@ class Model(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, init: str | None = "seeds", seed: int = 0):
         super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError(f"Model: expected a ModelConfig, got {type(cfg).__name__}")
         cfg = copy.deepcopy(cfg)
         cfg.validate()  # a config edited after it was made is checked again here
         self.config = cfg
@@ -87,6 +89,8 @@ class Model(nn.Module):
 
     def init_state(self, batch: int) -> list[dict]:
         """The state at the start of a text: one dict of arrays per block."""
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"init_state: batch must be a positive int, got {batch!r}")
         return [layer.init_state(batch) for layer in self.layers]
 
     def trim_state(self, state: list[dict], max_tokens: int) -> list[dict]:

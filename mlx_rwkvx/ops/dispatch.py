@@ -17,6 +17,7 @@ import os
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 
+from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES
 
 import mlx.core as mx
@@ -74,11 +75,13 @@ class Dispatcher:
         name = impl or os.environ.get(self.env_var) or None
         if name is None:
             return None
+        source = "impl" if impl else self.env_var
         if name not in self.impls:
-            source = "impl" if impl else self.env_var
-            raise ValueError(f"{self.op}: {source}={name!r}: expected one of {sorted(self.impls)}")
+            raise UserError(f"{self.op}: {source}={name!r}: expected one of {sorted(self.impls)}")
         if name == KERNEL and not self.kernel_available(None):
-            raise RuntimeError(f"{self.op}: {KERNEL} asked for, but this device has no kernel")
+            here = sorted(n for n in self.impls if n != KERNEL)
+            raise UserError(f"{self.op}: {source}={name!r}, but this device has no {self.op} "
+                            f"kernel (no Metal or CUDA backend); it has {here}")  # fmt: skip
         return name
 
     def kernel_passes(self, key: Hashable) -> bool:
@@ -123,9 +126,11 @@ def prepare(
     head_sizes: Sequence[int] = HEAD_SIZES, dtypes: Sequence[mx.Dtype] = FLOAT_DTYPES
 ) -> list[tuple[str, int, mx.Dtype, bool]]:
     """Run every kernel's self-check for these head sizes and dtypes now (nothing where the
-    device has no kernel). Returns ``(op, head size, dtype, passed)`` per check."""
+    device has no kernel). Returns ``(op, head size, dtype, passed)`` per check. A UserError
+    when an op's environment variable names an implementation this device lacks."""
     report = []
     for op, dispatcher in sorted(DISPATCHERS.items()):
+        dispatcher.forced(None)  # an environment variable naming what is not here: say so now
         for size in head_sizes:
             for dtype in dtypes:
                 if dispatcher.kernel_available((size, dtype)):

@@ -20,7 +20,8 @@ import hashlib
 import json
 import os
 
-from mlx_rwkvx.io.atomic import atomic_target, check_target, save_safetensors
+from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.io.atomic import CheckpointError, atomic_target, check_target, save_safetensors
 from mlx_rwkvx.io.detect import read_json
 from mlx_rwkvx.io.names import DROP, hf_rwkv7_rule
 from mlx_rwkvx.io.tensors import read_safetensors
@@ -48,7 +49,7 @@ _PRESETS = {
 PRESETS = (*_PRESETS, "all")
 
 
-class AdapterError(ValueError):
+class AdapterError(UserError):
     """Adapters that cannot be made or applied: the message names the problem."""
 
 
@@ -157,6 +158,22 @@ def apply_lora(
     model.update_modules(tree_unflatten(wrapped))
 
 
+def check_rank(model: Model, paths: list[str], rank: int) -> None:
+    """Training refuses a rank above a layer's ``min(in, out)``: such an update has no more
+    directions to give, only more parameters (a merged ``concat`` adapter may exceed it)."""
+    modules = dict(model.named_modules())
+    for p in paths:
+        layer = modules[p]
+        out, inp = layer.weight.shape
+        if isinstance(layer, nn.QuantizedLinear):
+            inp = inp * 32 // layer.bits
+        if rank > min(inp, out):
+            raise AdapterError(
+                f"--lora-rank {rank} is above the size of {p} ({inp} -> {out}): at most "
+                f"{min(inp, out)}"
+            )
+
+
 def enable_state_tuning(model: Model) -> list[str]:
     """Give every RWKV block a trainable initial WKV state (zeros: no change at first) and
     freeze everything else. Returns the trained parameters' paths."""
@@ -245,11 +262,26 @@ def save_adapter(path, model: Model, config: dict, *, overwrite: bool = True) ->
 
 
 def save_adapter_tensors(path, tensors: dict, config: dict, *, overwrite: bool = True) -> None:
-    """``save_adapter`` of adapter tensors in hand (a merge's)."""
+    """``save_adapter`` of adapter tensors in hand (a merge's). An existing file is replaced
+    only when it is an adapter file (``is_adapter_file``)."""
     path = os.fspath(path)
-    check_target(path, overwrite=overwrite, folder=False)
+    check_target(path, overwrite=overwrite, folder=False, recognise=is_adapter_file,
+                 kind="an adapter file")  # fmt: skip
     with atomic_target(path, folder=False) as tmp:
         save_safetensors(tmp, tensors, {"adapter_config": json.dumps(config)})
+
+
+def is_adapter_file(path) -> bool:
+    """Whether ``path`` is an adapter file: a safetensors file whose metadata carries an adapter
+    config (ours), or whose tensors are all adapter tensors (mlx-lm's ``adapters.safetensors``)."""
+    try:
+        tensors, metadata = read_safetensors(os.fspath(path))
+    except CheckpointError:
+        return False
+    leaves = (*ADAPTER_LEAVES, "state0")
+    return "adapter_config" in metadata or (
+        bool(tensors) and all(n.rsplit(".", 1)[-1] in leaves for n in tensors)
+    )
 
 
 def read_adapter(path) -> tuple[dict, dict[str, mx.array]]:
@@ -316,6 +348,9 @@ def apply_adapter_tensors(model: Model, config: dict, tensors: dict, path: str =
         )
     kind = config.get("fine_tune_type", "lora")
     paths, tensors = _native_tensors(model, tensors)
+    for name, x in tensors.items():  # a diverged run's NaNs would give empty answers
+        if mx.issubdtype(x.dtype, mx.floating) and not mx.all(mx.isfinite(x)).item():
+            raise AdapterError(f"{os.fspath(path)}: {name} holds NaN or infinite values")
     if kind in ("lora", "dora"):
         lora = config.get("lora_parameters") or {}
         try:

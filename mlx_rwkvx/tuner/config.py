@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 
 from mlx_rwkvx import settings
@@ -136,6 +137,27 @@ _RANGES = [
 _MINUS_ONE_IS_ALL = ("num_layers", "val_batches", "test_batches")  # mlx-lm's convention
 
 
+# settings that apply to some modes only: given for another mode they are refused (on the
+# command line and through the API: a value other than the default), or, from a --config file
+# (an mlx-lm config carries lora_parameters whatever its fine_tune_type), noted and dropped
+LORA_MODES = ("lora", "dora")
+MODE_ONLY = {
+    "lora_rank": LORA_MODES, "lora_alpha": LORA_MODES, "lora_scale": LORA_MODES,
+    "lora_dropout": LORA_MODES, "lora_targets": LORA_MODES, "num_layers": LORA_MODES,
+    "init": ("pretrain",),
+}  # fmt: skip
+SEED_LIMIT = 2**64  # MLX's generator takes a seed in [0, 2^64)
+
+
+def mode_only_problem(name: str, mode: str) -> str | None:
+    """Why setting ``name`` does not go with ``mode`` (None: it does)."""
+    modes = MODE_ONLY.get(name)
+    if modes is None or mode in modes:
+        return None
+    return (f"--{name.replace('_', '-')} applies to --mode {' or '.join(modes)}, not --mode "
+            f"{mode}")  # fmt: skip
+
+
 def _check(cfg: TrainConfig) -> None:
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
@@ -143,6 +165,8 @@ def _check(cfg: TrainConfig) -> None:
         if value is not None and (not isinstance(value, want) or (
             f.type != "bool" and isinstance(value, bool))):  # fmt: skip
             raise ValueError(f"{f.name} must be {f.type}, got {value!r}")
+        if f.type == "float" and value is not None and not math.isfinite(value):
+            raise ValueError(f"{f.name.replace('_', '-')} must be a finite number, got {value}")
         if value is not None and "choices" in f.metadata and value not in f.metadata["choices"]:
             raise ValueError(f"{f.name} must be one of {f.metadata['choices']}, got {value!r}")
     for name, low, inclusive in _RANGES:
@@ -152,6 +176,8 @@ def _check(cfg: TrainConfig) -> None:
         if value is not None and (value < low or (value == low and not inclusive)):
             bound = f">= {low}" if inclusive else f"> {low}"
             raise ValueError(f"{name.replace('_', '-')} must be {bound}, got {value}")
+    if not 0 <= cfg.seed < SEED_LIMIT:
+        raise ValueError(f"seed must be in 0 .. 2^64 - 1, got {cfg.seed}")
     if not cfg.lora_dropout < 1:
         raise ValueError(f"lora-dropout must be < 1, got {cfg.lora_dropout}")
     if cfg.grad_checkpoint and cfg.lora_dropout:
@@ -162,6 +188,11 @@ def _check(cfg: TrainConfig) -> None:
     if cfg.mode == "state" and (cfg.lora_targets or cfg.num_layers is not None):
         raise ValueError("--mode state trains every RWKV block's state: no --lora-targets or "
                          "--num-layers")  # fmt: skip
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    for name in MODE_ONLY:
+        problem = mode_only_problem(name, cfg.mode)
+        if problem and getattr(cfg, name) != defaults[name]:
+            raise ValueError(problem)
     if cfg.parallel > 1 and cfg.mode != "lora":
         raise ValueError(f"--parallel trains LoRA adapters: not --mode {cfg.mode}")
     if cfg.parallel > 1 and cfg.carry_state:

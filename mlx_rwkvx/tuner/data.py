@@ -38,6 +38,8 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.io.atomic import CheckpointError, atomic_target, check_target
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
 
 import numpy as np
@@ -58,7 +60,7 @@ Progress = Callable[[int, "int | None", int], None]  # (bytes done, bytes in all
 Record = tuple[str, str, object, int]  # (where, format, the record or a _Bad, bytes read so far)
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Bad training data: one line naming the file, the line, row or record, and the problem (a
     user error: the CLIs print it and exit 2)."""
 
@@ -77,6 +79,7 @@ class Example:
     tokens: np.ndarray
     trained: np.ndarray
     source: str = ""
+    cut_from: int = 0  # its length before it was cut to max_seq_len + 1 tokens (0: not cut)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -85,9 +88,11 @@ class Example:
 # ----- the pre-tokenized binary ----------------------------------------------------------------
 
 
-def write_bin(path: str, token_lists: Sequence) -> None:
+def write_bin(path: str, token_lists: Sequence, *, overwrite: bool = True) -> None:
     """Write the seeds' pre-tokenized binary: ``[n: u32] ([len: u32] [tokens: u32 x len]) x n``,
-    little endian. The file appears whole or not at all (written beside, then renamed)."""
+    little endian. The file appears whole or not at all (written beside, then renamed); an
+    existing file is replaced only with ``overwrite`` and only when it is such a binary
+    (``is_bin``: the format has no header, so its counts must add up to its size)."""
     parts = [np.array([len(token_lists)], dtype="<u4")]
     for i, tokens in enumerate(token_lists):
         arr = np.asarray(tokens)
@@ -96,18 +101,30 @@ def write_bin(path: str, token_lists: Sequence) -> None:
         if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
             raise ValueError(f"write_bin: sequence {i} holds ids outside u32")
         parts += [np.array([arr.size], dtype="<u4"), arr.astype("<u4")]
-    folder, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        check_target(path, overwrite=overwrite, folder=False, recognise=is_bin,
+                     kind="a pre-tokenized .bin (its counts do not fit its size)")  # fmt: skip
+        with atomic_target(path, folder=False) as tmp, open(tmp, "wb") as f:
             f.write(np.concatenate(parts).tobytes())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(e, OSError):
-            raise DataError(f"{path}: cannot write ({e.strerror or e})") from e
-        raise
+    except CheckpointError as e:
+        raise DataError(str(e)) from e
+
+
+def is_bin(path: str) -> bool:
+    """Whether ``path`` is a pre-tokenized binary: its record count and lengths add up to
+    exactly its size (the format has no header to recognise it by)."""
+    try:
+        words = np.memmap(path, dtype="<u4", mode="r") if os.path.getsize(path) >= 4 else None
+    except (OSError, ValueError):
+        return False
+    if words is None or os.path.getsize(path) % 4:
+        return False
+    n, pos = int(words[0]), 1
+    for _ in range(n):
+        if pos >= words.size:
+            return False
+        pos += 1 + int(words[pos])
+    return pos == words.size
 
 
 def _parse_bin(path: str) -> tuple[list[np.ndarray], str | None, int]:
@@ -153,20 +170,33 @@ def find_split(path: str, split: str = "train") -> str | None:
     """The file holding ``split`` of ``path``: a folder's ``<split>.jsonl`` or ``<split>.bin``
     (None when it has none); a file is itself, whatever the split (its caller chose it)."""
     if os.path.isdir(path):
-        found = [
-            p for ext in (".jsonl", ".bin") if os.path.isfile(p := os.path.join(path, split + ext))
-        ]
+        try:
+            names = set(os.listdir(path))
+        except OSError as e:
+            raise DataError(f"{path}: cannot read the folder ({e.strerror or e})") from e
+        found = []
+        for name in (split + ".jsonl", split + ".bin"):
+            p = os.path.join(path, name)
+            if name in names and not os.path.exists(p):
+                raise DataError(f"{p}: a broken symbolic link, or one that loops")
+            if name in names:
+                found.append(p)
         if len(found) > 1:
             raise DataError(f"{path}: holds both {split}.jsonl and {split}.bin: keep one")
         return found[0] if found else None
+    if os.path.lexists(path) and not os.path.exists(path):
+        raise DataError(f"{path}: a broken symbolic link, or one that loops")
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file or folder")
     return path
 
 
 def _kind(path: str, sql: str | None) -> str:
-    with open(path, "rb") as f:
-        is_sqlite = f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    try:
+        with open(path, "rb") as f:
+            is_sqlite = f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    except OSError as e:  # no permission, a folder, a disk error
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from e
     if is_sqlite:
         if sql is None:
             raise DataError(
@@ -187,8 +217,11 @@ def _record_format(record, fmt: str | None, fmt_line: int) -> str:
     line ``fmt_line``) or, for the first, the one its fields mark."""
     if not isinstance(record, dict):
         raise _Bad(f"expected a JSON object, got {type(record).__name__}")
+    found = [name for name, keys in FORMATS if all(k in record for k in keys)]
+    if len(found) > 1:
+        fields_ = " and ".join("/".join(repr(k) for k in dict(FORMATS)[f]) for f in found)
+        raise _Bad(f"holds the fields of several formats ({fields_}): keep the one to train on")
     if fmt is None:
-        found = [name for name, keys in FORMATS if all(k in record for k in keys)]
         if not found:
             raise _Bad(
                 "expected a 'text', 'messages' or 'prompt' and 'completion' field; the keys are "
@@ -218,6 +251,9 @@ def _jsonl_records(path: str) -> Iterator[Record]:
                 kind = _record_format(record, fmt, fmt_line)
             except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
                 yield where, "", _Bad(f"not valid JSON ({e})"), done
+                continue
+            except RecursionError:
+                yield where, "", _Bad("JSON nested too deeply to read"), done
                 continue
             except _Bad as e:
                 yield where, "", e, done
@@ -404,6 +440,11 @@ def _tokens_of(fmt: str, record, tokenizer) -> tuple[np.ndarray, np.ndarray]:
         if not ids:
             raise _Bad("empty example: the text has no tokens")
         eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is not None and eos in ids:  # the text would end in the middle
+            at = ids.index(eos)
+            what = "a NUL character" if isinstance(tokenizer, ByteTokenizer) else "text"
+            raise _Bad(f"{what} at token {at} encodes to the end-of-text token (id {eos}): "
+                       "remove it from the text")  # fmt: skip
         tokens = np.array(ids + ([] if eos is None else [eos]), dtype=np.int64)
         return tokens, np.arange(len(tokens)) > 0
     if fmt == "completion":
@@ -468,45 +509,65 @@ def load_examples(
         records, total = _bin_records(file, skip_bad), os.path.getsize(file)
 
     examples, skipped = [], 0
-    for n_records, (where, fmt, record, done) in enumerate(records, 1):
-        if progress is not None:
-            progress(done, total, n_records)
-        try:
-            if isinstance(record, _Bad):
-                raise record
-            tokens, trained = _tokens_of(fmt, record, tokenizer)
-            if tokens.size < 2:
-                raise _Bad(f"empty example: {tokens.size} tokens, nothing to predict")
-            bad = np.flatnonzero((tokens >= limit) | (tokens < 0))
-            if bad.size:
-                raise _Bad(
-                    f"token id {tokens[bad[0]]} at position {bad[0]} is beyond the vocabulary "
-                    f"of {limit} tokens"
-                )
-            if not trained.any():
-                raise _Bad("empty example: no token to train on")
-            if max_seq_len is not None and tokens.size > max_seq_len + 1:
-                first = int(np.argmax(trained))
-                if first > max_seq_len:
-                    raise _Bad(
-                        f"nothing to train on within max_seq_len {max_seq_len}: the first "
-                        f"trained token is token {first} (a prompt of {first} tokens)"
-                    )
-                tokens, trained = tokens[: max_seq_len + 1], trained[: max_seq_len + 1]
-        except _Bad as e:
-            error = DataError(where if e.args[0] is None else f"{where}: {e.args[0]}")
-            if not skip_bad:
-                raise error from None
-            skipped += 1
-            if on_skip is not None:
-                on_skip(error)
-            continue
-        examples.append(Example(tokens.astype(np.int32), trained, where))
+    try:
+        for n_records, (where, fmt, record, done) in enumerate(records, 1):
+            if progress is not None:
+                progress(done, total, n_records)
+            try:
+                tokens, trained, cut_from = _example_of(fmt, record, tokenizer, limit,
+                                                        max_seq_len)  # fmt: skip
+            except _Bad as e:
+                error = DataError(where if e.args[0] is None else f"{where}: {e.args[0]}")
+                if not skip_bad:
+                    raise error from None
+                skipped += 1
+                if on_skip is not None:
+                    on_skip(error)
+                continue
+            examples.append(Example(tokens.astype(np.int32), trained, where, cut_from))
+    except OSError as e:  # no permission, a disk error
+        raise DataError(f"{file}: cannot read it ({e.strerror or e})") from e
     if not examples:
         raise DataError(
             f"{file}: no examples" + (f" ({skipped} bad records skipped)" if skipped else "")
         )
     return examples, skipped
+
+
+def _example_of(fmt, record, tokenizer, limit: int, max_seq_len: int | None):
+    """(tokens, trained, length before the cut or 0) of one record; _Bad when it is bad."""
+    if isinstance(record, _Bad):
+        raise record
+    tokens, trained = _tokens_of(fmt, record, tokenizer)
+    if tokens.size < 2:
+        raise _Bad(f"empty example: {tokens.size} tokens, nothing to predict")
+    bad = np.flatnonzero((tokens >= limit) | (tokens < 0))
+    if bad.size:
+        raise _Bad(
+            f"token id {tokens[bad[0]]} at position {bad[0]} is beyond the vocabulary "
+            f"of {limit} tokens"
+        )
+    if not trained.any():
+        raise _Bad("empty example: no token to train on")
+    if max_seq_len is None or tokens.size <= max_seq_len + 1:
+        return tokens, trained, 0
+    first = int(np.argmax(trained))
+    if first > max_seq_len:
+        raise _Bad(
+            f"nothing to train on within max_seq_len {max_seq_len}: the first "
+            f"trained token is token {first} (a prompt of {first} tokens)"
+        )
+    return tokens[: max_seq_len + 1], trained[: max_seq_len + 1], tokens.size
+
+
+def cut_note(examples: Sequence[Example], max_seq_len: int | None, flag: str) -> str | None:
+    """One line on the examples cut to ``max_seq_len`` (None when none was)."""
+    cut = [e.cut_from for e in examples if e.cut_from]
+    if not cut:
+        return None
+    return (f"note: {len(cut):,} of {len(examples):,} examples are longer than {flag} "
+            f"{max_seq_len} and were cut to {max_seq_len + 1} tokens (the longest had "
+            f"{max(cut):,})")  # fmt: skip
 
 
 # ----- batches ---------------------------------------------------------------------------------

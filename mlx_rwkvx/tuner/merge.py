@@ -76,8 +76,11 @@ def weights_of(adapters: list[Adapter], weights) -> np.ndarray:
         w = np.array(list(weights), dtype=np.float64)
         if len(w) != n:
             raise MergeError(f"{len(w)} weights for {n} adapters")
-        if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-            raise MergeError(f"the weights must be non-negative with a positive sum, got {w}")
+        if not np.all(np.isfinite(w)) or np.any(w < 0) or not 0 < w.sum() < np.inf:
+            raise MergeError(
+                f"the weights must be finite and non-negative with a positive, finite sum, "
+                f"got {list(weights)}"
+            )
     return w / w.sum()
 
 
@@ -133,7 +136,14 @@ def check(adapters: list[Adapter], method: str, force: bool = False) -> None:
 
 def merge(adapters: list[Adapter], method: str, weights: np.ndarray, rank: int | None = None):
     """(merged tensors in float32, lora rank, lora scale, {"relative_error": delta's
-    truncation error over all modules, "max_relative_error": the worst module's})."""
+    truncation error over all modules, "max_relative_error": the worst module's}).
+    ``weights``: one per adapter, summing to 1 (``weights_of``); MergeError otherwise."""
+    if method not in METHODS:
+        raise MergeError(f"unknown method {method!r}; one of {list(METHODS)}")
+    weights = np.asarray(weights, dtype=np.float64)
+    if weights.shape != (len(adapters),) or not np.isclose(weights.sum(), 1.0):
+        raise MergeError(f"merge: one weight per adapter summing to 1 ({len(adapters)} adapters), "
+                         f"got {weights.tolist()} (weights_of makes them)")  # fmt: skip
     first = adapters[0]
     out: dict[str, np.ndarray] = {}
     report = {"relative_error": 0.0, "max_relative_error": 0.0}
@@ -142,7 +152,7 @@ def merge(adapters: list[Adapter], method: str, weights: np.ndarray, rank: int |
             out[name] = sum(w * a.tensors[name] for w, a in zip(weights, adapters, strict=True))
     scale = first.scale
     if first.kind not in ("lora", "dora"):
-        return _float32(out), None, None, report
+        return as_float32(out), None, None, report
     ranks = [a.tensors[f"{first.modules()[0]}.lora_a"].shape[1] for a in adapters]
     if method == "fedavg":
         for name in first.tensors:
@@ -153,7 +163,7 @@ def merge(adapters: list[Adapter], method: str, weights: np.ndarray, rank: int |
                     w * (a.scale / scale) * a.tensors[name]
                     for w, a in zip(weights, adapters, strict=True)
                 )
-        return _float32(out), ranks[0], scale, report
+        return as_float32(out), ranks[0], scale, report
     total, lost = 0.0, 0.0
     new_rank = sum(ranks) if method == "concat" else rank
     if method == "delta" and (not isinstance(new_rank, int) or new_rank < 1):
@@ -185,10 +195,10 @@ def merge(adapters: list[Adapter], method: str, weights: np.ndarray, rank: int |
             report["max_relative_error"] = max(report["max_relative_error"], (left / energy) ** 0.5)
     if method == "delta" and total > 0:
         report["relative_error"] = (lost / total) ** 0.5
-    return _float32(out), new_rank, scale, report
+    return as_float32(out), new_rank, scale, report
 
 
-def _float32(tensors: dict[str, np.ndarray]) -> dict[str, mx.array]:
+def as_float32(tensors: dict[str, np.ndarray]) -> dict[str, mx.array]:
     return {n: mx.array(x.astype(np.float32)) for n, x in sorted(tensors.items())}
 
 

@@ -22,12 +22,17 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import mlx_rwkvx
+from mlx_rwkvx import cli
+from mlx_rwkvx._crash import crash_point
+from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.io.atomic import CheckpointError, atomic_target, save_safetensors, save_text
+from mlx_rwkvx.io.targets import output_lock, remove_stale
 from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.io.tokenizers import WORLD_VOCAB, ByteTokenizer, WorldTokenizer, load_tokenizer
 from mlx_rwkvx.models import Model, ModelConfig, preset
@@ -42,6 +47,7 @@ from mlx_rwkvx.tuner.adapters import (
     adapter_config,
     adapter_tensors,
     apply_lora,
+    check_rank,
     default_targets,
     enable_state_tuning,
     fingerprint,
@@ -68,19 +74,12 @@ ADAM_BETAS, ADAM_EPS = (0.9, 0.99), 1e-8  # RWKV's trainers (RWKV-LM, RWKV-PEFT)
 PAD_MULTIPLE = 32
 
 
-class TrainError(ValueError):
+class TrainError(UserError):
     """A run that cannot start or go on because of what it was given (exit 2)."""
 
 
 class NonFinite(RuntimeError):
     """The loss or a gradient stopped being finite (exit 1; the last checkpoint stays)."""
-
-
-def _crash_point(name: str, step: int) -> None:
-    """Tests kill the process here (``MLX_RWKVX_CRASH_AT=<name>:<step>``), as a power cut
-    would, to show that no work is lost."""
-    if os.environ.get("MLX_RWKVX_CRASH_AT") == f"{name}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ----- model and what it trains -----------------------------------------------------------------
@@ -144,6 +143,7 @@ def build(cfg: TrainConfig):
         if cfg.mode in ("lora", "dora"):
             targets = cfg.lora_targets or default_targets(model)
             paths = target_paths(model, targets, cfg.num_layers)
+            check_rank(model, paths, cfg.lora_rank)
             apply_lora(
                 model,
                 paths,
@@ -434,18 +434,41 @@ def _checkpoint_names(step: int) -> dict[str, str]:
 def newest_checkpoint(out: Path) -> int | None:
     """The step of the newest complete checkpoint in ``out`` (its manifest written last, every
     file it names present), or None."""
-    steps = []
-    for path in out.glob("checkpoint_*.json"):
-        try:
-            step = int(path.stem.split("_", 1)[1])
-            manifest = json.loads(path.read_text())
-            files = manifest["files"] if manifest.get("complete") else None
-            complete = isinstance(files, list) and all((out / str(f)).exists() for f in files)
-        except (ValueError, OSError, AttributeError, KeyError):  # not a manifest of ours
+    return scan_checkpoints(out)[0]
+
+
+_CHECKPOINT_FILE = re.compile(r"checkpoint_(\d+)\.(json|safetensors|state\.safetensors)\Z")
+
+
+def scan_checkpoints(out: Path) -> tuple[int | None, dict[int, str]]:
+    """(the newest complete checkpoint's step or None, {step: why it is not complete} for the
+    newer ones whose files are there: a run stopped while saving, a damaged manifest)."""
+    steps = set()
+    for path in out.glob("checkpoint_*"):
+        found = _CHECKPOINT_FILE.match(path.name)
+        if found:
+            steps.add(int(found.group(1)))
+    broken = {}
+    for step in sorted(steps, reverse=True):
+        manifest_path = out / _checkpoint_names(step)["manifest"]
+        if not manifest_path.exists():
+            broken[step] = "no manifest: the run stopped while saving it"
             continue
-        if complete:
-            steps.append(step)
-    return max(steps) if steps else None
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            files = manifest["files"] if manifest.get("complete") else None
+        except (ValueError, OSError, AttributeError, KeyError, TypeError):
+            broken[step] = "its manifest cannot be read"
+            continue
+        if not isinstance(files, list):
+            broken[step] = "its manifest lists no files"
+            continue
+        missing = [str(f) for f in files if not (out / str(f)).exists()]
+        if missing:
+            broken[step] = f"{missing[0]} is missing"
+            continue
+        return step, broken
+    return None, broken
 
 
 def trained_tensors(model: Model, mode: str) -> dict[str, mx.array]:
@@ -464,8 +487,19 @@ RESUME_FIXED = ("mode", "lora_rank", "lora_alpha", "lora_targets", "num_layers",
 
 
 def save_checkpoint(out: Path, run) -> None:
-    """The three files of one checkpoint, the manifest last; each atomically."""
+    """The three files of one checkpoint, the manifest last; each atomically. A checkpoint is
+    whole or absent: if a write fails (a full disk) or is interrupted, the files of this one
+    already written are removed again, and the older checkpoints stay as they were."""
     names = _checkpoint_names(run.step)
+    try:
+        _save_checkpoint(out, run, names)
+    except BaseException:
+        for key in ("manifest", "state", "weights"):  # the manifest first: never complete
+            (out / names[key]).unlink(missing_ok=True)
+        raise
+
+
+def _save_checkpoint(out: Path, run, names: dict[str, str]) -> None:
     if run.cfg.mode in ("full", "pretrain"):
         with atomic_target(str(out / names["weights"]), folder=False) as tmp:
             config = json.dumps(run.adapter_config())
@@ -478,7 +512,7 @@ def save_checkpoint(out: Path, run) -> None:
             "shard_tokens": json.dumps(run.shard_tokens)}  # fmt: skip
     with atomic_target(str(out / names["state"]), folder=False) as tmp:
         save_safetensors(tmp, state, meta)
-    _crash_point("save", run.step)  # weights and state written, the manifest not yet
+    crash_point("save", run.step)  # weights and state written, the manifest not yet
     manifest = {"complete": True, "step": run.step, "files": [names["weights"], names["state"]]}
     with atomic_target(str(out / names["manifest"]), folder=False) as tmp:
         save_text(tmp, json.dumps(manifest))
@@ -606,6 +640,9 @@ def _examples(cfg, tokenizer, vocab, split="train", path=None):
         print(f"skipped {skipped} bad examples of {path or cfg.data} ({split}):", file=sys.stderr)
         for reason in reasons[:10]:
             print(f"  {reason}", file=sys.stderr)
+    note = data_mod.cut_note(examples, cfg.max_seq_len, "--max-seq-len")
+    if note:
+        print(f"{note} ({split}; --carry-state trains long texts whole)", file=sys.stderr)
     return examples
 
 
@@ -642,9 +679,11 @@ def evaluate(
     return total / max(count, 1)
 
 
-def train(cfg: TrainConfig) -> Path:
-    """Run training as ``cfg`` says; returns the output folder. TrainError for what the user
-    can fix (nothing written), NonFinite when the loss or gradients stop being finite."""
+def train(cfg: TrainConfig) -> Path | None:
+    """Run training as ``cfg`` says; returns the output folder (None on the ranks of a
+    data-parallel run other than rank 0, which writes). TrainError (or another UserError) for
+    what the user can fix (nothing written), NonFinite when the loss or gradients stop being
+    finite, ``cli.Interrupted`` after Ctrl-C or SIGTERM (the step finished and saved)."""
     try:
         cfg = cfg.resolved()
     except ValueError as e:
@@ -654,9 +693,35 @@ def train(cfg: TrainConfig) -> Path:
             raise TrainError(f"--{name} is required")
     out = Path(cfg.output)
     group = _group()
-    lead = group is None or group.rank() == 0  # the rank that reads and writes files
-    if lead:
+    if group is not None and group.rank() != 0:  # rank 0 alone reads and writes files
+        _train(cfg, out, group, lead=False)
+        return None
+    real = _check_inputs(out, cfg)
+    with output_lock(real, "--output"):
         _check_output(out, cfg.resume)
+        remove_stale(real)  # what runs killed while writing left (their temporary files)
+        return _train(cfg, out, group, lead=True)
+
+
+def _check_inputs(out: Path, cfg: TrainConfig) -> str:
+    """The real path of --output: TrainError when it, or a file the run writes into it, is
+    one of the run's inputs (training only adds files, and never over what it reads)."""
+    real = os.path.realpath(out)
+    written = [os.path.join(real, name) for name in (MODEL_DIR, FINAL_ADAPTER, ADAPTER_CONFIG,
+                                                      METRICS)]  # fmt: skip
+    for name in ("model", "data", "val_data"):
+        given = getattr(cfg, name)
+        if not given or not os.path.lexists(given):
+            continue
+        source = os.path.realpath(given)
+        if source == real or source in written or source.startswith(written[0] + os.sep):
+            what = "is" if source == real else "would write over"
+            raise TrainError(f"--output {out}: {what} the --{name.replace('_', '-')} {given}; "
+                             "choose another output folder")  # fmt: skip
+    return real
+
+
+def _train(cfg: TrainConfig, out: Path, group, lead: bool) -> Path:
     mlx_rwkvx.configure()
     mx.random.seed(cfg.seed)
     model, tokenizer, base, paths = build(cfg)
@@ -677,6 +742,11 @@ def train(cfg: TrainConfig) -> Path:
             shards = par.equal_shards(train_examples, cfg.parallel)
         except ValueError as e:
             raise TrainError(str(e)) from e
+        left = len(train_examples) - cfg.parallel * len(shards[0])
+        if left:
+            print(f"note: --parallel {cfg.parallel}: {left} of {len(train_examples)} examples "
+                  "left out (the shards are equal: the remainder of the division)",
+                  file=sys.stderr)  # fmt: skip
     val_examples = _validation(cfg, tokenizer, vocab) if lead else []
     if cfg.val_every and not val_examples and lead:
         print(f"--val-every {cfg.val_every}: no validation data (--val-data, or valid.jsonl or "
@@ -696,9 +766,12 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.resume:
         optimizer.init(model.trainable_parameters())
         if lead:
-            step = newest_checkpoint(out)
+            step, broken = scan_checkpoints(out)
             if step is None:
                 raise TrainError(f"--output {out}: no complete checkpoint to resume from")
+            for newer, why in broken.items():
+                print(f"--resume: skipped checkpoint_{newer} ({why}); resuming from "
+                      f"checkpoint_{step}", file=sys.stderr)  # fmt: skip
             load_checkpoint(out, step, run)
     if group is not None:  # every rank starts from rank 0's parameters (and checkpoint)
         _broadcast_run(run, group)
@@ -726,10 +799,18 @@ def train(cfg: TrainConfig) -> Path:
     try:
         data = shards if cfg.parallel > 1 else train_examples
         _loop(run, step_fn, data, val_examples, total, out, stop)
+        if lead:
+            _finish(run, val_examples, test_examples, out)
+    except (OSError, CheckpointError) as e:
+        if isinstance(e, OSError) and e.errno not in cli.USER_ERRNOS:
+            raise
+        text = cli.os_error_text(e) if isinstance(e, OSError) else str(e)
+        last = newest_checkpoint(out) if lead else None
+        kept = f"checkpoint_{last} is the last complete one, kept" if last is not None else (
+            "no checkpoint was complete yet")  # fmt: skip
+        raise TrainError(f"{text}; {kept}") from e
     finally:
         stop.restore()
-    if lead:
-        _finish(run, val_examples, test_examples, out)
     return out
 
 
@@ -750,6 +831,9 @@ def _shard(examples, group):
     keep = len(examples) // size * size
     if keep == 0:
         raise TrainError(f"{len(examples)} training examples for {size} ranks: too few to shard")
+    if keep < len(examples) and group.rank() == 0:
+        print(f"note: {len(examples) - keep} of {len(examples)} examples left out: every one of "
+              f"the {size} ranks trains as many", file=sys.stderr)  # fmt: skip
     return examples[group.rank() : keep : size]
 
 
@@ -816,18 +900,29 @@ def _validation(cfg, tokenizer, vocab):
 
 
 class _Interrupt:
-    """Ctrl-C during training: finish the step, save, stop (a second Ctrl-C is the usual)."""
+    """Ctrl-C or SIGTERM during training: finish the step, save, stop (a second one stops at
+    once: Ctrl-C's KeyboardInterrupt, or whatever SIGTERM did before)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.requested = False
-        self._old = signal.signal(signal.SIGINT, self._handle)
+        self.signum = None
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            self._old = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
-    def _handle(self, *_):
-        self.requested = True
-        signal.signal(signal.SIGINT, self._old)
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        self.restore()
 
     def restore(self):
-        signal.signal(signal.SIGINT, self._old)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
 
 
 def _micro_batches(run, examples):
@@ -882,7 +977,7 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
             # each step's randomness (dropout) from the seed and the step alone: a resumed run
             # draws what the uninterrupted one drew, with no random state to save
             # (another rank another draw: its rows are other rows)
-            mx.random.seed(cfg.seed * 1_000_003 + run.step + 7_919 * run.rank)
+            mx.random.seed((cfg.seed * 1_000_003 + run.step + 7_919 * run.rank) % 2**64)
             try:
                 loss, count, norm = step_fn(batch, stop=stop.requested)
             except NonFinite as e:
@@ -896,7 +991,7 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
                                                           strict=True)]  # fmt: skip
             seen += sum(int(inputs.size) for inputs, _ in batch)
             bar.update(1)
-            _crash_point("step", run.step)
+            crash_point("step", run.step)
             record = {"step": run.step, "loss": loss / max(count, 1), "grad_norm": norm,
                       "lr": lr, "tokens": run.tokens}  # fmt: skip
             if lead and (run.step % cfg.log_every == 0 or run.step == total):
@@ -910,17 +1005,24 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
                 record["val_loss"] = _evaluate(run, val_examples, cfg.val_batches)
                 run.validated = (run.step, record["val_loss"])
                 bar.write(f"step {run.step}: validation loss {record['val_loss']:.4f}")
-            metrics.write(json.dumps(record) + "\n")
+            metrics.write(metrics_line(record))
             metrics.flush()
             stopping = stop.requested or step_fn.stop_requested  # on any rank: on all
             if lead and (run.step % cfg.save_every == 0 or stopping):
                 save_checkpoint(out, run)
             if stopping:
-                bar.write(f"interrupted: saved checkpoint_{run.step}", file=sys.stderr)
-                raise KeyboardInterrupt
+                saved = f"saved checkpoint_{run.step}" if lead else "rank 0 saved its checkpoint"
+                raise cli.Interrupted(stop.signum or signal.SIGINT, saved)
     finally:
         bar.close()
         metrics.close()
+
+
+def metrics_line(record: dict) -> str:
+    """One line of metrics.jsonl: strict JSON, a value that is not finite written as null."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+             for k, v in record.items()}  # fmt: skip
+    return json.dumps(clean, allow_nan=False) + "\n"
 
 
 def _evaluate(run, examples, max_batches) -> float:
@@ -944,16 +1046,16 @@ def _finish(run, val_examples, test_examples, out: Path) -> None:
     final = {}
     if val_examples:
         if run.validated is not None and run.validated[0] == run.step:
-            final["val_loss"] = run.validated[1]  # taken at the last step (--val-every)
+            final["val_loss"] = run.validated[1]  # taken (and shown) at the last step
         else:
             final["val_loss"] = _evaluate(run, val_examples, cfg.val_batches)
-        print(f"validation loss {final['val_loss']:.4f}")
+            print(f"validation loss {final['val_loss']:.4f}")
     if test_examples:
         final["test_loss"] = _evaluate(run, test_examples, cfg.test_batches)
         print(f"test loss {final['test_loss']:.4f}")
     if final:
         with open(out / METRICS, "a") as f:
-            f.write(json.dumps({"step": run.step, **final}) + "\n")
+            f.write(metrics_line({"step": run.step, **final}))
     if cfg.parallel > 1:  # rfa_train's outputs: thread_<i> and their FedAvg
         config = run.adapter_config()
         stacked = adapter_tensors(run.model)

@@ -452,7 +452,7 @@ def _prepare(out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_rwkvx.demo",
+        prog=PROG,
         description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -71,7 +71,7 @@ class GenerateConfig:
 def parser():
     return settings.make_parser(
         GenerateConfig,
-        "python -m mlx_rwkvx.generate",
+        PROG,
         "Generate text from an RWKV-7, RWKV-X or RFA model, or chat with it. Flags beat a "
         "--config file; the file beats the defaults.",
     )

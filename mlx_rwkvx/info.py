@@ -64,7 +64,7 @@ def selfcheck() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mlx_rwkvx.info", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mlx_rwkvx.info", description=__doc__)
     parser.add_argument("--no-timing", action="store_true", help="skip the matmul timing")
     parser.add_argument(
         "--selfcheck", action="store_true", help="check each kernel against the ops on this device"

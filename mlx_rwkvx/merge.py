@@ -127,7 +127,7 @@ def fuse_into(model_path: str, config: dict, tensors: dict, out: str, args) -> s
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m mlx_rwkvx.merge",
+        prog=PROG,
         description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

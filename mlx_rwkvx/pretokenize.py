@@ -242,7 +242,7 @@ def _pretokenize(args, weights, jobs) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_rwkvx.pretokenize",
+        prog=PROG,
         description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

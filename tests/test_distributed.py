@@ -79,6 +79,7 @@ def test_training_cli_under_mlx_launch_writes_once_and_resumes(workspace, tmp_pa
     rows = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().split("\n")
             if x]  # fmt: skip
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # one writer
+    assert (whole.stdout + whole.stderr).count("done: ") == 1  # and one report
     # killed after step 3 (checkpoint_2 is the newest), resumed: every rank from rank 0's
     cut = launch(*train_args(workspace, tmp_path / "cut"), env={"MLX_RWKVX_CRASH_AT": "step:3"})
     assert "exited with code -9" in cut.stdout + cut.stderr  # mlx.launch itself exits 0

@@ -48,9 +48,10 @@ def workspace(tmp_path_factory):
 
 
 def _cfg(ws, out, **kw):
-    fields = dict(model=str(ws / "base"), data=str(ws / "data"), output=str(out), lora_rank=4,
-                  lora_alpha=8, batch_size=3, lr=2e-2, warmup=2, iters=8, log_every=4,
-                  save_every=2)  # fmt: skip
+    fields = dict(model=str(ws / "base"), data=str(ws / "data"), output=str(out),
+                  batch_size=3, lr=2e-2, warmup=2, iters=8, log_every=4, save_every=2)  # fmt: skip
+    if kw.get("mode", "lora") in ("lora", "dora"):  # the adapter's settings: LoRA's alone
+        fields.update(lora_rank=4, lora_alpha=8)
     fields.update(kw)
     return TrainConfig(**fields)
 
@@ -172,10 +173,10 @@ def _run_cli(args, env=None, **kw):
     )
 
 
-def _cli_args(ws, out, iters=8):
-    return ["--model", ws / "base", "--data", ws / "data", "--output", out, "--lora-rank", 4,
-            "--lora-alpha", 8, "--batch-size", 3, "--lr", 2e-2, "--warmup", 2, "--iters", iters,
-            "--save-every", 2, "--log-every", 4]  # fmt: skip
+def _cli_args(ws, out, iters=8, lora=True):
+    return ["--model", ws / "base", "--data", ws / "data", "--output", out, "--batch-size", 3,
+            "--lr", 2e-2, "--warmup", 2, "--iters", iters, "--save-every", 2, "--log-every", 4,
+            *(["--lora-rank", 4, "--lora-alpha", 8] if lora else [])]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -183,14 +184,15 @@ def _cli_args(ws, out, iters=8):
 )
 def test_resume_after_sigkill_gives_the_same_losses(workspace, tmp_path, crash, mode):
     extra = ["--mode", "full", "--lr", "1e-3"] if mode == "full" else []
-    whole = _run_cli(_cli_args(workspace, tmp_path / "whole") + extra)
+    lora = mode != "full"
+    whole = _run_cli(_cli_args(workspace, tmp_path / "whole", lora=lora) + extra)
     assert whole.returncode == 0, whole.stderr
-    killed = _run_cli(_cli_args(workspace, tmp_path / "run") + extra,
+    killed = _run_cli(_cli_args(workspace, tmp_path / "run", lora=lora) + extra,
                       env={"MLX_RWKVX_CRASH_AT": crash})  # fmt: skip
     assert killed.returncode == -signal.SIGKILL
     if crash == "save:4":  # killed inside the save: checkpoint_4 has no manifest
         assert not (tmp_path / "run" / "checkpoint_4.json").exists()
-    again = _run_cli(_cli_args(workspace, tmp_path / "run") + extra + ["--resume"])
+    again = _run_cli(_cli_args(workspace, tmp_path / "run", lora=lora) + extra + ["--resume"])
     assert again.returncode == 0, again.stderr
     want, got = _losses(tmp_path / "whole"), _losses(tmp_path / "run")
     assert sorted(got) == sorted(want)
@@ -212,7 +214,9 @@ def test_ctrl_c_saves_and_exits(workspace, tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
-    assert "interrupted: saved checkpoint_" in err
+    assert (
+        err.strip().splitlines()[-1].startswith("mlx_rwkvx.train: interrupted (saved checkpoint_")
+    )
     step = max(int(p.stem.split("_")[1]) for p in out.glob("checkpoint_*.json"))
     assert (out / f"checkpoint_{step}.safetensors").exists() and step >= 2
 
@@ -318,14 +322,18 @@ def test_int8_base_lora_gradients_are_those_of_its_dequantized_twin(tmp_path):
         (["--num-layers", "-2"], "num-layers must be >= 1"),
         (["--lora-dropout", "1"], "lora-dropout must be < 1"),
         (["--grad-checkpoint", "--lora-dropout", "0.1"], "other dropout masks"),
-        (["--mode", "state", "--lora-targets", "attn"], "no --lora-targets"),
+        (
+            ["--mode", "state", "--lora-targets", "attn"],
+            "--lora-targets applies to --mode lora or dora, not --mode state",
+        ),
         (["--mode", "pretrain", "--dtype", "bfloat16"], "no --dtype"),
     ],
 )
 def test_settings_out_of_range_are_one_line(workspace, tmp_path, capsys, change, message):
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
-        train_cli.main([str(a) for a in _cli_args(workspace, out)] + change)
+        lora = "--mode" not in change  # another mode takes no LoRA settings
+        train_cli.main([str(a) for a in _cli_args(workspace, out, lora=lora)] + change)
     assert e.value.code == 2
     lines = [x for x in capsys.readouterr().err.splitlines() if x]
     assert len(lines) == 1 and message in lines[0], lines

@@ -43,7 +43,7 @@ def _reason(e: BaseException) -> str:
         return reason(e)
     text = str(e) or type(e).__name__
     if "Unable to write" in text:  # how MLX's safetensors writer reports a short write
-        text += "; is the disk full?"
+        text += "; is the disk full, or a file-size limit reached?"
     return text
 
 

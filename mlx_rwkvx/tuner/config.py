@@ -185,9 +185,6 @@ def _check(cfg: TrainConfig) -> None:
             "--grad-checkpoint with --lora-dropout: the recomputed blocks would draw other "
             "dropout masks than the forward did (wrong gradients); use one of them"
         )
-    if cfg.mode == "state" and (cfg.lora_targets or cfg.num_layers is not None):
-        raise ValueError("--mode state trains every RWKV block's state: no --lora-targets or "
-                         "--num-layers")  # fmt: skip
     defaults = {f.name: f.default for f in fields(TrainConfig)}
     for name in MODE_ONLY:
         problem = mode_only_problem(name, cfg.mode)
@@ -297,7 +294,7 @@ def parser() -> argparse.ArgumentParser:
     mlx-lm's ``--train`` and ``--optimizer`` (MLX_LM_FLAGS)."""
     p = settings.make_parser(
         TrainConfig,
-        "python -m mlx_rwkvx.train",
+        "mlx_rwkvx.train",
         "Train an RWKV-7, RWKV-X or RFA model: LoRA, DoRA, state tuning, full fine-tuning or "
         "pretraining. Flags beat a --config file (ours, or mlx-lm's LoRA config); the file "
         "beats the defaults.",

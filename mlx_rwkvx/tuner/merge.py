@@ -74,9 +74,11 @@ def weights_of(adapters: list[Adapter], weights) -> np.ndarray:
         w = np.array(tokens, dtype=np.float64)
     else:
         w = np.array(list(weights), dtype=np.float64)
+        with np.errstate(over="ignore"):  # an overflowing sum is refused below, not warned of
+            total = w.sum() if len(w) else 0.0
         if len(w) != n:
             raise MergeError(f"{len(w)} weights for {n} adapters")
-        if not np.all(np.isfinite(w)) or np.any(w < 0) or not 0 < w.sum() < np.inf:
+        if not np.all(np.isfinite(w)) or np.any(w < 0) or not 0 < total < np.inf:
             raise MergeError(
                 f"the weights must be finite and non-negative with a positive, finite sum, "
                 f"got {list(weights)}"

@@ -1010,6 +1010,9 @@ def _loop(run, step_fn, examples, val_examples, total, out, stop):
             stopping = stop.requested or step_fn.stop_requested  # on any rank: on all
             if lead and (run.step % cfg.save_every == 0 or stopping):
                 save_checkpoint(out, run)
+                # a signal during the save: that checkpoint is the step's (several ranks
+                # decide together, in the next step's collective)
+                stopping = stopping or (step_fn.group is None and stop.requested)
             if stopping:
                 saved = f"saved checkpoint_{run.step}" if lead else "rank 0 saved its checkpoint"
                 raise cli.Interrupted(stop.signum or signal.SIGINT, saved)

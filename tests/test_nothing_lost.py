@@ -1,0 +1,502 @@
+"""Nothing a user has is ever lost: every writer refuses an output that would replace or delete
+what is not its own (real commands in subprocesses, a precious file beside every target), one
+writer per output (the output lock), and signals, full disks and read-only folders end in one
+line with the last good work intact and no temporary files left behind."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx_rwkvx
+import mlx_rwkvx.generate as generate_cli  # the command (the package's name is the function)
+from mlx_rwkvx import merge as merge_cli
+from mlx_rwkvx import train as train_cli
+from mlx_rwkvx.errors import TargetError
+from mlx_rwkvx.generation import Chat
+from mlx_rwkvx.io.targets import LOCK_PREFIX, TMP_PREFIX, is_temp, output_lock, remove_stale
+from mlx_rwkvx.models import Model, ModelConfig
+from mlx_rwkvx.tuner.data import read_bin, write_bin
+
+import mlx.core as mx
+import pytest
+from test_merge import base, make_adapter
+
+PRECIOUS = b"the user's own work, written by hand\n"
+
+
+def tiny() -> Model:
+    return Model(ModelConfig(vocab_size=256, hidden_size=32, head_size=16,
+                             block_types=["rwkv7"] * 2))  # fmt: skip
+
+
+def run(module: str, *args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", f"mlx_rwkvx.{module}", *map(str, args)],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def refused(proc: subprocess.CompletedProcess, message: str) -> None:
+    """Exit 2 with one line on stderr holding ``message``, and no traceback."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def snapshot(*roots: Path) -> dict[str, bytes | str]:
+    out = {}
+    for root in roots:
+        for path in sorted(Path(root).rglob("*")):
+            if path.is_symlink():
+                out[str(path)] = f"-> {os.readlink(path)}"
+            elif path.is_dir():
+                out[str(path)] = "dir"
+            else:  # a pipe is not read (it would block): its kind is what matters
+                out[str(path)] = path.read_bytes() if path.is_file() else "special"
+    return out
+
+
+def debris(*folders: Path) -> list[str]:
+    """Temporary files and lock files left in ``folders`` (and below)."""
+    return [str(p) for f in folders for p in Path(f).rglob("*")
+            if is_temp(p.name) or p.name.startswith(LOCK_PREFIX)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    """A model (bytes), two adapters of the merge tests' base, a text data file."""
+    root = tmp_path_factory.mktemp("kit")
+    mlx_rwkvx.save(tiny(), root / "model")
+    make_adapter(root / "a.safetensors", noise=1)
+    make_adapter(root / "b.safetensors", noise=2)
+    mlx_rwkvx.save(base(), root / "xbase")  # the adapters' base
+    lines = [json.dumps({"text": f"{i} + {i} = {2 * i};"}) for i in range(12)]
+    (root / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture()
+def scratch(tmp_path):
+    """A folder the commands run in, holding the user's thesis, inside a parent holding more."""
+    (tmp_path / "notes.txt").write_bytes(PRECIOUS)
+    here = tmp_path / "work"
+    here.mkdir()
+    (here / "thesis.txt").write_bytes(PRECIOUS)
+    return here
+
+
+# ----- outputs that would delete the user's folders -------------------------------------------
+
+
+def unsafe_cases(kit):
+    a, b, m = kit / "a.safetensors", kit / "b.safetensors", kit / "model"
+    empty = "the path is empty"
+    return [
+        ("merge", ["--output", "", a, b], empty),
+        ("merge", ["--output", "", "--fuse-into", kit / "xbase", a], empty),
+        ("convert", [m, ""], empty),
+        ("convert", [m, "nonexist/.."], "is the current folder"),
+        ("merge", ["--output", "nonexist/../..", a, b], "holds the current folder"),
+        ("merge", ["--output", ".", a, b, "--overwrite"], "is the current folder"),
+        ("merge", ["--output", "./", a, b, "--overwrite"], "is the current folder"),
+        ("convert", [m, "..", "--overwrite"], "holds the current folder"),
+        ("convert", [m, "/", "--overwrite"], "is the root folder"),
+        ("merge", ["--output", "HOME", a, b, "--overwrite"], "is the home folder"),
+        (
+            "pretokenize",
+            ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output", "", "--overwrite"],
+            empty,
+        ),  # fmt: skip
+        ("demo", ["--out", "."], "is the current folder"),
+        ("demo", ["--out", ".."], "holds the current folder"),
+    ]
+
+
+def test_outputs_that_hold_the_current_folder_are_refused(kit, scratch):
+    home = scratch.parent / "home"
+    home.mkdir()
+    (home / "diary.txt").write_bytes(PRECIOUS)
+    before = snapshot(scratch.parent, kit)
+    for module, args, message in unsafe_cases(kit):
+        args = [str(home) if x == "HOME" else x for x in args]
+        refused(run(module, *args, cwd=scratch, env={"HOME": str(home)}), message)
+        assert snapshot(scratch.parent, kit) == before, (module, args)
+
+
+def test_the_api_refuses_them_too(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "thesis.txt").write_bytes(PRECIOUS)
+    for path in ("", ".", "nonexist/..", tmp_path):
+        with pytest.raises(TargetError):
+            mlx_rwkvx.save(tiny(), path, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["thesis.txt"]
+
+
+# ----- outputs that are, hold or lie inside an input ------------------------------------------
+
+
+def test_an_output_never_replaces_or_enters_an_input(kit, tmp_path):
+    run_dir = tmp_path / "A_copy"  # a training run: the adapter, a checkpoint, its metrics
+    run_dir.mkdir()
+    shutil.copy(kit / "a.safetensors", run_dir / "adapter_final.safetensors")
+    shutil.copy(kit / "a.safetensors", run_dir / "checkpoint_2.safetensors")
+    (run_dir / "metrics.jsonl").write_bytes(PRECIOUS)
+    data = tmp_path / "in.jsonl"
+    shutil.copy(kit / "data.jsonl", data)
+    model = tmp_path / "model"
+    shutil.copytree(kit / "model", model)
+    cases = [
+        ("merge", ["--output", run_dir, run_dir, kit / "b.safetensors", "--overwrite"],
+         "is the input"),
+        ("merge", ["--output", tmp_path, run_dir, kit / "b.safetensors", "--overwrite"],
+         "holds the input"),
+        ("merge", ["--output", run_dir / "merged", run_dir, kit / "b.safetensors"],
+         "lies inside the input"),
+        ("pretokenize", ["--tokenizer", "bytes", "--data", data, "--output", data,
+                         "--overwrite"], "is the input"),
+        ("convert", [model, model, "--overwrite"], "is the input"),
+        ("convert", [model, model / "int8", "--quantize"], "lies inside the input"),
+        ("train", ["--model", model, "--data", data, "--output", model],
+         "is the --model"),
+        ("train", ["--model", model, "--data", data, "--output", tmp_path, "--mode", "full"],
+         "would write over the --model"),
+    ]  # fmt: skip
+    before = snapshot(tmp_path)
+    for module, args, message in cases:
+        refused(run(module, *args), message)
+        assert snapshot(tmp_path) == before, (module, args)
+
+
+def test_overwrite_replaces_only_what_the_command_writes(kit, tmp_path):
+    a, b = kit / "a.safetensors", kit / "b.safetensors"
+    other_run = tmp_path / "other_run"  # another training run's folder (not an input)
+    other_run.mkdir()
+    shutil.copy(a, other_run / "adapter_final.safetensors")
+    (other_run / "metrics.jsonl").write_bytes(PRECIOUS)
+    essay = tmp_path / "essay.safetensors"
+    essay.write_bytes(PRECIOUS)
+    adapter_as_model = tmp_path / "adapter.safetensors"
+    shutil.copy(a, adapter_as_model)
+    notes = tmp_path / "notes.bin"
+    notes.write_bytes(PRECIOUS)
+    cases = [
+        ("merge", ["--output", other_run, a, b, "--overwrite"],
+         "replacing it would drop ['metrics.jsonl']"),
+        ("merge", ["--output", essay, a, b, "--overwrite"], "is not an adapter file"),
+        ("convert", [kit / "model", adapter_as_model, "--overwrite"], "is not a checkpoint"),
+        ("convert", [kit / "model", other_run, "--overwrite"], "holds files that are not"),
+        ("pretokenize", ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output",
+                         notes, "--overwrite"], "is not a pre-tokenized .bin"),
+    ]  # fmt: skip
+    before = snapshot(tmp_path)
+    for module, args, message in cases:
+        refused(run(module, *args), message)
+        assert snapshot(tmp_path) == before, (module, args)
+    # what the command itself wrote is replaced with --overwrite
+    out = tmp_path / "p.bin"
+    base = ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output", out]
+    assert run("pretokenize", *base).returncode == 0
+    assert run("pretokenize", *base, "--max-seq-len", 4, "--overwrite").returncode == 0
+    assert max(len(x) for x in read_bin(str(out))) == 5
+
+
+def test_chat_save_replaces_only_a_conversation(kit, tmp_path):
+    model, tokenizer = mlx_rwkvx.load(kit / "model")
+    chat = Chat(model, tokenizer, max_tokens=2)  # a short answer: the state is what matters
+    list(chat.ask("hi"))
+    m2 = tmp_path / "m2"
+    mlx_rwkvx.save(tiny(), m2 / "model.safetensors")
+    essay = tmp_path / "essay.safetensors"
+    essay.write_bytes(PRECIOUS)
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    device = tmp_path / "null.safetensors"
+    device.symlink_to("/dev/null")
+    before = snapshot(tmp_path)
+    for path, message in [
+        (m2 / "model.safetensors", "is not a saved conversation"),
+        (essay, "is not a saved conversation"),
+        (fifo, "not a regular file"),
+        (device, "not a regular file"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            chat.save(path)
+        assert snapshot(tmp_path) == before
+    # the chat's /save says so in one line, and the chat goes on
+    said = []
+
+    class Screen:
+        def say(self, text="", end="\n"):
+            said.append(text)
+
+    assert generate_cli._command(chat, f"/save {m2 / 'model'}", Screen())
+    assert said and said[-1].startswith("error: ") and "not a saved conversation" in said[-1]
+    assert snapshot(tmp_path) == before
+    # a conversation is replaced by the next save
+    mine = tmp_path / "mine.safetensors"
+    chat.save(mine)
+    list(chat.ask("again"))
+    chat.save(mine)
+    Chat(model, tokenizer).load(mine)
+    assert mlx_rwkvx.load(m2 / "model.safetensors")[0] is not None
+
+
+# ----- one writer per output ------------------------------------------------------------------
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_output(kit, tmp_path):
+    a, b = kit / "a.safetensors", kit / "b.safetensors"
+    cases = [
+        ("merge", tmp_path / "merged", ["--output", tmp_path / "merged", a, b]),
+        ("convert", tmp_path / "conv", [kit / "model", tmp_path / "conv"]),
+        ("pretokenize", tmp_path / "d.bin",
+         ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output", tmp_path / "d.bin"]),
+        ("train", tmp_path / "run",
+         ["--model", kit / "model", "--data", kit / "data.jsonl", "--output", tmp_path / "run"]),
+        ("demo", tmp_path / "demo", ["--quick", "--out", tmp_path / "demo"]),
+    ]  # fmt: skip
+    for module, target, args in cases:
+        with output_lock(os.path.realpath(target)):
+            refused(run(module, *args), f"process {os.getpid()} is writing it")
+            assert not target.exists()
+    assert not debris(tmp_path)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_two_train_runs_on_one_output(kit, tmp_path):
+    out = tmp_path / "run"
+    args = ["--model", kit / "model", "--data", kit / "data.jsonl", "--output", out,
+            "--iters", 4, "--save-every", 2, "--lora-rank", 4]  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, "-m", "mlx_rwkvx.train", *map(str, args)],
+        env={**os.environ, "MLX_RWKVX_CRASH_AT": "step:2:STOP"},  # it pauses itself there
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while not _stopped(first.pid) and time.time() < deadline and first.poll() is None:
+            time.sleep(0.1)
+        assert _stopped(first.pid), first.poll()
+        second = run("train", *args)
+        refused(second, f"process {first.pid} is writing it")
+    finally:
+        first.send_signal(signal.SIGCONT)
+        _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert (out / "adapter_final.safetensors").exists() and not debris(tmp_path)
+
+
+# ----- signals ---------------------------------------------------------------------------------
+
+
+def _train_args(kit, out, iters=6):
+    return ["--model", kit / "model", "--data", kit / "data.jsonl", "--output", out,
+            "--iters", iters, "--save-every", 2, "--lora-rank", 4, "--batch-size", 2]  # fmt: skip
+
+
+def _complete(out: Path) -> list[int]:
+    return sorted(int(p.stem.split("_")[1]) for p in out.glob("checkpoint_*.json"))
+
+
+@pytest.mark.parametrize(("crash", "saved"), [("step:3:TERM", 3), ("save:2:TERM", 2)])
+def test_sigterm_in_train_saves_like_ctrl_c(kit, tmp_path, crash, saved):
+    out = tmp_path / "run"
+    proc = run("train", *_train_args(kit, out), env={"MLX_RWKVX_CRASH_AT": crash})
+    assert proc.returncode == 143, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"mlx_rwkvx.train: interrupted (saved checkpoint_{saved})"
+    )
+    assert _complete(out)[-1] == saved and not debris(tmp_path)
+    again = run("train", *_train_args(kit, out), "--resume")
+    assert again.returncode == 0, again.stderr
+    assert (out / "adapter_final.safetensors").exists()
+
+
+def test_a_kill_while_saving_is_cleaned_up_by_the_next_run(kit, tmp_path):
+    out = tmp_path / "run"
+    crash = "commit:checkpoint_4.state.safetensors"  # killed between a file's write and rename
+    proc = run("train", *_train_args(kit, out), env={"MLX_RWKVX_CRASH_AT": crash})
+    assert proc.returncode == -signal.SIGKILL
+    left = [p.name for p in out.iterdir() if is_temp(p.name)]
+    assert left == [f"{TMP_PREFIX}{left[0].split('-tmp-')[1].split('.')[0]}.new."
+                    "checkpoint_4.state.safetensors"], left  # fmt: skip
+    assert _complete(out) == [2] and (out / "checkpoint_4.safetensors").exists()
+    again = run("train", *_train_args(kit, out), "--resume")
+    assert again.returncode == 0, again.stderr
+    assert "--resume: skipped checkpoint_4 (no manifest" in again.stderr
+    assert not debris(tmp_path) and _complete(out)[-1] == 6
+
+
+@pytest.mark.parametrize("module", ["convert", "merge"])
+def test_signals_in_convert_and_merge(kit, tmp_path, module):
+    out = tmp_path / "out"
+    if module == "convert":
+        args = [kit / "model", out]
+    else:
+        args = ["--output", out, "--fuse-into", kit / "xbase", kit / "a.safetensors"]
+    for sig, code in (("TERM", 143), ("INT", 130)):
+        proc = run(module, *args, env={"MLX_RWKVX_CRASH_AT": f"commit:out:{sig}"})
+        assert proc.returncode == code, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"mlx_rwkvx.{module}: interrupted (nothing written)"
+        ]
+        assert not out.exists() and not debris(tmp_path)
+    killed = run(module, *args, env={"MLX_RWKVX_CRASH_AT": "commit:out"})
+    assert killed.returncode == -signal.SIGKILL
+    assert [p.name for p in tmp_path.iterdir() if is_temp(p.name)]  # the half-written folder
+    again = run(module, *args)
+    assert again.returncode == 0, again.stderr
+    assert out.is_dir() and not debris(tmp_path)
+    mlx_rwkvx.load(out)
+
+
+def test_sigterm_in_the_demo_stops_it_in_one_line(tmp_path):
+    out = tmp_path / "demo"
+    proc = run("demo", "--quick", "--out", out, env={"MLX_RWKVX_CRASH_AT": "step:2:TERM"})
+    assert proc.returncode == 143, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("mlx_rwkvx.demo: interrupted")
+    assert not debris(tmp_path)
+
+
+# ----- full disks and read-only folders -------------------------------------------------------
+
+
+def test_a_file_size_limit_in_train_is_one_line(kit, tmp_path):
+    out = tmp_path / "run"
+
+    def limit():  # ulimit -f: every file the process writes stops at 64 KB (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    args = ["--model", kit / "model", "--data", kit / "data.jsonl", "--output", out, "--mode",
+            "full", "--iters", 4, "--save-every", 2]  # fmt: skip
+    command = [sys.executable, "-m", "mlx_rwkvx.train", *map(str, args)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    lines = [x for x in proc.stderr.strip().splitlines() if "step/s]" not in x and x.strip()]
+    assert proc.returncode == 2, proc.stderr  # (the progress bar's lines aside) one line:
+    assert len(lines) == 1 and lines[0].startswith("mlx_rwkvx.train: error: "), proc.stderr
+    assert "checkpoint_2.safetensors: cannot write" in lines[0]
+    assert "file-size limit" in lines[0] and "no checkpoint was complete yet" in lines[0]
+    assert not list(out.glob("checkpoint_*")) and not debris(tmp_path)
+
+
+def test_a_full_disk_in_train_keeps_the_last_checkpoint(kit, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    real, calls = mx.save_safetensors, []
+
+    def full_disk(file, tensors, metadata=None):
+        calls.append(file)
+        if "checkpoint_4" in str(file):
+            Path(file).write_bytes(b"partial")
+            raise RuntimeError("[write] Unable to write 4096 bytes to file.")
+        return real(file, tensors, metadata=metadata)
+
+    monkeypatch.setattr(mx, "save_safetensors", full_disk)
+    with pytest.raises(SystemExit) as exit_:
+        train_cli.main(list(map(str, _train_args(kit, out))))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2
+    assert err[-1].startswith("mlx_rwkvx.train: error: ") and "is the disk full" in err[-1]
+    assert "checkpoint_2 is the last complete one, kept" in err[-1]
+    assert _complete(out) == [2] and not list(out.glob("checkpoint_4*"))
+    assert not debris(tmp_path)
+    mlx_rwkvx.load(kit / "model", adapter=out / "checkpoint_2.safetensors")
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS])
+def test_an_unwritable_output_is_one_line(kit, tmp_path, monkeypatch, capsys, code):
+    import mlx_rwkvx.io.targets as targets
+
+    real_open = os.open
+
+    def refuse(path, flags, *a, **k):
+        if LOCK_PREFIX in str(path):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(targets.os, "open", refuse)
+    for main, args in [
+        (train_cli.main, _train_args(kit, tmp_path / "run")),
+        (merge_cli.main,
+         ["--output", tmp_path / "m", kit / "a.safetensors", kit / "b.safetensors"]),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            main(list(map(str, args)))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1, err
+        assert f"cannot write there ({os.strerror(code)})" in err[0]
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_write_bin_replaces_only_a_bin(tmp_path):
+    path = tmp_path / "x.bin"
+    path.write_bytes(PRECIOUS)
+    with pytest.raises(ValueError, match="is not a pre-tokenized .bin"):
+        write_bin(str(path), [[1, 2, 3]])
+    assert path.read_bytes() == PRECIOUS
+    path.unlink()
+    write_bin(str(path), [[1, 2, 3]])
+    write_bin(str(path), [[4, 5]])
+    assert [list(x) for x in read_bin(str(path))] == [[4, 5]]
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_stale_temporaries_go_and_a_displaced_folder_comes_back(tmp_path):
+    dead = _dead_pid()
+    new = tmp_path / f"{TMP_PREFIX}{dead}.new.model"  # a half-written replacement
+    new.mkdir()
+    (new / "model.safetensors").write_bytes(b"half")
+    old = tmp_path / f"{TMP_PREFIX}{dead}.old.model"  # the user's model, renamed away
+    old.mkdir()
+    (old / "config.json").write_bytes(PRECIOUS)
+    mine = tmp_path / f"{TMP_PREFIX}{os.getpid()}.new.other"  # a live writer's: kept
+    mine.write_bytes(b"in progress")
+    removed = remove_stale(str(tmp_path), "model")
+    assert sorted(os.listdir(tmp_path)) == sorted(["model", mine.name]), removed
+    assert (tmp_path / "model" / "config.json").read_bytes() == PRECIOUS
+
+
+def test_a_lock_dies_with_its_process(tmp_path):
+    target = tmp_path / "out"
+    code = (
+        "import os, signal, sys\n"
+        "from mlx_rwkvx.io.targets import output_lock\n"
+        f"with output_lock({str(target)!r}):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    assert (tmp_path / f"{LOCK_PREFIX}out").exists()  # the file stays; its lock does not
+    with output_lock(str(target)):
+        again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=60)  # fmt: skip
+        assert again.returncode == 1 and f"process {os.getpid()} is writing it" in again.stderr
+    assert os.listdir(tmp_path) == []  # let go: the lock file removed

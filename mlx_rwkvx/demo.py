@@ -18,7 +18,8 @@ Everything lands in ``--out`` (default ``./mlx_rwkvx-demo``; an earlier run ther
 the model, the adapters, ``metrics.jsonl`` (a line per stage), ``loss.png`` (with matplotlib),
 and the data. Accuracy is exact match of the whole answer under greedy decoding (computed for a
 batch at once: the answer's tokens are each the argmax after the ones before them). ``--quick``
-runs the same stages at toy sizes (for the tests: well under a minute, accuracy meaningless).
+runs the same stages at toy sizes (for the tests; accuracy meaningless): seconds, after the
+first run on a machine, which compiles MLX's CPU kernels (about a minute and a half on 2 cores).
 """
 
 from __future__ import annotations
@@ -459,7 +460,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help=f"where everything goes (default: ./{DEFAULT_OUT})")  # fmt: skip
     parser.add_argument("--quick", action="store_true",
-                        help="toy sizes: every stage in well under a minute")  # fmt: skip
+                        help="toy sizes: seconds, once MLX has compiled its CPU kernels (the "
+                        "first run on a machine: a minute and a half on 2 cores)")  # fmt: skip
     args = parser.parse_args(argv)
 
     def body():

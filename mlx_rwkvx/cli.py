@@ -21,24 +21,9 @@ from mlx_rwkvx.errors import UserError
 
 T = TypeVar("T")
 
-USER_ERRNOS = frozenset(
-    getattr(errno, name)
-    for name in (
-        "ENOSPC",
-        "EDQUOT",
-        "EFBIG",
-        "EACCES",
-        "EPERM",
-        "EROFS",
-        "ELOOP",
-        "ENAMETOOLONG",
-        "ENOTDIR",
-        "EISDIR",
-        "EMFILE",
-        "EXDEV",
-    )  # fmt: skip
-    if hasattr(errno, name)
-)
+_USER_ERRNO_NAMES = ("ENOSPC", "EDQUOT", "EFBIG", "EACCES", "EPERM", "EROFS", "ELOOP",
+                     "ENAMETOOLONG", "ENOTDIR", "EISDIR")  # fmt: skip
+USER_ERRNOS = frozenset(getattr(errno, n) for n in _USER_ERRNO_NAMES if hasattr(errno, n))
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report
 
 

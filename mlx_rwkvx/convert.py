@@ -17,6 +17,8 @@ import mlx_rwkvx
 from mlx_rwkvx import cli
 from mlx_rwkvx.cli import help_text
 from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.io.atomic import check_target
+from mlx_rwkvx.io.detect import is_checkpoint
 from mlx_rwkvx.io.formats import write_blinkdl, write_hf, write_native
 from mlx_rwkvx.io.load import DTYPES, load
 from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
@@ -124,6 +126,9 @@ def convert(
 
 
 def _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrite) -> Model:
+    # the target first: a conversion that could not be written is not worth reading
+    check_target(dst, overwrite=overwrite, folder=not os.fspath(dst).endswith(".safetensors"),
+                 recognise=is_checkpoint)  # fmt: skip
     model, tokenizer = load(src, dtype=dtype)
     if to_rfa:
         n = len(model.config.block_types)
@@ -135,11 +140,13 @@ def _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrit
     tensors = dict(tree_flatten(model.parameters()))
     # the native config records the quantization, without which its tensors do not load
     extra = {"quantization": model.quantization} if to == "native" else {}
-    with tempfile.TemporaryDirectory() as folder:
-        files = tokenizer_files(tokenizer)
-        if to == "hf" and isinstance(tokenizer, ByteTokenizer):  # files for transformers too
+    if to == "hf" and isinstance(tokenizer, ByteTokenizer):  # files for transformers too
+        with tempfile.TemporaryDirectory() as folder:
             files = byte_tokenizer_files(folder, tokenizer.vocab_size)
-        WRITERS[to](dst, model.config, tensors, extra_files=files, overwrite=overwrite, **extra)
+            WRITERS[to](dst, model.config, tensors, extra_files=files, overwrite=overwrite)
+        return model
+    files = tokenizer_files(tokenizer)
+    WRITERS[to](dst, model.config, tensors, extra_files=files, overwrite=overwrite, **extra)
     return model
 
 

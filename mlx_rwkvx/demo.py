@@ -222,6 +222,8 @@ class Demo:
             interrupted = {code: signum for signum, code in cli.EXIT_CODES.items()}
             if e.code in interrupted:  # Ctrl-C or SIGTERM in the command: the demo stops too
                 raise cli.Interrupted(interrupted[e.code]) from None
+            if e.code == 2:  # the command said what was wrong, in its one line above
+                raise UserError(f"python -m {module} stopped (see its error above)") from None
             if e.code not in (0, None):
                 raise RuntimeError(f"demo: python -m {module} exited with {e.code}") from None
 

@@ -74,7 +74,7 @@ def _check_adapter_folder(path: str, overwrite: bool) -> None:
     check_target(path, overwrite=overwrite, folder=True, recognise=_is_adapter_folder,
                  kind="an adapter folder")  # fmt: skip
     if os.path.isdir(path):
-        lost = sorted(set(os.listdir(path)) - {FINAL_ADAPTER, ADAPTER_CONFIG})
+        lost = sorted(set(os.listdir(path)) - {FINAL_ADAPTER, ADAPTER_CONFIG, ".DS_Store"})
         if lost:
             raise CheckpointError(
                 f"{path}: replacing it would drop {lost[:6]}, which a merged adapter does not "

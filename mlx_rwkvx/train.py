@@ -39,9 +39,12 @@ def config_from(argv: list[str] | None) -> TrainConfig:
         problem = mode_only_problem(name, mode)
         if problem and name in args:
             raise TrainError(problem)
-        if problem and name in settings:
-            print(f"note: --config: {name} does not apply to --mode {mode}: ignored",
-                  file=sys.stderr)  # fmt: skip
+    unused = [name for name in MODE_ONLY if mode_only_problem(name, mode) and name in settings]
+    if unused:  # an mlx-lm config carries lora_parameters whatever its fine_tune_type
+        verb = "does" if len(unused) == 1 else "do"
+        print(f"note: --config: {', '.join(unused)} {verb} not apply to --mode {mode}: ignored",
+              file=sys.stderr)  # fmt: skip
+        for name in unused:
             settings.pop(name)
     settings.update(args)
     return TrainConfig(**settings)
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{PROG}: {e}", file=sys.stderr)
             sys.exit(1)
 
-    out = cli.run(PROG, body)
+    out = cli.run(PROG, body, kept="the checkpoints saved before are kept")
     if out is not None:  # rank 0 (or the only process): the one that wrote
         print(f"done: {out}")
 

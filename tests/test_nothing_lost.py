@@ -22,7 +22,14 @@ from mlx_rwkvx import merge as merge_cli
 from mlx_rwkvx import train as train_cli
 from mlx_rwkvx.errors import TargetError
 from mlx_rwkvx.generation import Chat
-from mlx_rwkvx.io.targets import LOCK_PREFIX, TMP_PREFIX, is_temp, output_lock, remove_stale
+from mlx_rwkvx.io.targets import (
+    LOCK_IN_FOLDER,
+    LOCK_PREFIX,
+    TMP_PREFIX,
+    is_temp,
+    output_lock,
+    remove_stale,
+)
 from mlx_rwkvx.models import Model, ModelConfig
 from mlx_rwkvx.tuner.data import read_bin, write_bin
 
@@ -72,7 +79,7 @@ def snapshot(*roots: Path) -> dict[str, bytes | str]:
 def debris(*folders: Path) -> list[str]:
     """Temporary files and lock files left in ``folders`` (and below)."""
     return [str(p) for f in folders for p in Path(f).rglob("*")
-            if is_temp(p.name) or p.name.startswith(LOCK_PREFIX)]  # fmt: skip
+            if is_temp(p.name) or p.name.startswith(LOCK_IN_FOLDER)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -269,9 +276,11 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_output(kit, tmp_pa
         ("demo", tmp_path / "demo", ["--quick", "--out", tmp_path / "demo"]),
     ]  # fmt: skip
     for module, target, args in cases:
-        with output_lock(os.path.realpath(target)):
+        inside = module == "train"  # a run's folder holds its own lock
+        with output_lock(os.path.realpath(target), inside=inside):
             refused(run(module, *args), f"process {os.getpid()} is writing it")
-            assert not target.exists()
+            assert target.exists() == inside
+        assert not target.exists()
     assert not debris(tmp_path)
 
 
@@ -433,7 +442,7 @@ def test_an_unwritable_output_is_one_line(kit, tmp_path, monkeypatch, capsys, co
     real_open = os.open
 
     def refuse(path, flags, *a, **k):
-        if LOCK_PREFIX in str(path):
+        if LOCK_IN_FOLDER in str(path):
             raise OSError(code, os.strerror(code), str(path))
         return real_open(path, flags, *a, **k)
 
@@ -477,11 +486,20 @@ def test_stale_temporaries_go_and_a_displaced_folder_comes_back(tmp_path):
     old = tmp_path / f"{TMP_PREFIX}{dead}.old.model"  # the user's model, renamed away
     old.mkdir()
     (old / "config.json").write_bytes(PRECIOUS)
-    mine = tmp_path / f"{TMP_PREFIX}{os.getpid()}.new.other"  # a live writer's: kept
-    mine.write_bytes(b"in progress")
+    live = tmp_path / f"{TMP_PREFIX}{os.getppid()}.new.model"  # a live writer's: kept
+    live.write_bytes(b"in progress")
+    other = tmp_path / f"{TMP_PREFIX}{dead}.new.other"  # another target's: not this call's
+    other.write_bytes(b"half")
     removed = remove_stale(str(tmp_path), "model")
-    assert sorted(os.listdir(tmp_path)) == sorted(["model", mine.name]), removed
+    assert sorted(os.listdir(tmp_path)) == sorted(["model", live.name, other.name]), removed
     assert (tmp_path / "model" / "config.json").read_bytes() == PRECIOUS
+    # being deleted is never put back; this process's own pid counts as an earlier run's (a
+    # container's pid 1)
+    live.unlink()
+    (tmp_path / f"{TMP_PREFIX}{dead}.del.other").mkdir()
+    (tmp_path / f"{TMP_PREFIX}{os.getpid()}.new.other").write_bytes(b"half")
+    remove_stale(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["model"]
 
 
 def test_a_lock_dies_with_its_process(tmp_path):
@@ -500,3 +518,42 @@ def test_a_lock_dies_with_its_process(tmp_path):
                                timeout=60)  # fmt: skip
         assert again.returncode == 1 and f"process {os.getpid()} is writing it" in again.stderr
     assert os.listdir(tmp_path) == []  # let go: the lock file removed
+
+
+def test_a_target_that_appears_while_written_is_left_alone(tmp_path):
+    from mlx_rwkvx.io.atomic import CheckpointError, atomic_target
+
+    target = tmp_path / "out"
+    with pytest.raises(CheckpointError, match="appeared while it was written"):
+        with atomic_target(str(target), folder=True) as tmp:
+            (Path(tmp) / "model.safetensors").write_bytes(b"new")
+            target.mkdir()  # another program, meanwhile
+            (target / "notes.txt").write_bytes(PRECIOUS)
+    assert os.listdir(tmp_path) == ["out"]
+    assert (target / "notes.txt").read_bytes() == PRECIOUS
+
+
+def test_convert_overwrite_keeps_what_the_checkpoint_does_not_bring(kit, tmp_path):
+    out = tmp_path / "out"
+    assert run("convert", kit / "model", out).returncode == 0
+    backup = out / "my_finetune_backup.safetensors"
+    shutil.copy(out / "model.safetensors", backup)
+    before = snapshot(tmp_path)
+    refused(run("convert", kit / "model", out, "--overwrite"),
+            "replacing it would drop ['my_finetune_backup.safetensors']")  # fmt: skip
+    assert snapshot(tmp_path) == before
+
+
+def test_train_adds_to_a_folder_but_never_over_files_it_did_not_write(kit, tmp_path):
+    here = tmp_path / "project"
+    here.mkdir()
+    (here / "metrics.jsonl").write_bytes(PRECIOUS)  # the user's own, not a run's
+    (tmp_path / "precious.json").write_bytes(PRECIOUS)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "adapter_config.json").symlink_to(tmp_path / "precious.json")
+    before = snapshot(tmp_path)
+    args = ["--model", kit / "model", "--data", kit / "data.jsonl", "--lora-rank", 4]
+    refused(run("train", *args, "--output", ".", cwd=here), "holds ['metrics.jsonl']")
+    refused(run("train", *args, "--output", linked), "adapter_config.json is a symbolic link")
+    assert snapshot(tmp_path) == before

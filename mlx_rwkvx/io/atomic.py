@@ -18,12 +18,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from mlx_rwkvx._crash import crash_point
-from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.errors import TargetError, UserError
 from mlx_rwkvx.io.targets import (
     TMP_PREFIX,
     check_not_unsafe,
     is_temp,
+    make_parents,
     reason,
+    remove_empty,
     remove_path,
     temp_path,
 )
@@ -62,18 +64,6 @@ def _fsync_tree(path: str) -> None:
         _fsync(root)
 
 
-def _make_parents(path: str) -> list[str]:
-    """Create the missing folders above ``path``; return them, outermost first."""
-    made = []
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        made.append(parent)
-        parent = os.path.dirname(parent)
-    for folder in reversed(made):
-        os.mkdir(folder)
-    return list(reversed(made))
-
-
 def check_target(
     path: str,
     *,
@@ -81,14 +71,11 @@ def check_target(
     folder: bool,
     recognise: Callable[[str], bool] | None = None,
     kind: str = "a checkpoint",
-    is_checkpoint: Callable[[str], bool] | None = None,
 ) -> None:
     """Raise CheckpointError (TargetError for an unsafe path) unless ``path`` may be written:
     it does not exist, is an empty folder, or (``overwrite``) is a file or folder that
-    ``recognise`` accepts as ``kind`` (what this writer writes; ``is_checkpoint`` is its older
-    name). Never a path that would delete the current folder, the home folder or ``/``, and
-    never a device, a pipe or a socket."""
-    recognise = recognise or is_checkpoint
+    ``recognise`` accepts as ``kind`` (what this writer writes). Never a path that would delete
+    the current folder, the home folder or ``/``, and never a device, a pipe or a socket."""
     check_not_unsafe(path, "output")
     if not os.path.lexists(path):
         return
@@ -123,19 +110,18 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
     """Yield a temporary path beside ``path`` (an empty folder when ``folder``) to write into;
     on success it takes ``path``'s place (fsync, rename); on any failure it is removed, missing
     parent folders created for it are removed too, ``path`` is unchanged, and an I/O error
-    becomes one CheckpointError. Call ``check_target`` first."""
-    path = check_not_unsafe(path, "output")  # its real path: the rename replaces the target
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise CheckpointError(f"{path}: {parent} is a file, not a folder")
+    becomes one CheckpointError. Call ``check_target`` first. A target that appears while it
+    is written (another program's) is not replaced; a symbolic link at ``path`` is replaced
+    itself, never what it points to."""
+    check_not_unsafe(path, "output")
+    path = os.path.abspath(path)
     try:
-        made = _make_parents(path)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot create its folder ({_reason(e)})") from e
+        made = make_parents(path)
+    except TargetError as e:
+        raise CheckpointError(str(e)) from e
     tmp = temp_path(path)  # ends in the target's name: MLX's writer insists on .safetensors
-    old = None
+    remove_path(tmp)  # an earlier process's with this pid (a container's pid 1), never ours
+    existed, old = os.path.lexists(path), None
     try:
         if folder:
             os.mkdir(tmp)
@@ -145,7 +131,10 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
         else:
             _fsync(tmp)
         crash_point("commit", os.path.basename(path))  # written, not yet renamed into place
-        if folder and os.path.isdir(path):
+        if not existed and os.path.lexists(path):
+            raise CheckpointError(f"{path}: appeared while it was written (by another "
+                                  "program?); left as it is, nothing written")  # fmt: skip
+        if folder and os.path.isdir(path) and not os.path.islink(path):
             old = temp_path(path, "old")
             os.rename(path, old)
         os.replace(tmp, path)
@@ -154,11 +143,7 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
         if old is not None and not os.path.exists(path):
             os.rename(old, path)  # put the previous checkpoint back
             old = None
-        for parent in reversed(made):
-            try:
-                os.rmdir(parent)
-            except OSError:
-                break
+        remove_empty(made)
         if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, CheckpointError):
             # RuntimeError: MLX's safetensors writer reports a failed write so
             raise CheckpointError(f"{path}: cannot write ({_reason(e)})") from e
@@ -168,8 +153,13 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
         _fsync(os.path.dirname(path))
     except OSError:
         pass
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if old is not None:  # renamed first, so that a kill while deleting never brings it back
+        doomed = temp_path(path, "del")
+        try:
+            os.rename(old, doomed)
+        except OSError:
+            doomed = old
+        remove_path(doomed)
 
 
 def save_safetensors(path: str, tensors: dict, metadata: dict | None = None) -> None:

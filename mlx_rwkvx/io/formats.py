@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -50,7 +51,6 @@ from mlx_rwkvx.io.detect import (
 )
 from mlx_rwkvx.io.names import BLINKDL, HF_RWKV7, QWEN2, hf_rwkv7_rule, rename
 from mlx_rwkvx.io.tensors import (
-    ADAPTERS_FILE,
     INDEX_FILE,
     read_folder_safetensors,
     read_pth_tensors,
@@ -173,7 +173,7 @@ def _write(path, write, *, folder: bool, overwrite: bool, extra_files: dict | No
     """Check the target, then ``write(tmp)`` and the extra files (name -> source path, copied
     beside the weights) atomically; see ``io/atomic.py``. A single file's extra files are
     committed just before it, so a failure anywhere leaves the old state."""
-    check_target(path, overwrite=overwrite, folder=folder, is_checkpoint=is_checkpoint)
+    check_target(path, overwrite=overwrite, folder=folder, recognise=is_checkpoint)
     extra = dict(extra_files or {})
     if folder:
         _check_nothing_lost(path, extra)
@@ -197,21 +197,22 @@ def _write(path, write, *, folder: bool, overwrite: bool, extra_files: dict | No
                 copy_file(src, commits.enter_context(atomic_target(dst, folder=False)))
 
 
-# What a checkpoint folder may hold that a new checkpoint written over it replaces anyway
-_REPLACED = (CONFIG_FILE, INDEX_FILE)
+# What a checkpoint folder may hold that a new checkpoint written over it replaces anyway: its
+# config, its weights (one file, or Hugging Face's shards and their index), a Mac's .DS_Store
+_REPLACED = (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, ".DS_Store")
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors\Z")
 
 
 def _check_nothing_lost(path: str, extra: dict) -> None:
     """Replacing a folder must not drop a file the new checkpoint does not bring (another
-    tokenizer's files, adapters, notes): one CheckpointError naming them."""
+    tokenizer's files, adapters, a backup of weights, notes): one CheckpointError naming
+    them."""
     if not os.path.isdir(path):
         return
     lost = sorted(
         name
         for name in os.listdir(path)
-        if name not in extra
-        and name not in _REPLACED
-        and not (name.endswith(".safetensors") and name != ADAPTERS_FILE)
+        if name not in extra and name not in _REPLACED and not _SHARD.match(name)
     )
     if lost:
         raise CheckpointError(

@@ -601,22 +601,67 @@ class Run:
         )
 
 
-def _check_output(out: Path, resume: bool) -> None:
-    """A new run needs a folder holding no run's work (a run that stopped before its first
-    checkpoint left none: its metrics are replaced); --resume needs a complete checkpoint."""
+PLOT = "loss.png"
+_WRITTEN = re.compile(
+    r"(checkpoint_\d+\.(json|safetensors|state\.safetensors)|thread_\d+\.safetensors)\Z"
+)
+
+
+def _check_place(out: Path) -> None:
+    """--output must be, or become, a folder."""
     if out.exists() and not out.is_dir():
         raise TrainError(f"--output {out}: is a file")
     above = next((p for p in out.absolute().parents if p.exists()), None)
     if above is not None and not above.is_dir():  # the folder could never be made
         raise TrainError(f"--output {out}: {above} is a file")
-    holds_work = out.exists() and (
-        newest_checkpoint(out) is not None
-        or any((out / name).exists() for name in (FINAL_ADAPTER, MODEL_DIR))
-    )
-    if holds_work and not resume:
+
+
+def _check_output(out: Path, resume: bool) -> None:
+    """A new run needs a folder holding none of the files a run writes (a metrics.jsonl of a
+    run that stopped before its first checkpoint is replaced); --resume needs a complete
+    checkpoint. Neither writes through a symbolic link among those names."""
+    if not out.is_dir():
+        return
+    named = (METRICS, ADAPTER_CONFIG, FINAL_ADAPTER, MODEL_DIR, PLOT)
+    ours = [p for p in out.iterdir() if p.name in named or _WRITTEN.match(p.name)]
+    links = [p.name for p in ours if p.is_symlink()]
+    if links:
+        raise TrainError(f"--output {out}: {links[0]} is a symbolic link; a run writes its own "
+                         "files there, never through a link: choose another folder")  # fmt: skip
+    if resume:
+        if newest_checkpoint(out) is None:
+            raise TrainError(f"--output {out}: --resume, but there is no complete checkpoint "
+                             "there")  # fmt: skip
+        return
+    others = [p.name for p in ours if p.name != METRICS or not _is_metrics(p)]
+    if newest_checkpoint(out) is not None or any(n in (FINAL_ADAPTER, MODEL_DIR) for n in others):
         raise TrainError(f"--output {out}: holds another run; pass --resume or choose a folder")
-    if resume and newest_checkpoint(out) is None:
-        raise TrainError(f"--output {out}: --resume, but there is no complete checkpoint there")
+    if others:
+        raise TrainError(f"--output {out}: holds {sorted(others)[:4]}, which a run writes; "
+                         "choose an empty or new folder")  # fmt: skip
+
+
+def _is_metrics(path: Path) -> bool:
+    """Whether ``path`` is a run's metrics.jsonl: every line a JSON object with a step (the
+    last one may be cut short: the run died while writing it)."""
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except (OSError, ValueError):
+        return False
+    records = 0
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:  # no newline after it: cut short
+                continue
+            return False
+        if not isinstance(record, dict) or "step" not in record:
+            return False
+        records += 1
+    return records > 0
 
 
 def _examples(cfg, tokenizer, vocab, split="train", path=None):
@@ -697,7 +742,10 @@ def train(cfg: TrainConfig) -> Path | None:
         _train(cfg, out, group, lead=False)
         return None
     real = _check_inputs(out, cfg)
-    with output_lock(real, "--output"):
+    _check_place(out)
+    # the lock inside the folder: a run only adds to it (a folder of one's own under a
+    # read-only parent can be trained into)
+    with output_lock(real, "--output", inside=True):
         _check_output(out, cfg.resume)
         remove_stale(real)  # what runs killed while writing left (their temporary files)
         return _train(cfg, out, group, lead=True)
@@ -795,10 +843,13 @@ def _train(cfg: TrainConfig, out: Path, group, lead: bool) -> Path:
             f"{cfg.max_cache} tokens"
         )
     step_fn = Step(model, optimizer, cfg, group)
-    stop = _Interrupt()
     try:
-        data = shards if cfg.parallel > 1 else train_examples
-        _loop(run, step_fn, data, val_examples, total, out, stop)
+        stop = _Interrupt()
+        try:
+            data = shards if cfg.parallel > 1 else train_examples
+            _loop(run, step_fn, data, val_examples, total, out, stop)
+        finally:
+            stop.restore()  # the end (evaluation, final files): Ctrl-C stops it at once
         if lead:
             _finish(run, val_examples, test_examples, out)
     except (OSError, CheckpointError) as e:
@@ -809,8 +860,6 @@ def _train(cfg: TrainConfig, out: Path, group, lead: bool) -> Path:
         kept = f"checkpoint_{last} is the last complete one, kept" if last is not None else (
             "no checkpoint was complete yet")  # fmt: skip
         raise TrainError(f"{text}; {kept}") from e
-    finally:
-        stop.restore()
     return out
 
 
@@ -1103,5 +1152,5 @@ def _plot(out: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()
-    fig.savefig(out / "loss.png", dpi=100)
-    print(f"wrote {out / 'loss.png'}")
+    fig.savefig(out / PLOT, dpi=100)
+    print(f"wrote {out / PLOT}")

@@ -26,9 +26,10 @@ from contextlib import ExitStack
 
 from mlx_rwkvx import cli
 from mlx_rwkvx.cli import help_text
-from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.errors import UsageError
 from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
-from mlx_rwkvx.io.tokenizers import WORLD_VOCAB, ByteTokenizer, HFTokenizer, WorldTokenizer
+from mlx_rwkvx.io.tokenizers import WORLD_VOCAB, resolve_tokenizer
+from mlx_rwkvx.tuner.batches import split_parts
 from mlx_rwkvx.tuner.data import (
     SPLITS,
     DataError,
@@ -36,7 +37,6 @@ from mlx_rwkvx.tuner.data import (
     find_split,
     is_bin,
     load_examples,
-    split_shards,
     write_bin,
 )
 
@@ -46,37 +46,13 @@ PROGRESS_EVERY_LOG = 10.0  # ... and in a log, a line each
 SKIPS_SHOWN = 10  # bad records reported one by one under --skip-bad; the rest are counted
 
 
-class UsageError(UserError):
-    """Flags that do not fit together or do not fit the data."""
-
-
 def open_tokenizer(spec: str):
-    """The tokenizer ``spec`` names: ``world``, ``bytes``, a ``tokenizer.json`` or World
-    vocabulary file, or a folder holding one. Raises UsageError when it names none."""
-    if spec == "world":
-        return WorldTokenizer()
-    if spec == "bytes":
-        return ByteTokenizer()
-    folder, name = (spec, None) if os.path.isdir(spec) else os.path.split(spec)
-    folder = folder or "."
+    """The tokenizer ``spec`` names (``io.tokenizers.resolve_tokenizer``); UsageError when it
+    names none."""
     try:
-        if name is None:
-            if os.path.isfile(os.path.join(folder, "tokenizer.json")):
-                return HFTokenizer(folder)
-            if os.path.isfile(os.path.join(folder, WORLD_VOCAB)):
-                return WorldTokenizer(os.path.join(folder, WORLD_VOCAB))
-            raise UsageError(f"{spec}: no tokenizer.json or {WORLD_VOCAB} in this folder")
-        if not os.path.isfile(spec):
-            raise UsageError(f"{spec}: no such file (expected a tokenizer, 'world' or 'bytes')")
-        if name == "tokenizer.json":
-            return HFTokenizer(folder)
-        if name.endswith(".txt"):
-            return WorldTokenizer(spec)
-    except UsageError:
-        raise
+        return resolve_tokenizer(spec)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    raise UsageError(f"{spec}: expected tokenizer.json, a World vocabulary (.txt) or a folder")
 
 
 class _Progress:
@@ -231,7 +207,7 @@ def _pretokenize(args, weights, jobs) -> None:
                 "trained on too"
             )
         try:
-            ready.append((outputs, split_shards(examples, weights) if weights else [examples]))
+            ready.append((outputs, split_parts(examples, weights) if weights else [examples]))
         except ValueError as e:
             raise UsageError(str(e)) from e
     for outputs, shards in ready:

@@ -1201,7 +1201,8 @@ def _train_shape(shape: dict, rank: int, tmp: str) -> dict:
     from mlx_rwkvx.models import Model, ModelConfig
     from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
     from mlx_rwkvx.tuner.config import TrainConfig
-    from mlx_rwkvx.tuner.trainer import Step, make_optimizer
+    from mlx_rwkvx.tuner.optimizer import make_optimizer
+    from mlx_rwkvx.tuner.trainer import Step
 
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -1222,7 +1223,7 @@ def _train_shape(shape: dict, rank: int, tmp: str) -> dict:
     tcfg = TrainConfig(mode="lora", lr=1e-4, warmup=0)
     optimizer, _ = make_optimizer(tcfg.resolved(), 100)
     step = Step(model, optimizer, tcfg.resolved())
-    ours_loss = step([(inputs, targets)])[0] / (B * T)
+    ours_loss = step([(inputs, targets)]).loss / (B * T)
     # mlx-lm: its LoRA layers, loss and a compiled step as its trainer builds them
     theirs.freeze()
     keys = MLX_LM_RWKV_TARGETS
@@ -1247,7 +1248,7 @@ def _train_shape(shape: dict, rank: int, tmp: str) -> dict:
     apply_lora(check_model, target_paths(check_model, "rwkv"), rank=rank, alpha=2.0 * rank)
     check_step = Step(check_model, make_optimizer(tcfg.resolved(), 100)[0], tcfg.resolved())
     check = check_step([(inputs[:their_B, :their_T], targets[:their_B, :their_T])])
-    check_loss = check[0] / (their_B * their_T)
+    check_loss = check.loss / (their_B * their_T)
     if not rel_err(np.array([check_loss]), np.array([their_loss])) <= 1e-3:
         raise VerificationFailed(f"first LoRA loss: ours {check_loss}, mlx-lm {their_loss}")
     del check_model, check_step
@@ -1801,7 +1802,8 @@ def _lora_model(p: dict, shards: int = 1):
 
 def _lora_step(model, shards: int = 1, group=None, eps: float | None = None):
     from mlx_rwkvx.tuner.config import TrainConfig
-    from mlx_rwkvx.tuner.trainer import Step, make_optimizer
+    from mlx_rwkvx.tuner.optimizer import make_optimizer
+    from mlx_rwkvx.tuner.trainer import Step
 
     cfg = TrainConfig(mode="lora", lr=1e-3, warmup=0, parallel=shards).resolved()
     optimizer = make_optimizer(cfg, 100)[0]
@@ -1871,12 +1873,12 @@ def measure_parallel(quick: bool = False) -> dict:
 def data_parallel_worker(quick: bool = False) -> dict:
     """One rank of 2 under mlx.launch: LoRA steps on its batch, and the gradient all-sum alone
     (the same bytes) to time its share of a step."""
-    from mlx_rwkvx.tuner.trainer import _group, all_sum
+    from mlx_rwkvx.tuner.distributed import all_sum, data_parallel_group
 
     from mlx.utils import tree_flatten
 
     p = _sizes(PARALLEL, quick)
-    group = _group()
+    group = data_parallel_group()
     model = _lora_model(p)
     step = _lora_step(model, group=group)
     batch = [_shard_rows(p, group.rank())]

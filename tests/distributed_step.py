@@ -11,7 +11,9 @@ from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.data import IGNORE_INDEX
-from mlx_rwkvx.tuner.trainer import Step, _group, make_optimizer
+from mlx_rwkvx.tuner.distributed import data_parallel_group
+from mlx_rwkvx.tuner.optimizer import make_optimizer
+from mlx_rwkvx.tuner.trainer import Step
 
 import mlx.core as mx
 import numpy as np
@@ -39,7 +41,7 @@ def padded(parts):
 
 def main(out: str, single: bool) -> None:
     mlx_rwkvx.configure()
-    group = None if single else _group()
+    group = None if single else data_parallel_group()
     mx.random.seed(0)
     model = Model(preset("rwkv-x-tiny"), seed=0)
     apply_lora(model, target_paths(model, "attn"), rank=4, alpha=8.0)

@@ -18,7 +18,7 @@ from mlx_rwkvx import merge as merge_cli
 from mlx_rwkvx import pretokenize as pretok_cli
 from mlx_rwkvx import train as train_cli
 from mlx_rwkvx.models import Model, ModelConfig, preset
-from mlx_rwkvx.tuner.trainer import metrics_line
+from mlx_rwkvx.tuner.outputs import metrics_line
 
 import pytest
 

@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 import mlx_rwkvx
-from mlx_rwkvx.convert import convert, qwen2_to_rfa
+from mlx_rwkvx.io.convert import convert
 from mlx_rwkvx.io.formats import CheckpointError, detect, to_blinkdl, write_hf
 from mlx_rwkvx.io.targets import is_temp
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
 from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config
+from mlx_rwkvx.models.rfa import qwen2_to_rfa
 
 import mlx.core as mx
 import numpy as np
@@ -596,13 +597,13 @@ def test_load_without_a_tokenizer(tmp_path):
 def test_convert_shows_a_bug_as_a_traceback(tmp_path, monkeypatch):
     # only errors a user can cause become one line and exit 2; a bug keeps its traceback
     from mlx_rwkvx import convert as convert_cli
+    from mlx_rwkvx.io import convert as conversion
 
     mlx_rwkvx.save(Model(rwkv7_cfg()), tmp_path / "src")
 
     def broken(*args, **kwargs):
         raise ValueError("an internal inconsistency")
 
-    monkeypatch.setattr(convert_cli, "write_native", broken)
-    monkeypatch.setitem(convert_cli.WRITERS, "native", broken)
+    monkeypatch.setitem(conversion.WRITERS, "native", broken)
     with pytest.raises(ValueError, match="an internal inconsistency"):
         convert_cli.main([str(tmp_path / "src"), str(tmp_path / "dst")])

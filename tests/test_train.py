@@ -540,7 +540,7 @@ def test_resume_from_a_damaged_checkpoint_is_one_error(workspace, tmp_path, dama
     "manifest", ["[1]", '{"complete": true}', '{"complete": true, "files": 3}']
 )
 def test_a_damaged_manifest_is_no_checkpoint(tmp_path, manifest):
-    from mlx_rwkvx.tuner.trainer import newest_checkpoint
+    from mlx_rwkvx.tuner.checkpoints import newest_checkpoint
 
     (tmp_path / "checkpoint_3.json").write_text(manifest)
     assert newest_checkpoint(tmp_path) is None
@@ -568,7 +568,7 @@ def test_pretraining_decays_only_what_rwkvs_trainer_decays():
     # the low-rank w1/w2, a1/a2, v1/v2, g1/g2 (parameters of their own there: our LowRank's
     # down.weight and up.weight). One AdamW step with zero gradients shows what decays.
     from mlx_rwkvx.models import ModelConfig
-    from mlx_rwkvx.tuner.trainer import make_optimizer
+    from mlx_rwkvx.tuner.optimizer import make_optimizer
 
     model = Model(ModelConfig(vocab_size=64, hidden_size=32, head_size=16,
                               block_types=["rwkv7"] * 2), seed=0)  # fmt: skip

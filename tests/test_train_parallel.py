@@ -14,8 +14,9 @@ from pathlib import Path
 
 import mlx_rwkvx
 from mlx_rwkvx.models import Model, preset
-from mlx_rwkvx.tuner import trainer
+from mlx_rwkvx.tuner import optimizer
 from mlx_rwkvx.tuner.adapters import read_adapter
+from mlx_rwkvx.tuner.build import build
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.trainer import TrainError, train
 
@@ -76,14 +77,14 @@ def tensors(path) -> dict[str, np.ndarray]:
 
 
 def test_parallel_equals_separate_runs(workspace, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "ADAM_EPS", LINEAR_EPS)
+    monkeypatch.setattr(optimizer, "ADAM_EPS", LINEAR_EPS)
     # no weight decay: at this lr it would shrink A by 10% a step, the same in both runs
     linear = dict(lr=LINEAR_LR, weight_decay=0.0)
     out = train(cfg(workspace, "all.jsonl", tmp_path / "par", parallel=2, **linear))
     threads = [tensors(out / f"thread_{i}.safetensors") for i in range(2)]
     init_cfg = cfg(workspace, "all.jsonl", tmp_path / "x").resolved()
     mx.random.seed(init_cfg.seed)  # theta_0: the adapters' init, as train builds it
-    start = trainer.build(init_cfg)[0]
+    start = build(init_cfg).model
     init = {k: np.array(v) for k, v in tree_flatten(start.trainable_parameters())}
     for i in range(2):
         alone = train(cfg(workspace, f"shard{i}.jsonl", tmp_path / f"alone{i}", **linear))

@@ -248,7 +248,7 @@ def test_adapter_trained_by_mlx_lm_on_its_rwkv7_loads(tmp_path, lora_parameters,
     # linear_to_lora_layers wraps it, and the adapter is saved as its trainer saves one
     import json
 
-    from mlx_rwkvx.convert import convert
+    from mlx_rwkvx.io.convert import convert
 
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load_model

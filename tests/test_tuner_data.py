@@ -17,17 +17,15 @@ from pathlib import Path
 
 from mlx_rwkvx import pretokenize
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, HFTokenizer, WorldTokenizer
+from mlx_rwkvx.tuner.batches import batches, count_batches, split_parts
 from mlx_rwkvx.tuner.data import (
     IGNORE_INDEX,
     DataError,
     Example,
-    batches,
     chat_example,
-    count_batches,
     find_split,
     load_examples,
     read_bin,
-    split_shards,
     write_bin,
 )
 
@@ -495,16 +493,16 @@ def test_pad_to_multiple_and_bad_arguments():
             next(batches(examples, **kw))
 
 
-def test_split_shards():
+def test_split_parts():
     examples = examples_of_lengths([3] * 8)
-    a, b = split_shards(examples, [3, 1])
+    a, b = split_parts(examples, [3, 1])
     assert [e.tokens[0] for e in a] == list(range(6)) and [e.tokens[0] for e in b] == [6, 7]
-    assert [len(s) for s in split_shards(examples_of_lengths([3] * 10), [1, 1, 1])] == [3, 4, 3]
-    assert [len(s) for s in split_shards(examples, [6, 2])] == [6, 2]
-    with pytest.raises(ValueError, match="shard 1 would be empty"):
-        split_shards(examples[:1], [1, 1])
+    assert [len(s) for s in split_parts(examples_of_lengths([3] * 10), [1, 1, 1])] == [3, 4, 3]
+    assert [len(s) for s in split_parts(examples, [6, 2])] == [6, 2]
+    with pytest.raises(ValueError, match="part 1 would be empty"):
+        split_parts(examples[:1], [1, 1])
     with pytest.raises(ValueError, match="must be positive numbers"):
-        split_shards(examples, [1, 0])
+        split_parts(examples, [1, 0])
 
 
 # ----- pre-tokenizing --------------------------------------------------------------------------
@@ -588,7 +586,7 @@ def test_pretokenize_cli_errors(tmp_path):
     assert "skipped 1 bad records" in report and len(read_bin(str(out))) == 2
     with pytest.raises(CliError, match=r"o\.bin: already exists \(--overwrite replaces it\)"):
         run_cli(*base, "--skip-bad")
-    with pytest.raises(CliError, match="cannot split 2 examples into 3 shards"):
+    with pytest.raises(CliError, match="cannot split 2 examples into 3 parts"):
         run_cli(*base, "--skip-bad", "--split", 3)
     out = tmp_path / "p.bin"
     base = ("--tokenizer", "bytes", "--data", data, "--output", out)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from mlx_rwkvx._crash import crash_point
-from mlx_rwkvx.errors import TargetError, UserError
+from mlx_rwkvx.errors import CheckpointError, TargetError
 from mlx_rwkvx.io.targets import (
     TMP_PREFIX,
     check_not_unsafe,
@@ -34,10 +34,6 @@ import mlx.core as mx
 
 __all__ = ["TMP_PREFIX", "CheckpointError", "atomic_target", "check_target", "is_temp"]
 
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be read or written: the message names the file and the problem
-    (and, for a bad tensor, the tensor)."""
 
 
 def _reason(e: BaseException) -> str:

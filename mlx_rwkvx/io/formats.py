@@ -118,6 +118,28 @@ def read_checkpoint(path) -> Checkpoint:
     return Checkpoint(cfg, tensors, fmt, sources)
 
 
+def block_kinds(path) -> set[str]:
+    """The kinds of block (``rwkv7``, ``moba``, ``qwen2``) of the checkpoint at ``path``, from
+    its config alone (no tensor is read: a ``.pth`` is plain RWKV-7)."""
+    path = checkpoint_path(path)
+    fmt = detect(path)
+    if fmt in ("blinkdl", "hf_rwkv7"):
+        return {"rwkv7"}
+    if fmt == "hf_qwen2":
+        return {"qwen2"}
+    try:
+        if fmt == "native":
+            config = read_json(os.path.join(path, CONFIG_FILE))
+        else:
+            config = json.loads(read_safetensors(path)[1].get("config", "{}") or "{}")
+    except (CheckpointError, ValueError):
+        config = None
+    kinds = config.get("block_types") if isinstance(config, dict) else None
+    if not isinstance(kinds, list):
+        return set(read_checkpoint(path).config.block_types)  # let the reader say what is wrong
+    return set(map(str, kinds))
+
+
 def _drop_tied_head(path: str, tensors: dict, sources: dict) -> None:
     """A tied model's file may also carry the head: the same matrix as the embedding (then it
     is dropped), else the config contradicts the tensors."""

@@ -285,30 +285,67 @@ class HFTokenizer(_MlxLmSurface):
         return self.encode(text) if tokenize else text
 
 
-def load_tokenizer(path: str, vocab_size: int):
-    """The tokenizer of a checkpoint: its ``tokenizer.json`` when it has one, else its World
-    vocabulary file, else World for a 65536-token model, else bytes for <= 256 tokens. Raises
-    ValueError when none fits, or when the tokenizer has more tokens than the model."""
-    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
-    if os.path.exists(os.path.join(folder, "tokenizer.json")):
-        tokenizer = HFTokenizer(folder)
-    elif os.path.exists(os.path.join(folder, WORLD_VOCAB)):
-        tokenizer = WorldTokenizer(os.path.join(folder, WORLD_VOCAB))
-    elif vocab_size == 65536:
-        tokenizer = WorldTokenizer()
-    elif vocab_size <= 256:
-        return ByteTokenizer(vocab_size)
+BUILT_IN = ("world", "bytes")  # tokenizers named, not found in a file
+
+
+def builtin_tokenizer(vocab_size: int):
+    """The tokenizer a vocabulary size implies: RWKV World for 65536, bytes for <= 256; None
+    for any other size."""
+    if vocab_size == 65536:
+        return WorldTokenizer()
+    return ByteTokenizer(vocab_size) if vocab_size <= 256 else None
+
+
+def resolve_tokenizer(spec: str, vocab_size: int | None = None):
+    """The one resolver every command uses. ``spec``: ``world`` or ``bytes``; a
+    ``tokenizer.json`` or World vocabulary file; a checkpoint (its folder, or the folder of its
+    file) or a tokenizer folder: its ``tokenizer.json``, else its World vocabulary, else the
+    tokenizer ``vocab_size`` implies (``builtin_tokenizer``). ValueError when none fits, or when
+    the tokenizer has more tokens than ``vocab_size`` (it belongs to another model)."""
+    if spec == "world":
+        return WorldTokenizer()
+    if spec == "bytes":
+        return ByteTokenizer(256 if vocab_size is None else vocab_size)
+    if os.path.isfile(spec) and os.path.basename(spec) == "tokenizer.json":
+        tokenizer = HFTokenizer(os.path.dirname(spec) or ".")
+    elif os.path.isfile(spec) and spec.endswith(".txt"):
+        tokenizer = WorldTokenizer(spec)
     else:
+        folder = spec if os.path.isdir(spec) else os.path.dirname(spec) or "."
+        if not os.path.exists(spec):
+            raise ValueError(f"{spec}: no such file or folder (a tokenizer, 'world' or 'bytes')")
+        if os.path.exists(os.path.join(folder, "tokenizer.json")):
+            tokenizer = HFTokenizer(folder)
+        elif os.path.exists(os.path.join(folder, WORLD_VOCAB)):
+            tokenizer = WorldTokenizer(os.path.join(folder, WORLD_VOCAB))
+        elif vocab_size is not None and builtin_tokenizer(vocab_size) is not None:
+            return builtin_tokenizer(vocab_size)
+        elif vocab_size is None:
+            raise ValueError(f"{spec}: no tokenizer.json or {WORLD_VOCAB} here (or give "
+                             "'world' or 'bytes')")  # fmt: skip
+        else:
+            raise ValueError(
+                f"{spec}: no tokenizer.json beside the checkpoint, and vocab_size {vocab_size} is "
+                "neither RWKV World's (65536) nor bytes' (<= 256)"
+            )
+    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
         raise ValueError(
-            f"{path}: no tokenizer.json beside the checkpoint, and vocab_size {vocab_size} is "
-            "neither RWKV World's (65536) nor bytes' (<= 256)"
-        )
-    if tokenizer.vocab_size > vocab_size:
-        raise ValueError(
-            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+            f"{spec}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
             f"{vocab_size}: it belongs to another model"
         )
     return tokenizer
+
+
+def load_tokenizer(path: str, vocab_size: int):
+    """The tokenizer of the checkpoint at ``path`` (``resolve_tokenizer``)."""
+    return resolve_tokenizer(path, vocab_size)
+
+
+def tokenizer_files_beside(path: str) -> list[str]:
+    """The tokenizer files in the folder of checkpoint ``path`` (none: it has no tokenizer of
+    its own)."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    return [n for n in ("tokenizer.json", WORLD_VOCAB) if os.path.exists(os.path.join(folder, n))]
 
 
 def byte_tokenizer_files(folder: str, vocab_size: int = 256) -> dict[str, str]:

@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 
-from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.errors import AdapterError
 from mlx_rwkvx.io.atomic import CheckpointError, atomic_target, check_target, save_safetensors
 from mlx_rwkvx.io.detect import read_json
 from mlx_rwkvx.io.names import DROP, hf_rwkv7_rule
@@ -47,10 +47,6 @@ _PRESETS = {
                        "ffn.value", "ffn.gate_proj", "ffn.up_proj", "ffn.down_proj")},
 }  # fmt: skip
 PRESETS = (*_PRESETS, "all")
-
-
-class AdapterError(UserError):
-    """Adapters that cannot be made or applied: the message names the problem."""
 
 
 def default_targets(model: Model) -> str:

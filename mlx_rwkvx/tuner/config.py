@@ -99,13 +99,23 @@ class TrainConfig:
                          default=False)  # fmt: skip
     plot: bool = opt("write loss.png (needs matplotlib: the plot extra)", default=False)
 
-    def resolved(self) -> TrainConfig:
-        """A copy with the per-mode defaults filled in; ValueError naming a setting out of
-        its range."""
+    def check(self) -> None:
+        """ValueError naming a setting out of its range, or settings that do not go
+        together."""
+        _check(self)
+
+    def resolved(self, block_kinds: set[str] | None = None) -> TrainConfig:
+        """A copy with the defaults filled in (per mode; ``max_seq_len`` per model family:
+        Foundry's 256 for a model with Qwen2 blocks, else 512, when ``block_kinds`` is given).
+        ValueError naming a setting out of its range."""
         _check(self)
         all_ = lambda n: None if n == -1 else n  # noqa: E731 (mlx-lm's -1: all)
+        seq_len = self.max_seq_len
+        if seq_len is None and block_kinds is not None:  # rfa_train / rx_train
+            seq_len = 256 if "qwen2" in block_kinds else 512
         return dataclasses.replace(
             self,
+            max_seq_len=seq_len,
             lr=self.lr if self.lr is not None else DEFAULT_LR[self.mode],
             warmup=self.warmup if self.warmup is not None else DEFAULT_WARMUP.get(self.mode, 100),
             # the trained state is a vector per head, not a matrix: RWKV's trainers never

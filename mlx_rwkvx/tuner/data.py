@@ -1,7 +1,7 @@
 """Training data: examples read from JSONL, SQLite chat history and the seeds' pre-tokenized
 binary, and length-bucketed batches of them.
 
-Sources (``load_examples``):
+Sources (``load_examples``; batches of them: ``tuner/batches.py``):
 
 - a ``.jsonl`` file, one JSON object a line, in one of mlx-lm's formats: ``{"text": ...}``
   (every token trained, the tokenizer's end-of-text appended), ``{"messages": [{"role",
@@ -38,7 +38,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.errors import DataError
 from mlx_rwkvx.io.atomic import CheckpointError, atomic_target, check_target
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
 
@@ -46,7 +46,6 @@ import numpy as np
 
 IGNORE_INDEX = -100  # targets the loss skips (padding, prompts): PyTorch's and mlx-lm's value
 SPLITS = ("train", "valid", "test")  # the files of an mlx-lm data folder
-BUCKET_BATCHES = 64  # a batch is drawn from a length-sorted window of this many batches' examples
 SQLITE_MAGIC = b"SQLite format 3\x00"
 MAX_TOKEN_ID = 2**31 - 1  # ids travel as int32
 # a JSONL file's format, by the field that marks it (checked in this order, as mlx-lm does)
@@ -58,11 +57,6 @@ FORMATS = (
 
 Progress = Callable[[int, "int | None", int], None]  # (bytes done, bytes in all, records read)
 Record = tuple[str, str, object, int]  # (where, format, the record or a _Bad, bytes read so far)
-
-
-class DataError(UserError):
-    """Bad training data: one line naming the file, the line, row or record, and the problem (a
-    user error: the CLIs print it and exit 2)."""
 
 
 class _Bad(Exception):
@@ -473,6 +467,7 @@ def load_examples(
     vocab_size: int | None = None,
     on_skip: Callable[[DataError], None] | None = None,
     progress: Progress | None = None,
+    mask_prompt: bool = True,
 ) -> tuple[list[Example], int]:
     """The examples of a file (``.jsonl``, ``.bin``, a SQLite database with ``sql``; read
     whatever ``split``) or of an mlx-lm folder's ``<split>.jsonl`` / ``<split>.bin``, each
@@ -483,7 +478,8 @@ def load_examples(
     the tokenizer's) are bad data. Bad data raises one DataError naming the file and the line,
     row or record; with ``skip_bad`` it is skipped, counted and passed to ``on_skip``. No
     example left (an empty file, everything skipped) is an error too. ``progress(bytes done,
-    bytes in all or None, records)`` is called as the file is read."""
+    bytes in all or None, records)`` is called as the file is read. ``mask_prompt=False``
+    trains every token after the first (prompts too)."""
     if max_seq_len is not None and max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
     file = find_split(path, split)
@@ -515,7 +511,7 @@ def load_examples(
                 progress(done, total, n_records)
             try:
                 tokens, trained, cut_from = _example_of(fmt, record, tokenizer, limit,
-                                                        max_seq_len)  # fmt: skip
+                                                        max_seq_len, mask_prompt)  # fmt: skip
             except _Bad as e:
                 error = DataError(where if e.args[0] is None else f"{where}: {e.args[0]}")
                 if not skip_bad:
@@ -534,11 +530,13 @@ def load_examples(
     return examples, skipped
 
 
-def _example_of(fmt, record, tokenizer, limit: int, max_seq_len: int | None):
+def _example_of(fmt, record, tokenizer, limit: int, max_seq_len: int | None, mask_prompt: bool):
     """(tokens, trained, length before the cut or 0) of one record; _Bad when it is bad."""
     if isinstance(record, _Bad):
         raise record
     tokens, trained = _tokens_of(fmt, record, tokenizer)
+    if not mask_prompt:  # every token after the first is a target
+        trained = np.arange(len(tokens)) > 0
     if tokens.size < 2:
         raise _Bad(f"empty example: {tokens.size} tokens, nothing to predict")
     bad = np.flatnonzero((tokens >= limit) | (tokens < 0))
@@ -568,91 +566,3 @@ def cut_note(examples: Sequence[Example], max_seq_len: int | None, flag: str) ->
     return (f"note: {len(cut):,} of {len(examples):,} examples are longer than {flag} "
             f"{max_seq_len} and were cut to {max_seq_len + 1} tokens (the longest had "
             f"{max(cut):,})")  # fmt: skip
-
-
-# ----- batches ---------------------------------------------------------------------------------
-
-
-def _check_batching(batch_size: int, **nonnegative: int) -> None:
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    for name, value in nonnegative.items():
-        if not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-
-
-def count_batches(examples: Sequence[Example], batch_size: int) -> int:
-    """How many batches ``batches`` yields for one epoch: every example once, the last batch
-    possibly smaller."""
-    _check_batching(batch_size)
-    return -(-len(examples) // batch_size)
-
-
-def batch_order(lengths: np.ndarray, batch_size: int, seed: int, epoch: int) -> list[np.ndarray]:
-    """The example indices of each batch of one epoch. The examples are shuffled by (seed,
-    epoch); each window of ``BUCKET_BATCHES * batch_size`` of them is sorted by length (ties
-    in shuffled order) and cut into batches, and the batches are shuffled: batches of similar
-    lengths whose make-up and order change from epoch to epoch."""
-    _check_batching(batch_size, seed=seed, epoch=epoch)
-    rng = np.random.default_rng([seed, epoch])
-    # argsort of uniform draws rather than rng.permutation: the order rests on PCG64's stream
-    # and its plainest draw, not on a shuffling algorithm a NumPy release may change
-    order = np.argsort(rng.random(len(lengths)), kind="stable")
-    window = batch_size * BUCKET_BATCHES
-    groups = []
-    for w in range(0, len(order), window):
-        chunk = order[w : w + window]
-        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
-        groups += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
-    return [groups[i] for i in np.argsort(rng.random(len(groups)), kind="stable")]
-
-
-def batches(
-    examples: Sequence[Example],
-    *,
-    batch_size: int,
-    seed: int,
-    epoch: int,
-    start: int = 0,
-    pad_to_multiple: int = 1,
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yield ``(inputs, targets)``, both int32 [B, T], for one epoch (``batch_order``): row b
-    holds an example's tokens but its last as inputs and the next token of each as targets
-    where it is trained, ``IGNORE_INDEX`` elsewhere (prompts, padding; inputs pad with 0).
-    T is the batch's longest example less one, rounded up to ``pad_to_multiple`` (fewer
-    distinct shapes for compiled steps). ``start`` skips that many batches (resuming): the same
-    arguments always give the same batches."""
-    _check_batching(batch_size, start=start, pad_to_multiple=pad_to_multiple)
-    if pad_to_multiple < 1:
-        raise ValueError("pad_to_multiple must be >= 1")
-    lengths = np.array([len(e.tokens) for e in examples])
-    for idx in batch_order(lengths, batch_size, seed, epoch)[start:]:
-        longest = int(lengths[idx].max()) - 1
-        T = -(-longest // pad_to_multiple) * pad_to_multiple
-        inputs = np.zeros((len(idx), T), dtype=np.int32)
-        targets = np.full((len(idx), T), IGNORE_INDEX, dtype=np.int32)
-        for row, i in enumerate(idx):
-            e = examples[i]
-            n = len(e.tokens) - 1
-            inputs[row, :n] = e.tokens[:-1]
-            targets[row, :n] = np.where(e.trained[1:], e.tokens[1:], IGNORE_INDEX)
-        yield inputs, targets
-
-
-def split_shards(examples: Sequence[Example], weights: Sequence[float]) -> list[list[Example]]:
-    """Contiguous shares of ``examples`` in proportion to ``weights`` (``[3, 1]``: the first
-    three quarters, then the rest), for training on several machines. Raises ValueError for a
-    weight that is not positive, or when a shard would be empty."""
-    w = np.asarray(weights, dtype=np.float64)
-    if w.ndim != 1 or w.size == 0 or not np.all(np.isfinite(w)) or np.any(w <= 0):
-        raise ValueError(f"split weights must be positive numbers, got {list(weights)}")
-    n = len(examples)
-    bounds = [0, *(int(np.floor(c * n + 0.5)) for c in np.cumsum(w)[:-1] / w.sum()), n]
-    shards = [list(examples[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
-    empty = [i for i, s in enumerate(shards) if not s]
-    if empty:
-        raise ValueError(
-            f"cannot split {n} examples into {len(w)} shards by weights {list(weights)}: "
-            f"shard {empty[0]} would be empty"
-        )
-    return shards

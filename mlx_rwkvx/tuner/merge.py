@@ -16,19 +16,30 @@ Weights are normalised to sum to 1 (``auto``: the tokens each adapter trained on
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
-from mlx_rwkvx.tuner.adapters import AdapterError, read_adapter
+from mlx_rwkvx.errors import CheckpointError, MergeError, UsageError
+from mlx_rwkvx.io.atomic import atomic_target, check_target, save_text
+from mlx_rwkvx.io.detect import is_checkpoint
+from mlx_rwkvx.io.load import load, save
+from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
+from mlx_rwkvx.models.quantize import dequantize_model, quantize_bits
+from mlx_rwkvx.tuner.adapters import (
+    ADAPTER_CONFIG,
+    FINAL_ADAPTER,
+    apply_adapter_tensors,
+    fuse_adapters,
+    is_adapter_file,
+    read_adapter,
+    save_adapter_tensors,
+)
 
 import mlx.core as mx
 import numpy as np
 
 METHODS = ("fedavg", "delta", "concat")
-
-
-class MergeError(AdapterError):
-    """Adapters that cannot be merged as asked: the message names the problem."""
 
 
 @dataclass
@@ -223,3 +234,158 @@ def merged_config(adapters, method, weights, rank, scale, report) -> dict:
     if method == "delta":
         config["merge_relative_error"] = report["relative_error"]
     return config
+
+
+# ----- merging adapter files (python -m mlx_rwkvx.merge) ---------------------------------------
+
+
+def merge_adapters(
+    paths: list,
+    output,
+    *,
+    method: str = "fedavg",
+    weights=None,
+    rank: int | None = None,
+    fuse_into=None,
+    quantize=None,
+    force: bool = False,
+    overwrite: bool = False,
+) -> list[str]:
+    """Merge the adapter files or folders ``paths`` (``weights``: numbers, ``"auto"`` or None)
+    and write the result to ``output``: an adapter file (``.safetensors``) or folder, or with
+    ``fuse_into`` a model (its weights with the merged update folded in; ``quantize`` after).
+    ``output`` is checked before anything is read, locked while it is written, and never an
+    input (``io/targets.py``). Returns the lines of a report; UserErrors name the problem."""
+    if quantize and not fuse_into:
+        raise UsageError("--quantize goes with --fuse-into (an adapter has no base weights)")
+    if rank is not None and method != "delta":
+        raise UsageError("--rank goes with --method delta")
+    out = resolve_target(output, what="--output", inputs=[*paths, fuse_into])
+    with output_lock(out, "--output"):
+        remove_stale(os.path.dirname(out), os.path.basename(out))
+        _check_output(out, fuse_into, overwrite)
+        adapters = [read(path) for path in paths]
+        if fuse_into and adapters[0].kind == "state":
+            raise UsageError(
+                f"{adapters[0].path}: a state-tuning adapter has no weights to fuse into a "
+                "model; use it as it is (--adapter)"
+            )
+        if len(adapters) == 1 and fuse_into:  # fusing one adapter: nothing to merge
+            config, tensors = adapters[0].config, as_float32(adapters[0].tensors)
+            lines = [f"read {adapters[0].path}"]
+        else:
+            config, tensors, lines = _merged(adapters, method, weights, rank, force)
+        if fuse_into:
+            lines.append(fuse(fuse_into, config, tensors, out, quantize, overwrite))
+        else:
+            write_adapter(out, tensors, config, overwrite)
+    lines.append(f"wrote {os.fspath(output)}")
+    return lines
+
+
+def _check_output(out: str, fuse_into, overwrite: bool) -> None:
+    single = out.endswith(".safetensors")
+    if fuse_into:
+        check_target(out, overwrite=overwrite, folder=not single, recognise=is_checkpoint,
+                     kind="a model")  # fmt: skip
+    elif single:
+        check_target(out, overwrite=overwrite, folder=False, recognise=is_adapter_file,
+                     kind="an adapter file")  # fmt: skip
+    else:
+        _check_adapter_folder(out, overwrite)
+
+
+def _merged(adapters: list[Adapter], method: str, weights, rank, force: bool):
+    """(config, tensors, report lines) of the merge."""
+    check(adapters, method, force=force)
+    weights = weights_of(adapters, weights)
+    if method == "delta" and rank is None and adapters[0].modules():
+        rank = max(a.tensors[f"{a.modules()[0]}.lora_a"].shape[1] for a in adapters)
+    tensors, new_rank, scale, report = merge(adapters, method, weights, rank)
+    config = merged_config(adapters, method, weights, new_rank, scale, report)
+    lines = [
+        f"merged {len(adapters)} adapters by {method}, weights "
+        + ", ".join(f"{w:.3f}" for w in weights)
+        + (f", rank {new_rank}" if new_rank else "")
+    ]
+    if method == "delta" and new_rank:
+        lines.append(
+            f"the rank-{new_rank} factors leave {report['relative_error']:.2%} of the "
+            f"averaged update (relative, over all layers; worst layer "
+            f"{report['max_relative_error']:.2%})"
+        )
+    return config, tensors, lines
+
+
+def write_adapter(path: str, tensors: dict, config: dict, overwrite: bool) -> None:
+    """An adapter file (config in its metadata) or folder (and ``adapter_config.json``). An
+    existing one is replaced only with ``overwrite``, only when it is an adapter, and a folder
+    only when it holds nothing else (a training run's checkpoints and metrics are never
+    dropped)."""
+    if path.endswith(".safetensors"):
+        save_adapter_tensors(path, tensors, config, overwrite=overwrite)
+        return
+    _check_adapter_folder(path, overwrite)
+    with atomic_target(path, folder=True) as tmp:
+        save_adapter_tensors(os.path.join(tmp, FINAL_ADAPTER), tensors, config)
+        save_text(os.path.join(tmp, ADAPTER_CONFIG), json.dumps(config, indent=2))
+
+
+def _is_adapter_folder(path: str) -> bool:
+    return is_adapter_file(os.path.join(path, FINAL_ADAPTER))
+
+
+def _check_adapter_folder(path: str, overwrite: bool) -> None:
+    check_target(path, overwrite=overwrite, folder=True, recognise=_is_adapter_folder,
+                 kind="an adapter folder")  # fmt: skip
+    if os.path.isdir(path):
+        lost = sorted(set(os.listdir(path)) - {FINAL_ADAPTER, ADAPTER_CONFIG, ".DS_Store"})
+        if lost:
+            raise CheckpointError(
+                f"{path}: replacing it would drop {lost[:6]}, which a merged adapter does not "
+                "bring; write to a new folder"
+            )
+
+
+def requantize_error(model, fused_float: dict, bits: int) -> float:
+    """Quantize ``model`` (float, adapters fused) and return how much of the fused updates the
+    rounding swallows: ||(deq(Q(W')) - W) - delta|| / ||delta|| over the adapted layers, where
+    ``fused_float`` holds (W, delta) per layer."""
+    model.quantize(bits)
+    modules = dict(model.named_modules())
+    lost, total = 0.0, 0.0
+    for path, (base, delta) in fused_float.items():
+        m = modules[path]
+        if "scales" not in m:  # a layer the quantizer leaves in float (an odd width)
+            continue
+        w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
+        lost += float(mx.sum(((w - base) - delta) ** 2))
+        total += float(mx.sum(delta**2))
+    return (lost / total) ** 0.5 if total > 0 else 0.0
+
+
+def fuse(model_path, config: dict, tensors: dict, out: str, quantize=None, overwrite=False) -> str:
+    """Load ``model_path`` (a quantized one dequantized), apply the adapter, fold it in, save
+    the float (or ``quantize``d) model with its tokenizer to ``out``. Returns a line of
+    report."""
+    model, tokenizer = load(model_path)
+    was = model.quantization
+    if was is not None:
+        dequantize_model(model)
+    apply_adapter_tensors(model, config, tensors, "the merged adapter")
+    wrapped = {p: m for p, m in model.named_modules() if hasattr(m, "lora_a")}
+    before = {p: m.linear.weight for p, m in wrapped.items()}
+    fuse_adapters(model)
+    modules = dict(model.named_modules())
+    fused = {p: (before[p], modules[p].weight - before[p]) for p in wrapped}
+    mx.eval(fused)
+    report = f"fused {len(wrapped)} layers into {model_path}" + (
+        f" (its {was['bits']}-bit weights dequantized)" if was else ""
+    )
+    bits = quantize_bits(quantize)
+    if bits is not None:
+        err = requantize_error(model, fused, bits)
+        report += f"; re-quantized to {bits} bits: the rounding changes the fused update by "
+        report += f"{err:.1%} (relative)"
+    save(model, out, tokenizer=tokenizer, overwrite=overwrite)
+    return report

@@ -1,0 +1,83 @@
+"""Converting a checkpoint between formats (``python -m mlx_rwkvx.convert``): read any format
+``load`` reads, optionally make an RFA model of a Qwen2 one or quantize, and write ``native``,
+``hf`` or ``blinkdl`` with the tokenizer's files beside the weights. Entry point: ``convert``."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from mlx_rwkvx.errors import UsageError
+from mlx_rwkvx.io.atomic import check_target
+from mlx_rwkvx.io.detect import is_checkpoint
+from mlx_rwkvx.io.formats import write_blinkdl, write_hf, write_native
+from mlx_rwkvx.io.load import load
+from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
+from mlx_rwkvx.io.tokenizers import ByteTokenizer, byte_tokenizer_files, tokenizer_files
+from mlx_rwkvx.models.config import default_qwen_layers
+from mlx_rwkvx.models.model import Model
+from mlx_rwkvx.models.quantize import quantize_bits
+from mlx_rwkvx.models.rfa import qwen2_to_rfa
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+WRITERS = {"native": write_native, "hf": write_hf, "blinkdl": write_blinkdl}
+
+
+def convert(
+    src,
+    dst,
+    *,
+    to: str = "native",
+    quantize=None,
+    dtype=None,
+    to_rfa: bool = False,
+    qwen_layers=None,
+    head_size: int | None = None,
+    overwrite: bool = False,
+) -> Model:
+    """Read ``src``, transform, write ``dst`` with the tokenizer files of ``src`` beside the
+    weights; returns the written model. An existing ``dst`` is replaced only with
+    ``overwrite``, and only when it is a checkpoint; a ``dst`` that is, holds or lies inside
+    ``src``, or would replace the current folder, is refused. ``head_size`` (default 64) and
+    ``qwen_layers`` go with ``to_rfa``. While it runs, ``dst`` is locked (``io/targets.py``): a
+    second conversion into it is refused. Raises CheckpointError, TargetError or UsageError
+    (UserErrors) naming the problem."""
+    if to not in WRITERS:
+        raise UsageError(f"--to must be one of {sorted(WRITERS)}, got {to!r}")
+    if not to_rfa and (head_size is not None or qwen_layers is not None):
+        given = "--head-size" if head_size is not None else "--qwen-layers"
+        raise UsageError(f"{given} sets up --to-rfa: it needs --to-rfa")
+    bits = quantize_bits(quantize)
+    if bits and to != "native":
+        raise UsageError("--quantize writes INT8 weights, which only the native format holds")
+    real = resolve_target(dst, what="DST", inputs=[src])
+    with output_lock(real, "DST"):
+        remove_stale(os.path.dirname(real), os.path.basename(real))
+        return _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrite)
+
+
+def _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrite) -> Model:
+    # the target first: a conversion that could not be written is not worth reading
+    check_target(dst, overwrite=overwrite, folder=not os.fspath(dst).endswith(".safetensors"),
+                 recognise=is_checkpoint)  # fmt: skip
+    model, tokenizer = load(src, dtype=dtype)
+    if to_rfa:
+        n = len(model.config.block_types)
+        layers = qwen_layers if qwen_layers is not None else default_qwen_layers(n)
+        model = qwen2_to_rfa(model, layers, head_size=64 if head_size is None else head_size)
+    if bits:
+        model.quantize(bits=bits)
+        mx.eval(model.parameters())
+    tensors = dict(tree_flatten(model.parameters()))
+    # the native config records the quantization, without which its tensors do not load
+    extra = {"quantization": model.quantization} if to == "native" else {}
+    if to == "hf" and isinstance(tokenizer, ByteTokenizer):  # files for transformers too
+        with tempfile.TemporaryDirectory() as folder:
+            files = byte_tokenizer_files(folder, tokenizer.vocab_size)
+            WRITERS[to](dst, model.config, tensors, extra_files=files, overwrite=overwrite)
+        return model
+    files = tokenizer_files(tokenizer)
+    WRITERS[to](dst, model.config, tensors, extra_files=files, overwrite=overwrite, **extra)
+    return model

@@ -1,0 +1,118 @@
+"""What a run trains: the model (a checkpoint, quantized or cast as asked; for pretraining a
+fresh one from a preset or a config file), its tokenizer, the base's fingerprint, and the
+adapters, the trainable state or the unfrozen weights. Entry points: ``build``,
+``block_kinds_of`` (the model's family before it is loaded, for the settings' defaults)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import mlx_rwkvx
+from mlx_rwkvx.errors import AdapterError, CheckpointError, TrainError
+from mlx_rwkvx.io.formats import block_kinds
+from mlx_rwkvx.io.tokenizers import builtin_tokenizer, load_tokenizer, tokenizer_files_beside
+from mlx_rwkvx.models import Model, ModelConfig, preset
+from mlx_rwkvx.models.config import PRESETS
+from mlx_rwkvx.tuner import parallel
+from mlx_rwkvx.tuner.adapters import (
+    apply_lora,
+    check_rank,
+    default_targets,
+    enable_state_tuning,
+    fingerprint,
+    target_paths,
+)
+from mlx_rwkvx.tuner.config import TrainConfig
+
+import yaml
+from mlx.utils import tree_flatten
+
+
+@dataclass
+class Built:
+    model: Model  # with what it trains set up: adapters, a trainable state, unfrozen weights
+    tokenizer: object | None  # None: pre-tokenized data needs none
+    base: str  # the base model's fingerprint (adapters and resuming check it)
+    paths: list[str]  # what is trained: adapted layers, state tensors or weights
+
+
+def model_config(spec: str) -> ModelConfig:
+    """A preset name or a JSON/YAML file of ModelConfig fields (--mode pretrain)."""
+    if spec in PRESETS:
+        return preset(spec)
+    if not os.path.isfile(spec):
+        raise TrainError(
+            f"--model {spec}: for --mode pretrain, a preset ({', '.join(sorted(PRESETS))}) or "
+            "a JSON/YAML model config file"
+        )
+    try:
+        with open(spec) as f:
+            fields = yaml.safe_load(f) if spec.endswith((".yaml", ".yml")) else json.load(f)
+        return ModelConfig(**fields)
+    except (OSError, ValueError, TypeError, yaml.YAMLError) as e:
+        raise TrainError(f"--model {spec}: not a model config ({e})") from e
+
+
+def _not_a_checkpoint(cfg: TrainConfig, e: CheckpointError) -> TrainError:
+    if cfg.model in PRESETS and not os.path.exists(cfg.model):
+        how = "only --mode pretrain trains one (from its init); else give a checkpoint"
+        return TrainError(f"--model {cfg.model}: a preset: {how}")
+    return TrainError(str(e))
+
+
+def block_kinds_of(cfg: TrainConfig) -> set[str]:
+    """The kinds of block of the model ``cfg`` trains, before it is loaded."""
+    if cfg.mode == "pretrain":
+        return set(model_config(cfg.model).block_types)
+    try:
+        return block_kinds(cfg.model)
+    except CheckpointError as e:
+        raise _not_a_checkpoint(cfg, e) from e
+
+
+def build(cfg: TrainConfig) -> Built:
+    """The model of a run with what it trains set up (see the module docstring)."""
+    if cfg.mode == "pretrain":
+        model_cfg = model_config(cfg.model)
+        model = Model(model_cfg, init=cfg.init, seed=cfg.seed)
+        tokenizer = builtin_tokenizer(model_cfg.vocab_size)
+        if tokenizer is None:
+            raise TrainError(
+                f"--model {cfg.model}: vocabulary {model_cfg.vocab_size} has no built-in "
+                "tokenizer (65536: World, <= 256: bytes)"
+            )
+    else:
+        try:
+            model, _ = mlx_rwkvx.load(
+                cfg.model, quantize=cfg.quantize, dtype=cfg.dtype, tokenizer=False
+            )
+        except CheckpointError as e:
+            raise _not_a_checkpoint(cfg, e) from e
+        try:  # pre-tokenized data needs none: a text data set says so if it lacks one
+            tokenizer = load_tokenizer(cfg.model, model.config.vocab_size)
+        except ValueError as e:
+            if tokenizer_files_beside(cfg.model):  # there is one, and it is broken or foreign
+                raise TrainError(str(e)) from e
+            tokenizer = None
+    base = fingerprint(model)
+    try:
+        if cfg.mode in ("lora", "dora"):
+            targets = cfg.lora_targets or default_targets(model)
+            paths = target_paths(model, targets, cfg.num_layers)
+            check_rank(model, paths, cfg.lora_rank)
+            apply_lora(model, paths, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                       dropout=cfg.lora_dropout, dora=cfg.mode == "dora")  # fmt: skip
+            if cfg.parallel > 1:
+                parallel.stack_adapters(model, cfg.parallel)
+        elif cfg.mode == "state":
+            paths = enable_state_tuning(model)
+        else:
+            if model.quantization is not None:
+                raise TrainError(f"--mode {cfg.mode} trains every weight: not a quantized base")
+            model.unfreeze()
+            paths = [n for n, _ in tree_flatten(model.trainable_parameters())]
+    except AdapterError as e:
+        raise TrainError(str(e)) from e
+    return Built(model, tokenizer, base, paths)

@@ -1,0 +1,175 @@
+"""A run's checkpoints, which never lose work: every ``save_every`` steps, at the end and on
+Ctrl-C or SIGTERM, ``checkpoint_<step>.safetensors`` (the trained tensors, what ``load`` and
+merging read, the adapter config in its metadata), ``checkpoint_<step>.state.safetensors``
+(optimizer state, step, data position; each step's randomness comes from the seed and the step)
+and last ``checkpoint_<step>.json``, the manifest that marks the checkpoint complete, each
+written atomically. Entry points: ``save_checkpoint``, ``scan_checkpoints`` (the newest complete
+one and the newer ones cut short), ``load_checkpoint``."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from mlx_rwkvx._crash import crash_point
+from mlx_rwkvx.errors import CheckpointError, TrainError
+from mlx_rwkvx.io.atomic import atomic_target, save_safetensors, save_text
+from mlx_rwkvx.io.tensors import read_safetensors
+from mlx_rwkvx.models import Model
+from mlx_rwkvx.tuner.adapters import adapter_tensors, save_adapter
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+
+def checkpoint_names(step: int) -> dict[str, str]:
+    base = f"checkpoint_{step}"
+    return {
+        "weights": f"{base}.safetensors",
+        "state": f"{base}.state.safetensors",
+        "manifest": f"{base}.json",
+    }
+
+
+def newest_checkpoint(out: Path) -> int | None:
+    """The step of the newest complete checkpoint in ``out`` (its manifest written last, every
+    file it names present), or None."""
+    return scan_checkpoints(out)[0]
+
+
+_CHECKPOINT_FILE = re.compile(r"checkpoint_(\d+)\.(json|safetensors|state\.safetensors)\Z")
+
+
+def scan_checkpoints(out: Path) -> tuple[int | None, dict[int, str]]:
+    """(the newest complete checkpoint's step or None, {step: why it is not complete} for the
+    newer ones whose files are there: a run stopped while saving, a damaged manifest)."""
+    steps = set()
+    for path in out.glob("checkpoint_*"):
+        found = _CHECKPOINT_FILE.match(path.name)
+        if found:
+            steps.add(int(found.group(1)))
+    broken = {}
+    for step in sorted(steps, reverse=True):
+        manifest_path = out / checkpoint_names(step)["manifest"]
+        if not manifest_path.exists():
+            broken[step] = "no manifest: the run stopped while saving it"
+            continue
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            files = manifest["files"] if manifest.get("complete") else None
+        except (ValueError, OSError, AttributeError, KeyError, TypeError):
+            broken[step] = "its manifest cannot be read"
+            continue
+        if not isinstance(files, list):
+            broken[step] = "its manifest lists no files"
+            continue
+        missing = [str(f) for f in files if not (out / str(f)).exists()]
+        if missing:
+            broken[step] = f"{missing[0]} is missing"
+            continue
+        return step, broken
+    return None, broken
+
+
+def trained_tensors(model: Model, mode: str) -> dict[str, mx.array]:
+    """What a run trains, under the model's paths: the adapter's tensors, or for full
+    fine-tuning and pretraining every trainable weight."""
+    if mode in ("full", "pretrain"):
+        return dict(tree_flatten(model.trainable_parameters()))
+    return adapter_tensors(model)
+
+
+# settings that decide what the trained tensors are and which batches come next: a run
+# resumes only with the ones it was started with
+RESUME_FIXED = ("mode", "lora_rank", "lora_alpha", "lora_targets", "num_layers", "quantize",
+                "dtype", "init", "sql", "skip_bad", "mask_prompt", "max_seq_len", "batch_size",
+                "grad_accum", "seed", "carry_state", "max_cache", "parallel")  # fmt: skip
+
+
+def save_checkpoint(out: Path, run) -> None:
+    """The three files of one checkpoint, the manifest last; each atomically. A checkpoint is
+    whole or absent: if a write fails (a full disk) or is interrupted, the files of this one
+    already written are removed again, and the older checkpoints stay as they were."""
+    names = checkpoint_names(run.step)
+    try:
+        _save_checkpoint(out, run, names)
+    except BaseException:
+        for key in ("manifest", "state", "weights"):  # the manifest first: never complete
+            (out / names[key]).unlink(missing_ok=True)
+        raise
+
+
+def _save_checkpoint(out: Path, run, names: dict[str, str]) -> None:
+    if run.cfg.mode in ("full", "pretrain"):
+        with atomic_target(str(out / names["weights"]), folder=False) as tmp:
+            config = json.dumps(run.adapter_config())
+            save_safetensors(tmp, trained_tensors(run.model, "full"), {"adapter_config": config})
+    else:
+        save_adapter(out / names["weights"], run.model, run.adapter_config())
+    state = dict(tree_flatten(run.optimizer.state))
+    meta = {
+        "step": str(run.step),
+        "position": json.dumps(run.position),
+        "tokens": str(run.tokens),
+        "train": json.dumps(asdict(run.cfg)),
+        "base": run.base,
+        "ranks": str(run.ranks),
+        "shard_tokens": json.dumps(run.stack_tokens),
+    }  # fmt: skip (the file's old name)
+    with atomic_target(str(out / names["state"]), folder=False) as tmp:
+        save_safetensors(tmp, state, meta)
+    crash_point("save", run.step)  # weights and state written, the manifest not yet
+    manifest = {"complete": True, "step": run.step, "files": [names["weights"], names["state"]]}
+    with atomic_target(str(out / names["manifest"]), folder=False) as tmp:
+        save_text(tmp, json.dumps(manifest))
+
+
+def _read_checkpoint_file(path: Path, step: int):
+    """(tensors, metadata) of one file of checkpoint ``step``; TrainError when it cannot be
+    read (cut short after its manifest was written: a partial copy, a failing disk)."""
+    try:
+        return read_safetensors(str(path))
+    except CheckpointError as e:
+        hint = f"remove checkpoint_{step}.* to resume from an older one"
+        raise TrainError(f"--resume: {e}; {hint}") from None
+
+
+def load_checkpoint(out: Path, step: int, run) -> None:
+    """Restore ``run`` from checkpoint ``step``: TrainError when it was made by a run with
+    other settings (see RESUME_FIXED) or on another base, its tensors do not fit, or a file
+    of it cannot be read."""
+    names = checkpoint_names(step)
+    state, meta = _read_checkpoint_file(out / names["state"], step)
+    then = json.loads(meta.get("train", "{}"))
+    changed = [k for k in RESUME_FIXED if k in then and then[k] != getattr(run.cfg, k)]
+    if changed:
+        was = ", ".join(f"{k.replace('_', '-')} {then[k]!r} (now {getattr(run.cfg, k)!r})"
+                        for k in changed)  # fmt: skip
+        raise TrainError(f"--resume: checkpoint_{step} was trained with {was}; resume with the "
+                         "run's settings or start a new --output")  # fmt: skip
+    if meta.get("base", run.base) != run.base:
+        raise TrainError(f"--resume: checkpoint_{step} was trained on another base model")
+    if int(meta.get("ranks", 1)) != run.ranks:  # each rank's share of the data depends on it
+        raise TrainError(f"--resume: checkpoint_{step} was trained on {meta.get('ranks', 1)} "
+                         f"ranks, this run has {run.ranks}; resume with as many")  # fmt: skip
+    others = [k for k in ("lr", "warmup", "weight_decay", "grad_clip", "iters", "epochs", "data")
+              if k in then and then[k] != getattr(run.cfg, k)]  # fmt: skip
+    if others:
+        print(f"note: resuming with other {', '.join(others)} than checkpoint_{step}'s run",
+              file=sys.stderr)  # fmt: skip
+    weights, _ = _read_checkpoint_file(out / names["weights"], step)
+    expected = {n: tuple(x.shape) for n, x in trained_tensors(run.model, run.cfg.mode).items()}
+    wrong = sorted(set(weights) ^ set(expected)) + sorted(
+        n for n in weights if n in expected and tuple(weights[n].shape) != expected[n]
+    )
+    if wrong:
+        raise TrainError(f"--resume: checkpoint_{step}'s tensors do not fit this run: {wrong[:4]}")
+    run.model.load_weights(list(weights.items()), strict=False)
+    run.optimizer.state = tree_unflatten(list(state.items()))
+    run.step, run.tokens = int(meta["step"]), int(meta["tokens"])
+    run.stack_tokens = json.loads(meta.get("shard_tokens", "[]")) or run.stack_tokens
+    run.position = json.loads(meta["position"])
+    mx.eval(run.model.parameters(), run.optimizer.state)

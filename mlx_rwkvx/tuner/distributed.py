@@ -1,0 +1,98 @@
+"""Data parallelism across Macs over ``mx.distributed`` (``mlx.launch``): the group of ranks,
+each rank's share of the examples, the gradient all-sum (one collective per 32 MB bucket) and
+rank 0's run state broadcast to every rank. Entry points: ``data_parallel_group``,
+``rank_share``, ``all_sum``, ``broadcast``, ``broadcast_run``."""
+
+from __future__ import annotations
+
+import sys
+
+from mlx_rwkvx.errors import TrainError
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+ALL_SUM_BUCKET = 32 << 20  # bytes of gradients summed in one collective (mlx-lm's size)
+
+
+def all_sum(tree, group):
+    """Every array of ``tree`` summed over the ranks of ``group``, in one collective (the
+    leaves flattened into one float32 vector and split again)."""
+    # in the order of the names: ranks may hold equal trees built in another order (an
+    # optimizer state read from a checkpoint, one made fresh)
+    leaves = sorted(tree_flatten(tree), key=lambda item: item[0])
+    arrays = [mx.array(v) if not isinstance(v, mx.array) else v for _, v in leaves]
+    parts, bucket, size = {}, [], 0
+
+    def flush():  # one collective per bucket of at most ALL_SUM_BUCKET bytes (a copy each)
+        flat = mx.concatenate([a.astype(mx.float32).reshape(-1) for _, a in bucket])
+        summed = mx.distributed.all_sum(flat, group=group)
+        start = 0
+        for name, a in bucket:
+            parts[name] = summed[start : start + a.size].reshape(a.shape).astype(a.dtype)
+            start += a.size
+        mx.eval([parts[name] for name, _ in bucket])
+
+    for (name, _), a in zip(leaves, arrays, strict=True):
+        if bucket and size + 4 * a.size > ALL_SUM_BUCKET:
+            flush()
+            bucket, size = [], 0
+        bucket.append((name, a))
+        size += 4 * a.size
+    if bucket:
+        flush()
+    return tree_unflatten([(name, parts[name]) for name, _ in tree_flatten(tree)])
+
+
+def broadcast(tree, group):
+    """``tree`` as rank 0 of ``group`` holds it, on every rank (an all-sum of rank 0's values
+    and everybody else's zeros): a resumed run's state reaches the other Macs without files."""
+    if group is None or group.size() == 1:
+        return tree
+    if group.rank() != 0:
+        tree = tree_unflatten([(k, mx.zeros_like(v)) for k, v in tree_flatten(tree)])
+    return all_sum(tree, group)
+
+
+def data_parallel_group():
+    """The data-parallel group when launched by ``mlx.launch`` on several ranks, else None."""
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def rank_share(examples, group):
+    """Rank r's share of the examples: every size-th from r, the remainder of the division
+    left out, so that every rank has as many (and so as many batches and steps)."""
+    if group is None:
+        return examples
+    size = group.size()
+    keep = len(examples) // size * size
+    if keep == 0:
+        raise TrainError(f"{len(examples)} training examples for {size} ranks: too few to shard")
+    if keep < len(examples) and group.rank() == 0:
+        print(f"note: {len(examples) - keep} of {len(examples)} examples left out: every one of "
+              f"the {size} ranks trains as many", file=sys.stderr)  # fmt: skip
+    return examples[group.rank() : keep : size]
+
+
+def broadcast_run(run, group) -> None:
+    """Rank 0's trainable parameters, optimizer state, step, tokens and data position on
+    every rank."""
+    run.model.update(broadcast(run.model.trainable_parameters(), group))
+    if run.optimizer.state:
+        run.optimizer.state = broadcast(run.optimizer.state, group)
+    pos = run.position
+    counters = [run.step, run.tokens, pos["epoch"], pos["batch"], *run.stack_tokens]
+    # integers summed as integers (a float32 sum would round a count above 2^24); tokens as
+    # two 31-bit halves, so that no count overflows int32
+    ints = [part for c in counters for part in (c >> 31, c & (2**31 - 1))]
+    mine = mx.array(ints if group.rank() == 0 else [0] * len(ints), dtype=mx.int32)
+    summed = mx.distributed.all_sum(mine, group=group).tolist()
+    step, tokens, epoch, batch, *stacks = [
+        (hi << 31) + lo for hi, lo in zip(summed[::2], summed[1::2], strict=True)
+    ]
+    run.step, run.tokens, run.position = step, tokens, {"epoch": epoch, "batch": batch}
+    run.stack_tokens = stacks
+    mx.eval(run.model.parameters(), run.optimizer.state)

@@ -5,6 +5,29 @@ traceback. Each is a ``ValueError``, as the Python API has always raised them.""
 
 from __future__ import annotations
 
+import errno
+import signal
+
+# OSError numbers a user causes: a full disk or quota, a file-size limit, no permission, a
+# read-only disk, a path that cannot resolve (a loop, too long, a file where a folder belongs)
+USER_ERRNOS = frozenset(
+    getattr(errno, n)
+    for n in (
+        "ENOSPC",
+        "EDQUOT",
+        "EFBIG",
+        "EACCES",
+        "EPERM",
+        "EROFS",
+        "ELOOP",
+        "ENAMETOOLONG",
+        "ENOTDIR",
+        "EISDIR",
+    )  # fmt: skip
+    if hasattr(errno, n)
+)
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report
+
 
 class UserError(ValueError):
     """Something the user gave or can change (a path, a flag, a file, the disk): one line that
@@ -37,9 +60,36 @@ class DataError(UserError):
     """Bad training data: one line naming the file, the line, row or record, and the problem."""
 
 
+class GenerationError(UserError):
+    """What generation was given does not fit: a prompt the tokenizer cannot encode, ids outside
+    the vocabulary, a prompt the KV cache cannot hold without the window, a chat template that
+    does not render, sampling settings out of range. A ValueError, as the API raised before."""
+
+
 class TrainError(UserError):
     """A run that cannot start or go on because of what it was given (exit 2)."""
 
 
 class NonFinite(RuntimeError):
     """The loss or a gradient stopped being finite (exit 1; the last checkpoint stays)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM: ``signum``, and ``kept``, what the command kept (one line:
+    ``saved checkpoint_12``)."""
+
+    def __init__(self, signum: int = signal.SIGINT, kept: str = ""):
+        super().__init__(kept)
+        self.signum, self.kept = signum, kept
+
+
+def signal_of(e: BaseException) -> int:
+    """The signal behind a KeyboardInterrupt (SIGINT unless it says otherwise)."""
+    return getattr(e, "signum", signal.SIGINT)
+
+
+def os_error_text(e: OSError) -> str:
+    """``path: reason`` of an OSError (both paths of a rename)."""
+    what = e.strerror or str(e)
+    paths = [p for p in (e.filename, e.filename2) if p is not None]
+    return ": ".join([" -> ".join(map(str, paths)), what] if paths else [what])

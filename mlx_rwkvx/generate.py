@@ -3,9 +3,11 @@
 With ``--prompt TEXT`` (``-`` reads standard input) it prints one answer; without it, on a
 terminal (or with ``--chat``), it is an interactive chat whose state carries from turn to turn:
 each turn prefills only its own tokens. Chat commands: ``/help``. Settings: ``GenerateConfig``
-below (flags, mlx-lm's names as aliases, a YAML ``--config``).
+below (flags, mlx-lm's names as aliases, a YAML ``--config``). Entry point: ``main(argv)``; the
+work is ``mlx_rwkvx.generation``'s.
 
-Exit codes: 0 done; 2 a problem with what was given (one line).
+Exit codes: 0 done; 2 a problem with what was given (one line: a ``UserError``); 130 or 143
+Ctrl-C or SIGTERM; anything else is a bug and keeps its traceback.
 
 This module is callable: ``mlx_rwkvx.generate(model, tokenizer, prompt)`` is the generation
 function even after ``import mlx_rwkvx.generate`` made the package attribute this module.
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import mlx_rwkvx
 from mlx_rwkvx import cli, generation, settings
-from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.errors import UsageError, UserError
 from mlx_rwkvx.generation import DEFAULT_MAX_CACHE, Chat, chat_format, stream_generate
 from mlx_rwkvx.io.load import load
 from mlx_rwkvx.ops import prepare
@@ -97,10 +99,6 @@ def config_from(argv) -> GenerateConfig:
     return cfg
 
 
-class UsageError(UserError):
-    """What was given does not fit: one line, exit 2."""
-
-
 def _sampling(cfg: GenerateConfig) -> dict:
     return dict(
         max_tokens=cfg.max_tokens,
@@ -168,7 +166,7 @@ def _prompt_text(cfg: GenerateConfig, tokenizer) -> tuple[str, list[str]]:
     if fmt is None:
         return text, []
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
-    return fmt.render(messages + [{"role": "user", "content": text}], True), fmt.stops
+    return fmt.apply(messages + [{"role": "user", "content": text}]), fmt.stops
 
 
 def _one_answer(cfg: GenerateConfig, model, tokenizer) -> None:
@@ -261,7 +259,7 @@ def _command(chat: Chat, line: str, screen: _Screen) -> bool:
                 screen.say(f"loaded {path}: {turns} turns, {len(chat.session.tokens)} tokens")
         else:
             raise UsageError(f"unknown command {name} (/help lists them)")
-    except ValueError as e:  # UsageError, CheckpointError: the user's to fix
+    except UserError as e:  # a bad command or file: the user's to fix, the chat goes on
         screen.say(f"error: {e}")
     return True
 
@@ -331,7 +329,7 @@ def _chat_loop(cfg: GenerateConfig, model, tokenizer) -> None:
             continue
         try:
             _answer(chat, line, screen)
-        except ValueError as e:  # text the tokenizer cannot encode, a cache that is full
+        except UserError as e:  # text the tokenizer cannot encode, a cache that is full
             screen.say(f"error: {e}")
 
 
@@ -341,31 +339,38 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(cfg: GenerateConfig) -> None:
-    try:
-        _check(cfg)
-        mlx_rwkvx.configure()
-        prepare(dtypes=(mx.float32, mx.bfloat16))  # kernels checked before anything runs
-        model, tokenizer = _load(cfg)
-        if tokenizer is None:
-            raise UsageError(f"--model {cfg.model}: no tokenizer found beside it")
-        if cfg.chat_template is not None:
-            chat_format(tokenizer, cfg.chat_template)  # a bad name or file: before any work
-        if cfg.prompt is not None:
-            _one_answer(cfg, model, tokenizer)
-        elif cfg.chat or sys.stdin.isatty():
-            _chat_loop(cfg, model, tokenizer)
-        else:
-            raise UsageError(
-                "no --prompt and standard input is not a terminal: give --prompt TEXT, "
-                "--prompt - (read standard input) or --chat"
-            )
-    except ValueError as e:  # UsageError, CheckpointError, AdapterError: the user's to fix
-        cli.fail(PROG, str(e))
+    """The command's work. Its user errors are UserErrors (UsageError here; CheckpointError,
+    AdapterError, GenerationError below), which ``cli.run`` turns into one line; any other
+    exception, an MLX shape error (a ValueError) too, is a bug and keeps its traceback."""
+    _check(cfg)
+    mlx_rwkvx.configure()
+    prepare(dtypes=(mx.float32, mx.bfloat16))  # kernels checked before anything runs
+    model, tokenizer = _load(cfg)
+    if tokenizer is None:
+        raise UsageError(f"--model {cfg.model}: no tokenizer found beside it")
+    if cfg.chat_template is not None:
+        chat_format(tokenizer, cfg.chat_template)  # a bad name or file: before any work
+    if cfg.prompt is not None:
+        _one_answer(cfg, model, tokenizer)
+    elif cfg.chat or sys.stdin.isatty():
+        _chat_loop(cfg, model, tokenizer)
+    else:
+        raise UsageError(
+            "no --prompt and standard input is not a terminal: give --prompt TEXT, "
+            "--prompt - (read standard input) or --chat"
+        )
 
 
 class _CallableModule(types.ModuleType):
     """``mlx_rwkvx.generate(...)`` calls the function, also once this module has taken the
-    package attribute's name (Python sets it when the submodule is imported)."""
+    package attribute's name.
+
+    Why a module class: the name is both the function (``mlx_rwkvx.generate(model, tok, p)``)
+    and this command (``python -m mlx_rwkvx.generate``). After ``import mlx_rwkvx.generate``
+    the import system itself sets the package attribute to this module, after the module ran,
+    so nothing the module does can leave the function there; the package must not import the
+    command either (``python -m`` would then warn, as it does for mlx-lm's layout). So the
+    module, once it holds the name, calls the function."""
 
     def __call__(self, *args, **kwargs):
         return generation.generate(*args, **kwargs)

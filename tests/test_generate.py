@@ -1,7 +1,9 @@
-"""Generation and chat (mlx_rwkvx/generation.py): every generated step's logits equal the full
-forward's over the same tokens, a chat's state equals a prefill of its transcript, saved
-conversations continue in another process, adapters equal their fused model, stop strings,
-the KV-cache window, and the name ``mlx_rwkvx.generate`` as function and command."""
+"""Generation and chat (mlx_rwkvx/generation.py, on mlx-lm's generate_step): every generated
+step's logits equal the full forward's over the same tokens, a chat's state equals a prefill of
+its transcript (also after an answer cut short), saved conversations continue in another
+process, adapters equal their fused model, stop strings, the detokenizers, the KV-cache window,
+logits processors that see the prompt, user errors as UserErrors, and the name
+``mlx_rwkvx.generate`` as function and command."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import subprocess
 import sys
 
 import mlx_rwkvx
-from mlx_rwkvx.generation import Chat, Session, _StopStrings, stream_generate
+from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.generation import Chat, GenerationError, Session, stream_generate
+from mlx_rwkvx.generation.stream import _detokenizer, _StopStrings, _TextOnly
 from mlx_rwkvx.io.tokenizers import ByteTokenizer
 from mlx_rwkvx.models.config import ModelConfig, rfa_config, rwkv_x_block_types
 from mlx_rwkvx.models.model import Model
@@ -72,10 +76,13 @@ FAMILIES = ["rwkv7", "rwkv-x", "rfa"]
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_step_equals_full_forward(family):
+    from mlx_lm.generate import GenerationResponse
+
     model, tok = tiny(family), ByteTokenizer()
     prompt = list(b"The quick brown fox, jumps over.")  # 32 tokens: MoBA chunks of 8 fill up
     steps = list(stream_generate(model, tok, prompt, max_tokens=24))
     assert len(steps) == 24 and steps[-1].finish_reason == "length"
+    assert all(isinstance(r, GenerationResponse) for r in steps)  # mlx-lm's own
     ids = list(prompt)
     for r in steps:
         ref = full_logits(model, ids)
@@ -127,6 +134,90 @@ def test_chat_state_equals_prefill_of_transcript(family):
             assert a[name].shape == b[name].shape, name
             if a[name].size:
                 assert rel(a[name], b[name]) <= TOL, name
+
+
+@pytest.mark.parametrize("family", ["rwkv-x", "rfa"])
+def test_an_answer_cut_short_leaves_a_consistent_session(family):
+    # generate_step feeds a token before its caller sees it: closing the stream at any point
+    # (Ctrl-C) leaves the session holding every token shown but the last, and the state of a
+    # prefill of them, the window included
+    model, tok = tiny(family, seed=13), ByteTokenizer()
+    for cut in (1, 2, 7):
+        session = Session(model, max_cache=24)
+        responses = stream_generate(model, tok, list(range(40, 60)), max_tokens=50,
+                                    session=session)  # fmt: skip
+        shown = [next(responses).token for _ in range(cut)]
+        responses.close()
+        assert session.tokens == list(range(40, 60)) + shown[:-1]
+        fresh = Session(model, max_cache=24, prefill_step=1)  # trimmed after every token
+        fresh.feed(session.tokens)
+        for a, b in zip(session.state, fresh.state, strict=True):
+            for name in a:
+                assert a[name].shape == b[name].shape, (cut, name)
+                if a[name].size:
+                    assert rel(a[name], b[name]) <= TOL, (cut, name)
+
+
+def test_logits_processors_see_the_prompt():
+    # mlx-lm's repetition penalty, whose context reaches back into the prompt: every step's
+    # log-probabilities are those of the full forward with the penalty over all tokens so far
+    from mlx_lm.sample_utils import make_repetition_penalty
+
+    model, tok = tiny("rwkv7", seed=14), ByteTokenizer()
+    prompt = list(b"abcabcabc")
+    penalty = make_repetition_penalty(1.5, context_size=20)
+    ids = list(prompt)
+    for r in stream_generate(model, tok, prompt, max_tokens=8, repetition_penalty=1.5):
+        raw = model(mx.array([ids], dtype=mx.int32))[:, -1].astype(mx.float32)
+        want = penalty(mx.array(ids), raw)[0]
+        assert rel(r.logprobs, want - mx.logsumexp(want)) <= TOL
+        ids.append(r.token)
+
+
+def test_detokenizers_stream_whole_characters():
+    # ours for byte vocabularies, mlx-lm's naive one for any other: the same text, and never
+    # half a character (each piece is valid text; one that ends inside a character waits)
+    tok = ByteTokenizer()
+    text = "héllo wörld, 1 € and 🙂\nnext line ∑"
+    ids = tok.encode(text) + [0xFF, ord("a")]  # and a byte that is no character at all
+
+    class TextOnly:  # a tokenizer with encode(text) and decode(ids), nothing else
+        encode, decode = tok.encode, tok.decode
+
+    for t in (tok, TextOnly()):
+        detok = _detokenizer(t)
+        pieces = []
+        for i in ids:
+            detok.add_token(i)
+            pieces.append(detok.last_segment)
+        detok.finalize()
+        pieces.append(detok.last_segment)
+        assert "".join(pieces) == text + "\ufffda", type(t).__name__
+        assert all("\ufffd" not in p for p in pieces[:-3]), pieces
+    assert type(_detokenizer(TextOnly())._tokenizer) is _TextOnly
+
+
+def test_user_errors_are_user_errors(tmp_path):
+    # what a user can get wrong is a UserError (one line in the command), still a ValueError
+    model, tok = tiny("rwkv-x", seed=15), ByteTokenizer(vocab_size=200)
+    template = tmp_path / "refuses.jinja"
+    template.write_text("{{ raise_exception('no system prompts here') }}{{ messages }}")
+    cases = [
+        (lambda: list(stream_generate(model, tok, list(range(20)), max_cache=8, window=False)),
+         "do not fit in the KV cache"),
+        (lambda: list(stream_generate(model, tok, "caf\u00e9 \u20ac")), "cannot encode"),
+        (lambda: list(stream_generate(model, tok, [200, 300])), "outside the vocabulary"),
+        (lambda: list(stream_generate(model, tok, "x", top_p=2)), "top_p and min_p"),
+        (lambda: list(stream_generate(model, tok, "x", max_tokens=0)), "max_tokens"),
+        (lambda: Session(model, max_cache=0), "max_cache"),
+        (lambda: Chat(model, tok, template="nope"), "chat template 'nope'"),
+        (lambda: list(Chat(model, tok, template=str(template)).ask("hi")),
+         "no system prompts here"),
+    ]  # fmt: skip
+    for act, match in cases:
+        with pytest.raises(GenerationError, match=match) as info:
+            act()
+        assert isinstance(info.value, UserError) and isinstance(info.value, ValueError)
 
 
 def test_chat_feeds_only_the_new_turn(tmp_path):

@@ -1,6 +1,7 @@
 """``python -m mlx_rwkvx.generate`` as a person uses it: a prompt, standard input, bad input
-(one line, exit 2), and the interactive chat driven in a pseudo-terminal (two turns, /save,
-quit, /load in a new process, Ctrl-C during an answer, unknown commands, a corrupt file)."""
+(one line, exit 2), a bug (its traceback, not a user error), and the interactive chat driven in
+a pseudo-terminal (two turns, /save, quit, /load in a new process, Ctrl-C during an answer,
+unknown commands, a corrupt file)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,29 @@ def test_bad_input_is_one_line(models, args, message):
     assert out.stdout == ""
     if "usage:" not in out.stderr:  # argparse prints its usage line before the error
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("mode", [["--prompt", "hi"], ["--chat"]])
+def test_a_bug_keeps_its_traceback(models, mode):
+    # an MLX shape error is a ValueError, but a bug, not the user's: its traceback and exit 1,
+    # never the one line and exit 2 of a user error (nor, in the chat, "error: ..." and the
+    # prompt again)
+    script = f"""
+import mlx.core as mx
+from mlx_rwkvx.models.model import Model
+from mlx_rwkvx.generate import main
+
+def head(self, h):  # the bug: a matmul of shapes that do not fit
+    return h @ mx.zeros((3, 5))
+
+Model.head = head
+main(["--model", {str(models / "aaa")!r}, "--max-tokens", "3", *{mode!r}])
+"""
+    out = subprocess.run([sys.executable, "-c", script], input="hi\n", capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    assert "Traceback" in out.stderr and "ValueError: [matmul]" in out.stderr, out.stderr
+    assert "error:" not in out.stderr + out.stdout
 
 
 def spawn(*args):

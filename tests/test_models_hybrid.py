@@ -5,6 +5,7 @@ prefilled in pieces), state tuning and the initialisations."""
 from __future__ import annotations
 
 from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config
+from mlx_rwkvx.models.cache import read_caches
 from mlx_rwkvx.ops.moba import moba_selection, selection_mask
 
 import mlx.core as mx
@@ -233,9 +234,9 @@ def test_prefill_equals_decode(name):
     assert rel_err(prefill, full) <= CACHE_TOL
     assert rel_err(decode, full) <= CACHE_TOL
     # the attention blocks' caches hold every token's key, no more
-    for layer, c in zip(model.layers, cache, strict=True):
+    for layer, s in zip(model.layers, read_caches(model.layers, cache, B), strict=True):
         if layer.kind != "rwkv7":
-            assert c.state["keys"].shape[2] == T
+            assert s["keys"].shape[2] == T
 
 
 @pytest.mark.parametrize("name", ["rwkv7", "rwkv-x-tiny", "rfa", "mixed"])
@@ -256,9 +257,10 @@ def test_bf16_prefill_equals_decode_and_rows_are_independent(name):
     cache = model.make_cache()
     decode = mx.concatenate([model(tokens[:, t : t + 1], cache) for t in range(T)], axis=1)
     assert decode.dtype == mx.bfloat16
-    rwkv = [c.state for layer, c in zip(model.layers, cache, strict=True) if layer.kind == "rwkv7"]
+    states = list(zip(model.layers, read_caches(model.layers, cache, B), strict=True))
+    rwkv = [s for layer, s in states if layer.kind == "rwkv7"]
     assert rwkv and all(s["wkv"].dtype == mx.float32 for s in rwkv)
-    moba = [c.state for layer, c in zip(model.layers, cache, strict=True) if layer.kind == "moba"]
+    moba = [s for layer, s in states if layer.kind == "moba"]
     assert all(s["key_sums"].dtype == mx.float32 for s in moba)
     f32 = [np.array(x.astype(mx.float32)) for x in (decode, full)]
     assert rel_err(*f32) <= 2e-2

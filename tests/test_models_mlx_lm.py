@@ -1,7 +1,8 @@
 """mlx-lm as an independent implementation: our RWKV-7 and all-Qwen2 models, weights copied into
 ``mlx_lm.models.rwkv7.Model`` / ``mlx_lm.models.qwen2.Model``, give the same logits for a whole
 sequence and token by token through both caches; mlx-lm's ``generate_step`` runs our models and
-their caches unchanged."""
+their caches unchanged; the caches are mlx-lm's own ``ArraysCache``, whose prompt-cache files
+load with mlx-lm alone, nothing of ours written into its modules."""
 
 from __future__ import annotations
 
@@ -247,3 +248,37 @@ def test_stream_generate_with_our_tokenizer(name):
             break
         logits = model(mx.array([tokens[-1:]]), cache)
     assert pieces == tokens
+
+
+def test_caches_are_mlx_lms_own(tmp_path):
+    """``make_cache`` gives mlx-lm's ``ArraysCache`` (one per block, RFA's ARWKV blocks with two
+    arrays, Qwen2's with two); making models and caches and running them writes nothing into
+    mlx-lm's cache module; a prompt cache saved by mlx-lm loads in a process that imports mlx-lm
+    alone, and here it continues as the cache it was saved from."""
+    import subprocess
+    import sys
+
+    from mlx_lm.models import cache as lm_cache
+
+    before = dict(vars(lm_cache))
+    model = Model(GENERATE["rfa"](), seed=2)
+    cache = model.make_cache()
+    assert all(type(c) is lm_cache.ArraysCache and c.empty() for c in cache)
+    model(mx.array([[1, 2, 3, 4]]), cache)
+    assert [len(c.cache) for c in cache] == [2, 2, 2, 2]
+    assert dict(vars(lm_cache)) == before
+    path = str(tmp_path / "prompt.safetensors")
+    lm_cache.save_prompt_cache(path, cache)
+    code = (
+        "import sys\n"
+        "from mlx_lm.models.cache import load_prompt_cache\n"
+        "cache = load_prompt_cache(sys.argv[1])\n"
+        "assert not any(m.startswith('mlx_rwkvx') for m in sys.modules)\n"
+        "print(' '.join(type(c).__name__ for c in cache))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ArraysCache"] * 4
+    loaded = lm_cache.load_prompt_cache(path)
+    step = mx.array([[5, 6]])
+    assert mx.array_equal(model(step, loaded), model(step, cache))

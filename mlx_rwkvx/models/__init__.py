@@ -1,6 +1,5 @@
 """nn.Modules of RWKV-7, RWKV-X and RFA, built from one ModelConfig."""
 
-from mlx_rwkvx.models.cache import register_with_mlx_lm
 from mlx_rwkvx.models.config import ModelConfig, preset, rfa_config, rwkv_x_block_types
 from mlx_rwkvx.models.model import Model
 
@@ -8,7 +7,6 @@ __all__ = [
     "Model",
     "ModelConfig",
     "preset",
-    "register_with_mlx_lm",
     "rfa_config",
     "rwkv_x_block_types",
 ]

@@ -14,7 +14,7 @@ import copy
 import functools
 
 from mlx_rwkvx.models.attention import MobaBlock, Qwen2Block
-from mlx_rwkvx.models.cache import BlockStateCache, register_with_mlx_lm
+from mlx_rwkvx.models.cache import make_caches, read_caches, write_caches
 from mlx_rwkvx.models.config import ModelConfig
 from mlx_rwkvx.models.init import initialise
 from mlx_rwkvx.models.quantize import GROUP_SIZE, quantize_bits, quantize_model
@@ -39,12 +39,13 @@ def _run_block(block, params, h, v_first, state):
 
 
 class Model(nn.Module):
-    """A model of ``cfg`` (the model keeps its own copy). ``init``: ``"seeds"`` (default,
-    seeded and non-degenerate), ``"pretrain"`` (RWKV-7's published init) or None (leave MLX's,
-    e.g. before loading weights).
+    """A model of ``cfg`` (the model keeps its own copy). ``init``: ``"foundry"`` (default:
+    Foundry's C engine's, seeded and non-degenerate; ``"seeds"`` is its older name),
+    ``"pretrain"`` (RWKV-7's published init) or None (leave MLX's, e.g. before loading
+    weights). ``seed``: the draws' seed.
     """
 
-    def __init__(self, cfg: ModelConfig, *, init: str | None = "seeds", seed: int = 0):
+    def __init__(self, cfg: ModelConfig, *, init: str | None = "foundry", seed: int = 0):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"Model: expected a ModelConfig, got {type(cfg).__name__}")
@@ -67,7 +68,6 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(C, cfg.vocab_size, bias=False)
         if init is not None:
             initialise(self, init, seed)
-        register_with_mlx_lm(import_it=False)
 
     @property
     def quantization(self) -> dict | None:
@@ -110,10 +110,10 @@ class Model(nn.Module):
             layer.trim_state(s, max_tokens) for layer, s in zip(self.layers, state, strict=True)
         ]
 
-    def make_cache(self) -> list[BlockStateCache]:
-        """mlx-lm's cache: one ``BlockStateCache`` per block, filled on first use."""
-        register_with_mlx_lm()
-        return [BlockStateCache() for _ in self.layers]
+    def make_cache(self) -> list:
+        """mlx-lm's cache: one of its ``ArraysCache`` per block, holding the block's state
+        (``mlx_rwkvx.models.cache``); empty until the model first runs with it."""
+        return make_caches(self.layers)
 
     def check_tokens(self, tokens) -> None:
         """Raise a ValueError (TypeError for a non-array) unless ``tokens`` is an integer
@@ -220,17 +220,6 @@ class Model(nn.Module):
                 f"model: the cache has {n} entries for {len(self.layers)} layers "
                 "(use model.make_cache())"
             )
-        for i, c in enumerate(cache):
-            if not isinstance(c, BlockStateCache):
-                raise ValueError(
-                    f"model: cache[{i}] is a {type(c).__name__}, not one of model.make_cache()"
-                )
-        B = tokens.shape[0]
-        state = [
-            layer.init_state(B) if c.empty() else c.state
-            for layer, c in zip(self.layers, cache, strict=True)
-        ]
-        h, state = self._hidden(tokens, state)
-        for c, s in zip(cache, state, strict=True):
-            c.state = s
+        h, state = self._hidden(tokens, read_caches(self.layers, cache, tokens.shape[0]))
+        write_caches(self.layers, cache, state)
         return self.head(h)

@@ -1,0 +1,340 @@
+"""A chat: ``Chat`` carries a conversation's state from turn to turn, so that each turn
+prefills only its new tokens, and saves it to one file and loads it back (``is_conversation``
+tells such a file); ``chat_format`` renders a conversation (the tokenizer's template, RWKV's
+``User:/Assistant:``, ChatML or a Jinja file)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from mlx_rwkvx.errors import CheckpointError, GenerationError
+from mlx_rwkvx.generation.stream import Session, _encode, stream_generate
+from mlx_rwkvx.io.atomic import atomic_target, check_target, save_safetensors
+from mlx_rwkvx.io.tensors import read_safetensors
+from mlx_rwkvx.io.tokenizers import rwkv_chat_text
+from mlx_rwkvx.models.model import Model
+from mlx_rwkvx.tuner.adapters import adapter_tensors, fingerprint
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.generate import (
+    GenerationResponse,
+)
+
+STATE_FORMAT = "mlx_rwkvx.chat/1"  # the metadata tag of a saved conversation
+
+
+# ----- chat templates --------------------------------------------------------------------------
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TEMPLATE_NAMES = ("rwkv", "chatml")
+RWKV_STOP = "\n\n"  # an RWKV World chat turn ends with a blank line, not with token 0
+
+
+@dataclass
+class ChatFormat:
+    """How a conversation becomes text: ``render(messages, add_generation_prompt)``, the stop
+    strings that end an answer, and a name (for saved conversations)."""
+
+    name: str
+    render: Callable[[list[dict], bool], str]
+    stops: list[str] = field(default_factory=list)
+
+    def apply(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """``render``, with a template's own refusal of the messages (Jinja's
+        ``raise_exception``) as a GenerationError."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.render(messages, add_generation_prompt)
+        except TemplateError as e:
+            raise GenerationError(f"chat template {self.name}: {e}") from e
+
+
+def _jinja(template: str) -> Callable[[list[dict], bool], str]:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    def render(messages, add_generation_prompt):
+        rendered, _ = render_jinja_template(
+            [messages], chat_template=template, add_generation_prompt=add_generation_prompt
+        )
+        return rendered[0]
+
+    return render
+
+
+def chat_format(tokenizer, template: str | None = None) -> ChatFormat:
+    """The conversation format: ``template`` None takes the tokenizer's own chat template
+    (through transformers' ``apply_chat_template``) where it has one, else RWKV's
+    ``User: ...\\n\\nAssistant: ...`` convention; or a name (``rwkv``, ``chatml``) or the path
+    of a Jinja template file. Raises GenerationError for an unknown name, an unreadable file
+    or one that does not render the messages."""
+    if template is None:
+        if getattr(tokenizer, "chat_template", None):
+
+            def render(messages, add_generation_prompt):
+                return tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                )
+
+            return ChatFormat("tokenizer", render, _im_end_stop(tokenizer, tokenizer.chat_template))
+        template = "rwkv"
+    if template == "rwkv":
+        return ChatFormat("rwkv", rwkv_chat_text, [RWKV_STOP])
+    if template == "chatml":
+        return ChatFormat("chatml", _jinja(CHATML), _im_end_stop(tokenizer, force=True))
+    if not os.path.isfile(template):
+        raise GenerationError(
+            f"chat template {template!r}: neither one of {list(TEMPLATE_NAMES)} nor a file"
+        )
+    try:
+        with open(template, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise GenerationError(f"chat template {template}: cannot read it ({e})") from e
+    render = _jinja(text)
+    probe = "<probe: the user's words>"
+    try:
+        rendered = render([{"role": "user", "content": probe}], True)
+    except Exception as e:  # jinja2's own errors: a template that does not render
+        raise GenerationError(f"chat template {template}: does not render ({e})") from e
+    if probe not in rendered:  # a file that is not a template renders as itself
+        raise GenerationError(
+            f"chat template {template}: does not render the messages (their text is not in "
+            "what it writes): not a chat template?"
+        )
+    return ChatFormat(os.path.abspath(template), render, _im_end_stop(tokenizer, text))
+
+
+def _im_end_stop(tokenizer, template: str | None = None, force: bool = False) -> list[str]:
+    """ChatML's turns end with ``<|im_end|>``: a stop string for a template that writes it
+    (or ``force``), unless it is one token and one of the tokenizer's end-of-text ids (a Qwen2
+    base tokenizer ends texts with ``<|endoftext|>``, not ``<|im_end|>``)."""
+    if not force and "<|im_end|>" not in (template or ""):
+        return []
+    ids = tokenizer.encode("<|im_end|>") if tokenizer is not None else []
+    eos = getattr(tokenizer, "eos_token_ids", set()) or set()
+    return [] if len(ids) == 1 and ids[0] in eos else ["<|im_end|>"]
+
+
+# ----- the chat --------------------------------------------------------------------------------
+
+
+def is_conversation(path: str) -> bool:
+    """Whether ``path`` is a conversation ``Chat.save`` wrote (its metadata says so)."""
+    try:
+        _, meta = read_safetensors(path)
+    except CheckpointError:
+        return False
+    return meta.get("format") == STATE_FORMAT
+
+
+class Chat:
+    """A conversation: its messages, and a ``Session`` holding every token fed so far.
+
+    Each ``ask`` renders the whole conversation with the new user message and feeds only the
+    text past what the session already holds (the state after the previous answer), so a turn
+    costs its own tokens. When the rendering does not continue the text fed so far (a
+    tokenizer that spells the answer differently, a template that rewrites earlier turns), it
+    continues from the state before the previous answer, and failing that from the start: the
+    state always equals a prefill of ``session.tokens``."""
+
+    def __init__(
+        self,
+        model: Model,
+        tokenizer,
+        *,
+        template: str | None = None,
+        system: str | None = None,
+        **options,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.template = template
+        self.format = chat_format(tokenizer, template)
+        if "max_kv_size" in options:  # mlx-lm's name
+            options["max_cache"] = options.pop("max_kv_size")
+        gen = {k: options.pop(k) for k in ("max_cache", "window", "prefill_step") if k in options}
+        self.options = options  # sampling and max_tokens for every turn
+        self.session = Session(model, **gen)
+        self.system = system
+        self.messages: list[dict] = []
+        self._before_answer: tuple[list[int], list | None] | None = None
+        self.reused = 0  # tokens of the held state the last turn continued from
+        self.prefilled = 0  # tokens the last turn fed before its answer
+
+    def reset(self, system: str | None | bool = False) -> None:
+        """Start a new conversation (``system``: a new system prompt; False keeps it)."""
+        if system is not False:
+            self.system = system
+        self.messages, self._before_answer = [], None
+        self.session.reset()
+
+    def _conversation(self, user: str | None = None) -> list[dict]:
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        messages += self.messages
+        if user is not None:
+            messages.append({"role": "user", "content": user})
+        return messages
+
+    def _fed_text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens) if tokens else ""
+
+    def _continue(self, text: str) -> list[int]:
+        """Bring the session to the latest held state whose text ``text`` continues (after
+        the previous answer, else before it, else the start); the ids still to feed."""
+        held = [self.session.snapshot()]
+        if self._before_answer is not None:
+            held.append(self._before_answer)
+        for snap in held:
+            done = self._fed_text(snap[0])
+            if snap[0] and text.startswith(done) and len(text) > len(done):
+                ids = _encode(self.tokenizer, text[len(done) :])  # first: it may refuse
+                self.session.restore(snap)
+                self.reused = len(snap[0])
+                return ids
+        ids = _encode(self.tokenizer, text)
+        self.session.reset()
+        self.reused = 0
+        return ids
+
+    def ask(self, user: str, **options) -> Iterator[GenerationResponse]:
+        """Stream the answer to ``user``; the conversation then holds both (an answer stopped
+        early, by Ctrl-C or ``close()``, is kept as far as it came)."""
+        if not isinstance(user, str):
+            raise TypeError(f"chat: the message must be a str, got {type(user).__name__}")
+        text = self.format.apply(self._conversation(user))
+        opts = {**self.options, **options}
+        stops = list(self.format.stops) + list(opts.pop("stop", ()))
+        ids = self._continue(text)
+        self.prefilled = len(ids)
+        responses = stream_generate(
+            self.model, self.tokenizer, ids, stop=stops, session=self.session, **opts
+        )
+        first = next(responses)  # the prompt is in: the state before the answer
+        self._before_answer = self.session.snapshot()
+        self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": ""}]
+        answer = self.messages[-1]
+        pieces = [first.text]
+        answer["content"] = self._content(pieces)
+        yield first
+        for response in responses:
+            pieces.append(response.text)
+            answer["content"] = self._content(pieces)
+            yield response
+
+    def _content(self, pieces: list[str]) -> str:
+        # the answer as generated, so that the next rendering continues the text fed; in
+        # RWKV's format less the space after "Assistant:" (the rendering puts it back)
+        text = "".join(pieces)
+        return text[1:] if self.format.name == "rwkv" and text.startswith(" ") else text
+
+    # ----- saving and loading a conversation ---------------------------------------------------
+
+    def identity(self) -> str:
+        """The model a saved conversation belongs to: the base's fingerprint and a hash of any
+        adapter tensors."""
+        h = hashlib.sha256()
+        for name, x in sorted(adapter_tensors(self.model).items()):
+            h.update(name.encode())
+            h.update(memoryview(x.astype(mx.float32)))
+        return f"{fingerprint(self.model)}-{h.hexdigest()[:16]}"
+
+    def save(self, path: str) -> None:
+        """The whole conversation in one safetensors file, written atomically: messages,
+        system prompt, the tokens fed and the state after them, and the state before the last
+        answer (from which the next turn continues when the answer's rendering differs)."""
+        path = os.fspath(path)
+        if not path.endswith(".safetensors"):
+            raise CheckpointError(f"{path}: a conversation is saved as a .safetensors file")
+        meta = {
+            "format": STATE_FORMAT,
+            "model": self.identity(),
+            "messages": json.dumps(self.messages),
+            "system": json.dumps(self.system),
+            "template": self.format.name,
+        }
+        tensors = {}
+        for name, snap in (("now", self.session.snapshot()), ("before", self._before_answer)):
+            if snap is None:
+                continue
+            tokens, state = snap
+            meta[f"{name}.tokens"] = str(len(tokens))
+            tensors[f"{name}.tokens"] = mx.array(tokens or [0], dtype=mx.int32)
+            if state is not None:  # an empty KV cache has no tensor: it comes from init_state
+                tensors.update({f"{name}.{k}": v for k, v in tree_flatten(state) if v.size})
+        # replaces a conversation saved before, never another file (a model, a document)
+        check_target(path, overwrite=True, folder=False, recognise=is_conversation,
+                     kind="a saved conversation")  # fmt: skip
+        with atomic_target(path, folder=False) as tmp:
+            save_safetensors(tmp, tensors, meta)
+
+    def _snapshot_from(self, name: str, tensors: dict, meta: dict):
+        if f"{name}.tokens" not in meta:
+            return None
+        n = int(meta[f"{name}.tokens"])
+        tokens = [int(i) for i in tensors[f"{name}.tokens"].tolist()][:n]
+        if len(tokens) != n:
+            raise ValueError(f"{name}: {len(tokens)} tokens for {n}")
+        if not n:
+            return [], None
+        flat = [
+            (k, tensors.get(f"{name}.{k}", v) if v.size == 0 else tensors[f"{name}.{k}"])
+            for k, v in tree_flatten(self.model.init_state(1))
+        ]
+        for k, v in flat:
+            if mx.issubdtype(v.dtype, mx.floating) and not mx.all(mx.isfinite(v)).item():
+                raise ValueError(f"{name}.{k} holds NaN or infinite values")
+        state = tree_unflatten(flat)
+        self.model.check_state(state, 1)
+        return tokens, state
+
+    def load(self, path: str) -> None:
+        """Continue the conversation saved in ``path`` (by this or another process). Raises
+        CheckpointError (a ValueError) for a file that is not one, or belongs to another model;
+        the chat is unchanged then."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: no such file")
+        try:
+            tensors, meta = mx.load(path, return_metadata=True)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"{path}: not a saved conversation ({e})") from e
+        if meta.get("format") != STATE_FORMAT:
+            raise CheckpointError(f"{path}: not a saved conversation (no {STATE_FORMAT} tag)")
+        if meta.get("model") != self.identity():
+            raise CheckpointError(
+                f"{path}: the conversation was saved with another model or adapter"
+            )
+        if meta.get("template") != self.format.name:
+            raise CheckpointError(
+                f"{path}: the conversation was saved in the {meta.get('template')!r} chat "
+                f"format, this chat uses {self.format.name!r} (--chat-template)"
+            )
+        try:
+            messages, system = json.loads(meta["messages"]), json.loads(meta["system"])
+            now = self._snapshot_from("now", tensors, meta)
+            before = self._snapshot_from("before", tensors, meta)
+            if now is None or not isinstance(messages, list):
+                raise ValueError("no state or no messages")
+            for m in messages:
+                if not (
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                ):
+                    raise ValueError(f"a message that is not a role and a text: {m!r:.60}")
+            if system is not None and not isinstance(system, str):
+                raise ValueError("the system prompt is not a text")
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{path}: a damaged conversation file ({e})") from e
+        self.messages, self.system = messages, system
+        self.session.restore(now)
+        self._before_answer = before

@@ -3,13 +3,13 @@ user can cause is one line ``mlx_rwkvx.<cmd>: error: ...`` and exit code 2; Ctrl
 SIGTERM stop it cleanly (temporary files removed, one line saying what was kept) with exit code
 130 or 143; a bug keeps its traceback.
 
-User errors are ``mlx_rwkvx.errors.UserError`` and the ``OSError`` numbers in ``USER_ERRNOS``
-(a full disk, a file-size limit, no permission, a read-only disk, a path that cannot resolve).
+User errors are ``mlx_rwkvx.errors.UserError`` and the ``OSError`` numbers in
+``errors.USER_ERRNOS`` (a full disk, a file-size limit, no permission, a read-only disk, a path
+that cannot resolve).
 """
 
 from __future__ import annotations
 
-import errno
 import signal
 import sys
 import threading
@@ -17,28 +17,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn, TypeVar
 
-from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.errors import (
+    EXIT_CODES,
+    USER_ERRNOS,
+    Interrupted,
+    UserError,
+    os_error_text,
+    signal_of,
+)
 
 T = TypeVar("T")
-
-_USER_ERRNO_NAMES = ("ENOSPC", "EDQUOT", "EFBIG", "EACCES", "EPERM", "EROFS", "ELOOP",
-                     "ENAMETOOLONG", "ENOTDIR", "EISDIR")  # fmt: skip
-USER_ERRNOS = frozenset(getattr(errno, n) for n in _USER_ERRNO_NAMES if hasattr(errno, n))
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) or SIGTERM: ``signum``, and ``kept``, what the command kept (one line:
-    ``saved checkpoint_12``)."""
-
-    def __init__(self, signum: int = signal.SIGINT, kept: str = ""):
-        super().__init__(kept)
-        self.signum, self.kept = signum, kept
-
-
-def signal_of(e: BaseException) -> int:
-    """The signal behind a KeyboardInterrupt (SIGINT unless it says otherwise)."""
-    return getattr(e, "signum", signal.SIGINT)
+__all__ = ["EXIT_CODES", "USER_ERRNOS", "Interrupted", "fail", "help_text", "os_error_text",
+           "run", "sigterm_as_interrupt", "signal_of"]  # fmt: skip
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -61,13 +51,6 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 def one_line(text: str) -> str:
     return " ".join(str(text).split())
-
-
-def os_error_text(e: OSError) -> str:
-    """``path: reason`` of an OSError (both paths of a rename)."""
-    what = e.strerror or str(e)
-    paths = [p for p in (e.filename, e.filename2) if p is not None]
-    return ": ".join([" -> ".join(map(str, paths)), what] if paths else [what])
 
 
 def fail(prog: str, message: str) -> NoReturn:

@@ -8,8 +8,8 @@
 3. A new task the base never saw, reversing a word, fine-tuned as two Macs would:
    the data split 3:1 by ``python -m mlx_rwkvx.pretokenize --split-weights 3,1``, the larger
    part trained with ``--parallel 2``, the other alone, and the Macs' LoRA adapters merged by
-   ``python -m mlx_rwkvx.merge``: the seeds' FedAvg (A and B averaged apart), and exactly (the
-   updates B @ A of the three shards averaged by their tokens, re-factored by SVD).
+   ``python -m mlx_rwkvx.merge``: Foundry's FedAvg (A and B averaged apart), and exactly (the
+   updates B @ A of the three parts averaged by their tokens, re-factored by SVD).
 4. Answers to a few held-out prompts before and after each stage and a table of held-out
    accuracy per task and stage.
 
@@ -36,13 +36,14 @@ from pathlib import Path
 
 import mlx_rwkvx
 from mlx_rwkvx import cli
-from mlx_rwkvx import merge as merge_cli
-from mlx_rwkvx import pretokenize as pretokenize_cli
 from mlx_rwkvx import train as train_cli
 from mlx_rwkvx.cli import help_text
 from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
 from mlx_rwkvx.models import Model, ModelConfig
+from mlx_rwkvx.tuner.merge import merge_adapters
+from mlx_rwkvx.tuner.pretokenize import pretokenize
+from mlx_rwkvx.tuner.trainer import train
 
 import mlx.core as mx
 import numpy as np
@@ -207,6 +208,7 @@ class Demo:
         self.table: list[tuple[str, dict[str, float]]] = []
         self.times: dict[str, float] = {}
         self.records: list[dict] = []
+        self.steps: dict[str, list[tuple[int, float]]] = {}  # a training run's (step, loss)
 
     def say(self, text: str = "") -> None:
         print(text, flush=True)
@@ -214,18 +216,22 @@ class Demo:
     def stage(self, name: str) -> None:
         self.say(f"\n=== {name} " + "=" * max(3, 72 - len(name)))
 
-    def run_cli(self, module: str, main, args: list[str]) -> None:
-        self.say("$ python -m " + module + " " + " ".join(shlex.quote(a) for a in args))
-        try:
-            main(args)
-        except SystemExit as e:
-            interrupted = {code: signum for signum, code in cli.EXIT_CODES.items()}
-            if e.code in interrupted:  # Ctrl-C or SIGTERM in the command: the demo stops too
-                raise cli.Interrupted(interrupted[e.code]) from None
-            if e.code == 2:  # the command said what was wrong, in its one line above
-                raise UserError(f"python -m {module} stopped (see its error above)") from None
-            if e.code not in (0, None):
-                raise RuntimeError(f"demo: python -m {module} exited with {e.code}") from None
+    def run(self, command: str, args: list[str], call) -> None:
+        """Show the command a user would type, then do what it does (through the library)."""
+        self.say("$ python -m " + command + " " + " ".join(shlex.quote(a) for a in args))
+        call()
+
+    def train(self, name: str, args: list[str]) -> list[tuple[int, float]]:
+        """``python -m mlx_rwkvx.train`` with ``args``; returns the run's (step, loss)."""
+        steps = []
+
+        def log(record: dict) -> None:
+            if "loss" in record:
+                steps.append((record["step"], record["loss"]))
+
+        self.run("mlx_rwkvx.train", args, lambda: train(train_cli.config_from(args), log=log))
+        self.steps[name] = steps
+        return steps
 
     def score(self, label: str, model: Model, tokenizer) -> dict[str, float]:
         scores = {t: accuracy(model, tokenizer, q) for t, q in self.held_out.items()}
@@ -300,7 +306,7 @@ class Demo:
         )
         t0 = time.perf_counter()
         out = self.out / "pretrain"
-        self.run_cli("mlx_rwkvx.train", train_cli.main, [
+        steps = self.train("pretrain", [
             "--mode", "pretrain", "--model", str(cfg_path), "--data", str(self.out / "data" /
             "pretrain"), "--output", str(out), "--epochs", "1", "--batch-size", str(s.batch),
             "--lr", str(s.pretrain_lr), "--warmup", "50", "--max-seq-len", "256",
@@ -309,7 +315,7 @@ class Demo:
         seconds = time.perf_counter() - t0
         model, tokenizer = mlx_rwkvx.load(out / "model")
         after = self.score("pretrained", model, tokenizer)
-        self.record("pretrain", seconds, **_losses(out), before=before, after=after)
+        self.record("pretrain", seconds, **_losses(steps), before=before, after=after)
         return out / "model"
 
     # --- 3. fine-tuning as two Macs, and the merge
@@ -318,10 +324,12 @@ class Demo:
         self.stage("3. the data split for two Macs (3:1)")
         t0 = time.perf_counter()
         parts = self.out / "data" / "reverse.bin"
-        self.run_cli("mlx_rwkvx.pretokenize", pretokenize_cli.main, [
-            "--tokenizer", "bytes", "--data", str(self.out / "data" / "reverse.jsonl"),
-            "--output", str(parts), "--split-weights", SPLIT,
-        ])  # fmt: skip
+        source = self.out / "data" / "reverse.jsonl"
+        weights = [float(w) for w in SPLIT.split(",")]
+        self.run("mlx_rwkvx.pretokenize", [
+            "--tokenizer", "bytes", "--data", str(source), "--output", str(parts),
+            "--split-weights", SPLIT,
+        ], lambda: pretokenize(str(source), str(parts), "bytes", weights=weights))  # fmt: skip
         self.record("split", time.perf_counter() - t0)
         common = [
             "--model", str(base), "--mode", "lora", "--lora-rank", str(s.lora_rank),
@@ -331,11 +339,11 @@ class Demo:
         ]  # fmt: skip
         adapters = []
         for mac, part, extra in (("mac-1", 0, ["--parallel", "2"]), ("mac-2", 1, [])):
-            what = "two shards at once (--parallel 2)" if extra else "one shard"
+            what = "two parts at once (--parallel 2)" if extra else "one part"
             self.stage(f"4. LoRA fine-tuning on {mac}: part {part}, {what}")
             t0 = time.perf_counter()
             out = self.out / mac
-            self.run_cli("mlx_rwkvx.train", train_cli.main, [
+            steps = self.train(mac, [
                 *common, "--data", str(parts.with_name(f"reverse_{part}.bin")), "--output",
                 str(out), *extra,
             ])  # fmt: skip
@@ -343,31 +351,36 @@ class Demo:
             adapter = out / "adapter_final.safetensors"
             model, tokenizer = mlx_rwkvx.load(base, adapter=adapter)
             scores = self.score(f"{mac} adapter", model, tokenizer)
-            self.record(mac, seconds, **_losses(out), after=scores)
+            self.record(mac, seconds, **_losses(steps), after=scores)
             adapters.append(adapter)
         self.stage("5. merging the two Macs' adapters")
-        # the seeds' way first: each Mac's FedAvg (A and B averaged, not their product), then
-        # the FedAvg of the two; then the exact merge: the three shards' updates B @ A averaged
+        # Foundry's way first: each Mac's FedAvg (A and B averaged, not their product), then
+        # the FedAvg of the two; then the exact merge: the three parts' updates B @ A averaged
         # by the tokens each trained on, re-factored to the adapters' rank
         t0 = time.perf_counter()
         fedavg = self.out / "merged-fedavg"
-        self.run_cli("mlx_rwkvx.merge", merge_cli.main, [
-            "--output", str(fedavg), "--weights", "auto", "--method", "fedavg",
-            *map(str, adapters),
-        ])  # fmt: skip
+        self.merge(fedavg, adapters, "fedavg")
         model, tokenizer = mlx_rwkvx.load(base, adapter=fedavg)
         self.score("merged by FedAvg", model, tokenizer)
         merged = self.out / "merged"
-        shards = [self.out / "mac-1" / f"thread_{i}.safetensors" for i in range(2)]
-        self.run_cli("mlx_rwkvx.merge", merge_cli.main, [
-            "--output", str(merged), "--weights", "auto", "--method", "delta",
-            *map(str, [*shards, adapters[1]]),
-        ])  # fmt: skip
+        threads = [self.out / "mac-1" / f"thread_{i}.safetensors" for i in range(2)]
+        self.merge(merged, [*threads, adapters[1]], "delta")
         seconds = time.perf_counter() - t0
         model, tokenizer = mlx_rwkvx.load(base, adapter=merged)
         scores = self.score("merged exactly", model, tokenizer)
         self.record("merge", seconds, after=scores)
         return merged
+
+    def merge(self, output: Path, adapters: list[Path], method: str) -> None:
+        """``python -m mlx_rwkvx.merge``, the adapters weighed by the tokens they trained on."""
+        args = ["--output", str(output), "--weights", "auto", "--method", method,
+                *map(str, adapters)]  # fmt: skip
+
+        def call():
+            report = merge_adapters(adapters, output, method=method, weights="auto")
+            self.say("\n".join(report))
+
+        self.run("mlx_rwkvx.merge", args, call)
 
     def report(self, base: Path, merged: Path, started: float) -> None:
         self.stage("results")
@@ -388,7 +401,7 @@ class Demo:
             self.say(f"goal: {name} {value:.1%} (>= 90%): {met}" + (" (--quick: sizes too "
                      "small to mean anything)" if self.quick else ""))  # fmt: skip
         self.record("total", total, goals=goals, quick=self.quick)
-        _plot(self.out)
+        _plot(self.out, self.steps)
         prompt, answer = self.held_out["reverse"][1]
         self.say("\nChat with the result (the merged adapter on the pretrained model):")
         self.say(f"  python -m mlx_rwkvx.generate --model {shlex.quote(str(base))} --adapter "
@@ -396,21 +409,15 @@ class Demo:
                  f"{shlex.quote(prompt)}")  # fmt: skip
 
 
-def _steps(out: Path) -> list[tuple[int, float]]:
-    """A training run's (step, loss) from its metrics.jsonl."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
-
-
-def _losses(out: Path) -> dict:
+def _losses(steps: list[tuple[int, float]]) -> dict:
     """A run's mean training loss over its first and over its last tenth of steps."""
-    losses = [loss for _, loss in _steps(out)]
+    losses = [loss for _, loss in steps]
     n = max(1, len(losses) // 10)
     return {"first_loss": sum(losses[:n]) / n, "last_loss": sum(losses[-n:]) / n,
             "steps": len(losses)}  # fmt: skip
 
 
-def _plot(out: Path) -> None:
+def _plot(out: Path, steps: dict[str, list[tuple[int, float]]]) -> None:
     try:
         import matplotlib
 
@@ -425,7 +432,7 @@ def _plot(out: Path) -> None:
         (axes[1], ["mac-1", "mac-2"], "LoRA fine-tuning (the new task)"),
     ):
         for run in runs:
-            ax.plot(*zip(*_steps(out / run), strict=True), label=run)
+            ax.plot(*zip(*steps[run], strict=True), label=run)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (nats per byte)")
         ax.set_title(title)

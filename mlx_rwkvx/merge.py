@@ -1,6 +1,6 @@
 """``python -m mlx_rwkvx.merge --output OUT ADAPTER...``: merge adapters trained on several
-Macs or shards (``fedavg``, ``delta``, ``concat``: see ``mlx_rwkvx.tuner.merge``), or fold them
-into a model (``--fuse-into MODEL``).
+Macs or parts of the data (``fedavg``, ``delta``, ``concat``: see ``mlx_rwkvx.tuner.merge``),
+or fold them into a model (``--fuse-into MODEL``).
 
 OUT: a ``.safetensors`` file (the adapter, its config in the metadata), or a folder
 (``adapter_final.safetensors`` and ``adapter_config.json``); with ``--fuse-into``, a native
@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="adapter files or folders")
     p.add_argument("--output", "-o", required=True, help="where to write (see above)")
     p.add_argument("--method", choices=merging.METHODS, default="fedavg",
-                   help="fedavg (A and B averaged: the seeds'), delta (the updates averaged "
+                   help="fedavg (A and B averaged: Foundry's), delta (the updates averaged "
                    "exactly, re-factored to --rank by SVD), concat (exact, rank = the sum) "
                    "(default: fedavg)")  # fmt: skip
     p.add_argument("--weights", help="one weight per adapter (6,2), or auto: the tokens each "

@@ -1,4 +1,4 @@
-"""The seeds' adapter merge, with their command as it is:
+"""Foundry's adapter merge, with their command as it is:
 
     python scripts/merge_adapters.py --output merged.safetensors a.safetensors b.safetensors
 

@@ -1,4 +1,4 @@
-"""The seeds' ``pre_tokenize.py``, with their flags as they are:
+"""Foundry's ``pre_tokenize.py``, with their flags as they are:
 
     python scripts/pre_tokenize.py --tokenizer models/base/ARWKV-R1-1B5/tokenizer.json \\
         --data oasst1_chat.jsonl --output oasst1_qwen_tokens.bin --max-seq-len 256 \\

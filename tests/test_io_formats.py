@@ -228,7 +228,7 @@ def test_int8_load_and_round_trip(tmp_path):
         if "decay" not in k and "iclr" not in k and "value_mix" not in k and "gate" not in k
     )
     # INT8 (group 64, per-group scale and bias) vs fp32 logits: within 2% of their norm here
-    # (the error grows with depth and width; this is a 2-layer C=128 model of the seeds' init)
+    # (the error grows with depth and width; this is a 2-layer C=128 model of Foundry's init)
     ref = model(TOKENS)
     err = (mx.linalg.norm(q(TOKENS) - ref) / mx.linalg.norm(ref)).item()
     assert err <= 2e-2

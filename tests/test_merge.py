@@ -263,7 +263,7 @@ def test_fuse_into_gives_the_adapter_models_logits(pair, tmp_path):
     assert mlx_rwkvx.load(tmp_path / "fused8")[0].quantization["bits"] == 8
 
 
-def test_scripts_wrapper_takes_the_seeds_command(pair, tmp_path):
+def test_scripts_wrapper_takes_foundrys_command(pair, tmp_path):
     a, b = pair
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "merge_adapters.py"), "--output",

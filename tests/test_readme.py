@@ -222,7 +222,7 @@ RECIPES = {
     "merge-adapters-from-two-macs": Recipe(
         files={
             "rwkv-qwen-hybrid-1.5B.safetensors": "rfa-bpe",
-            "tokenizer.json": "tokenizer-json",  # beside the model, as Qwen2's beside the seeds'
+            "tokenizer.json": "tokenizer-json",  # beside the model, as Qwen2's beside Foundry's
             "chats": "chats",
         },
         replace={"--epochs 3": LONG_RUN},
@@ -309,7 +309,7 @@ class Fixtures:
         return self._save(cfg, path)
 
     def _rfa(self, path: Path, vocab_size: int = 256) -> Path:
-        """One .safetensors with the config in its metadata, as the seeds' hybrid."""
+        """One .safetensors with the config in its metadata, as Foundry's hybrid."""
         from mlx_rwkvx.models import rfa_config
 
         attention = dict(n_q_heads=4, n_kv_heads=2, attn_head_dim=16, intermediate_size=128)

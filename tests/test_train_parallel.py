@@ -133,7 +133,7 @@ def test_parallel_resumes_after_a_kill(workspace, tmp_path):
     [
         (dict(mode="dora"), "--parallel trains LoRA adapters"),
         (dict(carry_state=True), "--parallel and --carry-state"),
-        (dict(parallel=20), "cannot make 20 shards"),
+        (dict(parallel=20), "cannot make 20 parts"),
         (dict(parallel=0), "parallel must be"),
     ],
 )
@@ -143,7 +143,7 @@ def test_parallel_refusals(workspace, tmp_path, kw, message):
     assert not (tmp_path / "x").exists()
 
 
-def test_the_seeds_cross_machine_recipe(workspace, tmp_path):
+def test_foundrys_cross_machine_recipe(workspace, tmp_path):
     # pretokenize --split-weights 6,2; each part trained with --parallel and --quantize (two
     # Macs); the two adapters merged; the result chats
     def run(module, *args):

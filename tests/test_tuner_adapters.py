@@ -78,7 +78,7 @@ def test_globs_and_last_layers():
     assert target_paths(model, "qwen", num_layers=9) == target_paths(model, "qwen")
 
 
-def test_rfa_preset_trainable_count_matches_the_seeds():
+def test_rfa_preset_trainable_count_matches_foundrys():
     # rfa_train's manual: ~9.2M LoRA parameters at rank 32 on the 1.5B RFA model's 49 Qwen2
     # projections (7 blocks x Q, K, V, O, gate, up, down); nothing is computed here
     model = Model(preset("rfa-1.5b"), init=None)

@@ -584,7 +584,8 @@ def test_pretokenize_cli_errors(tmp_path):
     assert not out.exists()  # nothing written
     report = run_cli(*base, "--skip-bad")
     assert "skipped 1 bad records" in report and len(read_bin(str(out))) == 2
-    with pytest.raises(CliError, match=r"o\.bin: already exists \(--overwrite replaces it\)"):
+    exists = r"o\.bin: already exists \(overwrite=True or --overwrite replaces it\)"
+    with pytest.raises(CliError, match=exists):
         run_cli(*base, "--skip-bad")
     with pytest.raises(CliError, match="cannot split 2 examples into 3 parts"):
         run_cli(*base, "--skip-bad", "--split", 3)
@@ -619,7 +620,7 @@ def test_pretokenize_output_below_a_file(tmp_path):
     assert (tmp_path / "f").read_text() == "mine"
 
 
-def test_pre_tokenize_script_takes_the_seeds_flags(tmp_path):
+def test_pre_tokenize_script_takes_foundrys_flags(tmp_path):
     tok = hf_tokenizer(tmp_path / "tok")
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}] * 4)
     out = tmp_path / "tokens.bin"

@@ -35,7 +35,6 @@ import mlx.core as mx
 __all__ = ["TMP_PREFIX", "CheckpointError", "atomic_target", "check_target", "is_temp"]
 
 
-
 def _reason(e: BaseException) -> str:
     if isinstance(e, OSError):
         return reason(e)

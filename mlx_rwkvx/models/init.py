@@ -1,6 +1,7 @@
-"""Seeded initialisations. ``seeds`` (the default, what tests use): the C engine's small,
-non-degenerate init, no zero matrix anywhere, so no gradient test is vacuous. ``pretrain``:
-RWKV-7's published pretraining init (BlinkDL's RWKV-LM x070), for ``pretrain`` runs.
+"""Seeded initialisations. ``foundry`` (the default, what tests use): Foundry's C engine's
+small, non-degenerate init, no zero matrix anywhere, so no gradient test is vacuous (``seeds``
+is its older name). ``pretrain``: RWKV-7's published pretraining init (BlinkDL's RWKV-LM
+x070), for ``pretrain`` runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from mlx_rwkvx.models.rwkv7 import ChannelMix, HeadNorm, TimeMix
 import mlx.core as mx
 import mlx.nn as nn
 
-INIT_SCHEMES = ("seeds", "pretrain")
+INIT_SCHEMES = ("foundry", "pretrain")
+INIT_ALIASES = {"seeds": "foundry"}  # the name the README documented first
 
 
 # Large matrices are drawn, read and quantized this many bytes (of float32) of rows at a time.
@@ -43,7 +45,7 @@ def _uniform(seed: int, name: str, shape, scale: float, offset: float = 0.0) -> 
     return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=0)
 
 
-def seeds_scale(module: nn.Module, name: str) -> tuple[float, float]:
+def foundry_scale(module: nn.Module, name: str) -> tuple[float, float]:
     """(scale, offset) of ``offset + scale * uniform(-0.5, 0.5)`` for one parameter."""
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm, HeadNorm)):
         return (0.2, 1.0) if name == "weight" else (0.2, 0.0)
@@ -55,14 +57,14 @@ def seeds_scale(module: nn.Module, name: str) -> tuple[float, float]:
     return 0.5, 0.0
 
 
-def init_seeded(model: nn.Module, seed: int = 0) -> nn.Module:
-    """The seeds' init, in place: projections U(-.5,.5)*0.3, lerps/biases/k_k/k_a/r_k *0.5,
+def init_foundry(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Foundry's init, in place: projections U(-.5,.5)*0.3, lerps/biases/k_k/k_a/r_k *0.5,
     norm gains 1 + 0.2 U, norm biases 0.2 U, embedding *0.5, head *0.3. Returns the model."""
     for path, module in model.named_modules():
         for name, value in list(module.items()):
             if isinstance(value, mx.array):
                 full = f"{path}.{name}" if path else name
-                scale, offset = seeds_scale(module, name)
+                scale, offset = foundry_scale(module, name)
                 module[name] = _uniform(seed, full, value.shape, scale, offset).astype(value.dtype)
     return model
 
@@ -170,7 +172,7 @@ def init_pretrain(model: nn.Module, seed: int = 0) -> nn.Module:
     are the named constants above.
     """
     cfg = model.config
-    init_seeded(model, seed)  # then every parameter below is set by the published rule
+    init_foundry(model, seed)  # then every parameter below is set by the published rule
     _pretrain_generic(model, seed)
     model.embed.weight = _uniform(seed, "embed", model.embed.weight.shape, 2 * EMBED_BOUND)
     ch = _channels(cfg.hidden_size, cfg.head_size)
@@ -186,8 +188,15 @@ def init_pretrain(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
-def initialise(model: nn.Module, scheme: str = "seeds", seed: int = 0) -> nn.Module:
-    """Initialise ``model`` in place by ``scheme`` (``seeds`` or ``pretrain``)."""
+def init_scheme(scheme: str) -> str:
+    """The scheme ``scheme`` names (``seeds`` is ``foundry``); ValueError for another."""
+    scheme = INIT_ALIASES.get(scheme, scheme)
     if scheme not in INIT_SCHEMES:
         raise ValueError(f"init scheme must be one of {INIT_SCHEMES}, got {scheme!r}")
-    return (init_seeded if scheme == "seeds" else init_pretrain)(model, seed)
+    return scheme
+
+
+def initialise(model: nn.Module, scheme: str = "foundry", seed: int = 0) -> nn.Module:
+    """Initialise ``model`` in place by ``scheme`` (``foundry`` or ``pretrain``)."""
+    scheme = init_scheme(scheme)
+    return (init_foundry if scheme == "foundry" else init_pretrain)(model, seed)

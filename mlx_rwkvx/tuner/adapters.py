@@ -2,7 +2,7 @@
 state tuning, and the adapter files (mlx-lm's tensor names and ``adapter_config.json``, plus
 what describes the run: alpha, targets, the base model's fingerprint).
 
-Targets are module paths. Presets (the seeds' sets and ours):
+Targets are module paths. Presets (Foundry's sets and ours):
 
 - ``attn``: every MoBA block's Q, K, V, O and channel-mix key and value (6 a block: RWKV-X);
 - ``qwen``: every Qwen2 block's Q, K, V, O, gate, up, down (7 a block: RFA);
@@ -212,7 +212,7 @@ def fingerprint(model: Model) -> str:
 # ----- adapter files ---------------------------------------------------------------------------
 
 ADAPTER_CONFIG = "adapter_config.json"
-FINAL_ADAPTER = "adapter_final.safetensors"  # the seeds' names: adapter_final, checkpoint_<step>
+FINAL_ADAPTER = "adapter_final.safetensors"  # Foundry's names: adapter_final, checkpoint_<step>
 MLX_LM_ADAPTER = "adapters.safetensors"  # what mlx-lm writes and reads
 
 

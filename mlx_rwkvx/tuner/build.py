@@ -9,9 +9,9 @@ import json
 import os
 from dataclasses import dataclass
 
-import mlx_rwkvx
 from mlx_rwkvx.errors import AdapterError, CheckpointError, TrainError
 from mlx_rwkvx.io.formats import block_kinds
+from mlx_rwkvx.io.load import load_model
 from mlx_rwkvx.io.tokenizers import builtin_tokenizer, load_tokenizer, tokenizer_files_beside
 from mlx_rwkvx.models import Model, ModelConfig, preset
 from mlx_rwkvx.models.config import PRESETS
@@ -85,9 +85,7 @@ def build(cfg: TrainConfig) -> Built:
             )
     else:
         try:
-            model, _ = mlx_rwkvx.load(
-                cfg.model, quantize=cfg.quantize, dtype=cfg.dtype, tokenizer=False
-            )
+            model = load_model(cfg.model, quantize=cfg.quantize, dtype=cfg.dtype)
         except CheckpointError as e:
             raise _not_a_checkpoint(cfg, e) from e
         try:  # pre-tokenized data needs none: a text data set says so if it lacks one

@@ -19,6 +19,7 @@ from mlx_rwkvx.errors import CheckpointError, TrainError
 from mlx_rwkvx.io.atomic import atomic_target, save_safetensors, save_text
 from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.models import Model
+from mlx_rwkvx.models.init import INIT_ALIASES
 from mlx_rwkvx.tuner.adapters import adapter_tensors, save_adapter
 
 import mlx.core as mx
@@ -144,6 +145,8 @@ def load_checkpoint(out: Path, step: int, run) -> None:
     names = checkpoint_names(step)
     state, meta = _read_checkpoint_file(out / names["state"], step)
     then = json.loads(meta.get("train", "{}"))
+    if "init" in then:  # a run of before init "seeds" was called "foundry"
+        then["init"] = INIT_ALIASES.get(then["init"], then["init"])
     changed = [k for k in RESUME_FIXED if k in then and then[k] != getattr(run.cfg, k)]
     if changed:
         was = ", ".join(f"{k.replace('_', '-')} {then[k]!r} (now {getattr(run.cfg, k)!r})"

@@ -1,6 +1,6 @@
 """The training run's settings: one dataclass is the single source of truth for the defaults,
 the command line's flags and help (``python -m mlx_rwkvx.train``) and a YAML ``--config``
-(ours, or mlx-lm's LoRA config as it is). The seeds' flag names are primary; mlx-lm's names
+(ours, or mlx-lm's LoRA config as it is). Foundry's flag names are primary; mlx-lm's names
 for the same things are aliases.
 """
 
@@ -12,22 +12,23 @@ import math
 from dataclasses import dataclass, fields
 
 from mlx_rwkvx import settings
+from mlx_rwkvx.models.init import INIT_ALIASES
 from mlx_rwkvx.settings import opt
 
 MODES = ("lora", "dora", "full", "state", "pretrain")
 
-# Learning rates where the seeds are silent, from the published RWKV trainers:
-# - LoRA/DoRA/full: the seeds' 2e-5 (rx_train.h, rfa_train); RWKV's wiki advises at most 1e-4
+# Learning rates where Foundry's C engine is silent, from the published RWKV trainers:
+# - LoRA/DoRA/full: Foundry's 2e-5 (rx_train.h, rfa_train); RWKV's wiki advises at most 1e-4
 #   for fine-tuning other than state tuning;
 # - state tuning: 1.0, decaying to 0.01, 10 warmup steps (RWKV wiki, "State Tuning": "state
 #   tuning requires a very high learning rate");
 # - pretraining: 6e-4, the start of RWKV-LM's x070 MiniPile demo run (its train_log).
 DEFAULT_LR = {"lora": 2e-5, "dora": 2e-5, "full": 2e-5, "state": 1.0, "pretrain": 6e-4}
-# where the cosine decay ends, as a fraction of the learning rate: the seeds' cosine annealing
+# where the cosine decay ends, as a fraction of the learning rate: Foundry's cosine annealing
 # to zero; RWKV-PEFT's 1 -> 0.01 for states; a tenth for pretraining (our choice)
 FINAL_LR_RATIO = {"lora": 0.0, "dora": 0.0, "full": 0.0, "state": 0.01, "pretrain": 0.1}
-DEFAULT_WARMUP = {"state": 10}  # else the seeds' 100
-DEFAULT_MAX_CACHE = 2048  # the seeds' KV cache length
+DEFAULT_WARMUP = {"state": 10}  # else Foundry's 100
+DEFAULT_MAX_CACHE = 2048  # Foundry's KV cache length
 
 
 @dataclass
@@ -64,9 +65,9 @@ class TrainConfig:
         default=False,
     )
     max_cache: int = opt("with --carry-state: the attention blocks' KV cache keeps the last N "
-                         "tokens (a sliding window; default: 2048, the seeds')")  # fmt: skip
-    batch_size: int = opt("examples per step (with --parallel: per shard)", default=1)
-    parallel: int = opt("LoRA only: split the data into N equal shards and train N adapters at "
+                         "tokens (a sliding window; default: 2048, Foundry's)")  # fmt: skip
+    batch_size: int = opt("examples per step (with --parallel: per adapter)", default=1)
+    parallel: int = opt("LoRA only: split the data into N equal parts and train N adapters at "
                         "once from one init (one batched forward), saved as thread_<i> and "
                         "averaged (FedAvg) into adapter_final (rfa_train's --parallel)",
                         default=1)  # fmt: skip
@@ -85,8 +86,9 @@ class TrainConfig:
                         choices=("int8", "int4"), const="int8")  # fmt: skip
     dtype: str = opt("base weights' dtype: float32, bfloat16, float16 (default: as stored)",
                      choices=("float32", "bfloat16", "float16"))  # fmt: skip
-    init: str = opt("--mode pretrain: pretrain (RWKV-7's published init) or seeds",
-                    default="pretrain", choices=("pretrain", "seeds"))  # fmt: skip
+    init: str = opt("--mode pretrain: pretrain (RWKV-7's published init) or foundry (Foundry's; "
+                    "seeds is its older name)", default="pretrain",
+                    choices=("pretrain", "foundry", "seeds"))  # fmt: skip
     seed: int = opt("random seed (adapter init, data order, dropout)", default=0)
     resume: bool = opt("continue the run in --output from its newest complete checkpoint",
                        default=False)  # fmt: skip
@@ -116,6 +118,7 @@ class TrainConfig:
         return dataclasses.replace(
             self,
             max_seq_len=seq_len,
+            init=INIT_ALIASES.get(self.init, self.init),
             lr=self.lr if self.lr is not None else DEFAULT_LR[self.mode],
             warmup=self.warmup if self.warmup is not None else DEFAULT_WARMUP.get(self.mode, 100),
             # the trained state is a vector per head, not a matrix: RWKV's trainers never

@@ -1,4 +1,4 @@
-"""Training data: examples read from JSONL, SQLite chat history and the seeds' pre-tokenized
+"""Training data: examples read from JSONL, SQLite chat history and Foundry's pre-tokenized
 binary, and length-bucketed batches of them.
 
 Sources (``load_examples``; batches of them: ``tuner/batches.py``):
@@ -11,8 +11,8 @@ Sources (``load_examples``; batches of them: ``tuner/batches.py``):
   test;
 - a SQLite database with a query (``sql``) returning ``(conversation, role, content)`` rows,
   grouped into conversations in the order they first appear, messages in the rows' order;
-- the seeds' pre-tokenized binary: ``[n: u32] ([len: u32] [tokens: u32 x len]) x n``, little
-  endian. It carries no mask: every token is trained, as in the seeds.
+- Foundry's pre-tokenized binary: ``[n: u32] ([len: u32] [tokens: u32 x len]) x n``, little
+  endian. It carries no mask: every token is trained, as in Foundry's C engine.
 
 Chat turns are rendered by the tokenizer's ``apply_chat_template``: a Hugging Face tokenizer's
 own template through transformers where it has one, else RWKV's ``User: ...\\n\\nAssistant:
@@ -83,7 +83,7 @@ class Example:
 
 
 def write_bin(path: str, token_lists: Sequence, *, overwrite: bool = True) -> None:
-    """Write the seeds' pre-tokenized binary: ``[n: u32] ([len: u32] [tokens: u32 x len]) x n``,
+    """Write Foundry's pre-tokenized binary: ``[n: u32] ([len: u32] [tokens: u32 x len]) x n``,
     little endian. The file appears whole or not at all (written beside, then renamed); an
     existing file is replaced only with ``overwrite`` and only when it is such a binary
     (``is_bin``: the format has no header, so its counts must add up to its size)."""

@@ -70,7 +70,9 @@ def rank_share(examples, group):
     size = group.size()
     keep = len(examples) // size * size
     if keep == 0:
-        raise TrainError(f"{len(examples)} training examples for {size} ranks: too few to shard")
+        raise TrainError(
+            f"{len(examples)} training examples for {size} ranks: too few for one each"
+        )
     if keep < len(examples) and group.rank() == 0:
         print(f"note: {len(examples) - keep} of {len(examples)} examples left out: every one of "
               f"the {size} ranks trains as many", file=sys.stderr)  # fmt: skip

@@ -1,8 +1,8 @@
-"""Merging adapters trained on several Macs (or shards): three methods over mlx-lm's LoRA
+"""Merging adapters trained on several Macs (or parts of the data): three methods over mlx-lm's LoRA
 tensors (``lora_a [in, r]``, ``lora_b [r, out]``, update ``scale * A @ B``), plus the initial
 states of state tuning, which every method averages exactly.
 
-- ``fedavg``: A and B averaged element-wise (the seeds' method). Meaningful only when the
+- ``fedavg``: A and B averaged element-wise (Foundry's method). Meaningful only when the
   adapters started from the same A (the same init seed): the average of products is not the
   product of averages, and only a common start keeps it close.
 - ``delta``: the weighted average of the updates ``sum_i w_i s_i A_i B_i``, exact, re-factored

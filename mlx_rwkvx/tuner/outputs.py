@@ -12,9 +12,9 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
-import mlx_rwkvx
 from mlx_rwkvx.errors import TrainError
 from mlx_rwkvx.io.atomic import atomic_target, save_text
+from mlx_rwkvx.io.load import save
 from mlx_rwkvx.tuner import parallel
 from mlx_rwkvx.tuner.adapters import ADAPTER_CONFIG, FINAL_ADAPTER, save_adapter
 from mlx_rwkvx.tuner.checkpoints import newest_checkpoint
@@ -147,7 +147,7 @@ def write_final(run, out: Path) -> None:
     a native model folder ``model/`` with the tokenizer's files."""
     cfg = run.cfg
     if cfg.mode in ("full", "pretrain"):
-        mlx_rwkvx.save(run.model, out / MODEL_DIR, tokenizer=run.tokenizer, overwrite=True)
+        save(run.model, out / MODEL_DIR, tokenizer=run.tokenizer, overwrite=True)
         print(f"wrote {out / MODEL_DIR}")
         return
     config = run.adapter_config()

@@ -156,7 +156,7 @@ def parts(examples: list, n: int) -> list[list]:
     left = len(examples) - n * len(split[0])
     if left:
         print(f"note: --parallel {n}: {left} of {len(examples)} examples left out (the "
-              "shards are equal: the remainder of the division)", file=sys.stderr)  # fmt: skip
+              "parts are equal: the remainder of the division)", file=sys.stderr)  # fmt: skip
     return split
 
 
@@ -165,5 +165,5 @@ def equal_parts(examples: list, n: int) -> list[list]:
     division left out), as ``pretokenize --split`` splits a data set."""
     size = len(examples) // n
     if size == 0:
-        raise ValueError(f"--parallel {n}: {len(examples)} examples cannot make {n} shards")
+        raise ValueError(f"--parallel {n}: {len(examples)} examples cannot make {n} parts")
     return [examples[i * size : (i + 1) * size] for i in range(n)]

@@ -12,13 +12,21 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx_rwkvx
-from mlx_rwkvx import cli
 from mlx_rwkvx._crash import crash_point
-from mlx_rwkvx.errors import CheckpointError, NonFinite, TrainError
+from mlx_rwkvx.errors import (
+    EXIT_CODES,
+    USER_ERRNOS,
+    CheckpointError,
+    Interrupted,
+    NonFinite,
+    TrainError,
+    os_error_text,
+)
 from mlx_rwkvx.io.targets import output_lock, remove_stale
 from mlx_rwkvx.models import Model
 from mlx_rwkvx.ops import prepare
@@ -199,11 +207,12 @@ def evaluate(model: Model, examples, batch_size: int, max_batches: int | None = 
     return total / max(count, 1)
 
 
-def train(cfg: TrainConfig) -> Path | None:
+def train(cfg: TrainConfig, log: Callable[[dict], None] | None = None) -> Path | None:
     """Run training as ``cfg`` says; returns the output folder (None on the ranks of a
     data-parallel run other than rank 0, which writes). TrainError (or another UserError) for
     what the user can fix (nothing written), NonFinite when the loss or gradients stop being
-    finite, ``cli.Interrupted`` after Ctrl-C or SIGTERM (the step finished and saved)."""
+    finite, ``Interrupted`` after Ctrl-C or SIGTERM (the step finished and saved).
+    ``log(record)`` is called with every line metrics.jsonl gets (a step's loss, lr, ...)."""
     try:
         cfg.check()
     except ValueError as e:
@@ -215,7 +224,7 @@ def train(cfg: TrainConfig) -> Path | None:
     out = Path(cfg.output)
     group = distributed.data_parallel_group()
     if group is not None and group.rank() != 0:  # rank 0 alone reads and writes files
-        _train(cfg, out, group, lead=False)
+        _train(cfg, out, group, lead=False, log=log)
         return None
     real = outputs.check_inputs(out, cfg)
     outputs.check_place(out)
@@ -224,10 +233,10 @@ def train(cfg: TrainConfig) -> Path | None:
     with output_lock(real, "--output", inside=True):
         outputs.check_output(out, cfg.resume)
         remove_stale(real)  # what runs killed while writing left (their temporary files)
-        return _train(cfg, out, group, lead=True)
+        return _train(cfg, out, group, lead=True, log=log)
 
 
-def _train(cfg: TrainConfig, out: Path, group, lead: bool) -> Path:
+def _train(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
     mlx_rwkvx.configure()
     mx.random.seed(cfg.seed)
     built = build(cfg)
@@ -269,15 +278,15 @@ def _train(cfg: TrainConfig, out: Path, group, lead: bool) -> Path:
     try:
         stop = _Interrupt()
         try:
-            _loop(run, step, parts, val, total, out, stop)
+            _loop(run, step, parts, val, total, out, stop, log)
         finally:
             stop.restore()  # the end (evaluation, final files): Ctrl-C stops it at once
         if lead:
             _finish(run, val, test, out)
     except (OSError, CheckpointError) as e:
-        if isinstance(e, OSError) and e.errno not in cli.USER_ERRNOS:
+        if isinstance(e, OSError) and e.errno not in USER_ERRNOS:
             raise
-        text = cli.os_error_text(e) if isinstance(e, OSError) else str(e)
+        text = os_error_text(e) if isinstance(e, OSError) else str(e)
         last = newest_checkpoint(out) if lead else None
         kept = f"checkpoint_{last} is the last complete one, kept" if last is not None else (
             "no checkpoint was complete yet")  # fmt: skip
@@ -299,7 +308,7 @@ def _say_what(run: Run, examples, parts, group, total: int) -> None:
     cfg = run.cfg
     who = f", {group.size()} ranks (data parallel)" if group is not None else ""
     if cfg.parallel > 1:
-        who = f", {cfg.parallel} shards of {len(parts[0])} trained at once"
+        who = f", {cfg.parallel} parts of {len(parts[0])} trained at once (--parallel)"
     print(f"{cfg.mode}: {trainable_count(run.model):,} trainable parameters ({len(run.paths)} "
           f"tensors or layers), {len(examples)} examples{who}, {total} steps"
           + (f", resuming at step {run.step}" if cfg.resume else ""))  # fmt: skip
@@ -317,7 +326,7 @@ class _Interrupt:
     def __init__(self):
         self.signum, self._old = None, {}
         if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handle) for s in cli.EXIT_CODES}
+            self._old = {s: signal.signal(s, self._handle) for s in EXIT_CODES}
 
     @property
     def requested(self) -> bool:
@@ -333,7 +342,7 @@ class _Interrupt:
         self._old = {}
 
 
-def _loop(run: Run, step_fn: Step, parts, val, total: int, out: Path, stop: _Interrupt):
+def _loop(run: Run, step_fn: Step, parts, val, total: int, out: Path, stop: _Interrupt, log):
     cfg, lead = run.cfg, run.lead
     metrics = outputs.Metrics(out, write=lead)  # only rank 0 writes
     stream = run_data.stream(cfg, parts, run.position)
@@ -375,6 +384,8 @@ def _loop(run: Run, step_fn: Step, parts, val, total: int, out: Path, stop: _Int
                 run.validated = (run.step, record["val_loss"])
                 bar.write(f"step {run.step}: validation loss {record['val_loss']:.4f}")
             metrics.add(record)
+            if log is not None:
+                log(record)
             stopping = stop.requested or result.stop  # on any rank: on all
             if lead and (run.step % cfg.save_every == 0 or stopping):
                 save_checkpoint(out, run)
@@ -383,7 +394,7 @@ def _loop(run: Run, step_fn: Step, parts, val, total: int, out: Path, stop: _Int
                 stopping = stopping or (step_fn.group is None and stop.requested)
             if stopping:
                 saved = f"saved checkpoint_{run.step}" if lead else "rank 0 saved its checkpoint"
-                raise cli.Interrupted(stop.signum or signal.SIGINT, saved)
+                raise Interrupted(stop.signum or signal.SIGINT, saved)
     finally:
         bar.close()
         metrics.close()

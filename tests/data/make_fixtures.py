@@ -3,7 +3,7 @@
     python tests/data/make_fixtures.py export   # with mlx_rwkvx: writes tiny_rwkv7.npz
     python tests/data/make_fixtures.py pth      # with torch: tiny_rwkv7{,_bf16}.pth from it
 
-The model is ``FIXTURE_CONFIG`` with the seeds' init, seed ``FIXTURE_SEED``, in BlinkDL's names,
+The model is ``FIXTURE_CONFIG`` with Foundry's init, seed ``FIXTURE_SEED``, in BlinkDL's names,
 with the unused layer-0 ``att.v0/v1/v2`` that several versions of BlinkDL's script write;
 tests/test_io_formats.py rebuilds the same model and compares.
 """

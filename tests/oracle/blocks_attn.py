@@ -148,7 +148,7 @@ def init_norm(rng, C: int, prefix: str, with_bias: bool) -> dict:
 
 
 def init_qwen2_block_params(rng, C, n_q_heads, n_kv_heads, head_dim, F) -> dict:
-    """The seeds' non-degenerate init: projections ``0.3 u``, Q/K/V biases ``0.5 u``."""
+    """Foundry's non-degenerate init: projections ``0.3 u``, Q/K/V biases ``0.5 u``."""
     hq, hkv = n_q_heads * head_dim, n_kv_heads * head_dim
     p = {**init_norm(rng, C, "ln1", False), **init_norm(rng, C, "ln2", False)}
     p["attn.W_q"] = seeded_uniform(rng, (hq, C), 0.3)
@@ -165,7 +165,7 @@ def init_qwen2_block_params(rng, C, n_q_heads, n_kv_heads, head_dim, F) -> dict:
 
 
 def init_moba_block_params(rng, C, F) -> dict:
-    """The seeds' non-degenerate init: projections ``0.3 u``, channel-mix lerp ``0.5 u``."""
+    """Foundry's non-degenerate init: projections ``0.3 u``, channel-mix lerp ``0.5 u``."""
     p = {**init_norm(rng, C, "ln1", True), **init_norm(rng, C, "ln2", True)}
     for n in ("q", "k", "v", "o"):
         p[f"attn.W_{n}"] = seeded_uniform(rng, (C, C), 0.3)

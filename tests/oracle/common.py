@@ -32,7 +32,7 @@ def rel_err(x: np.ndarray, ref: np.ndarray) -> float:
 def seeded_uniform(
     rng: np.random.Generator, shape, scale: float, offset: float = 0.0
 ) -> np.ndarray:
-    """The seeds' init: ``offset + scale * uniform(-0.5, 0.5)`` (non-degenerate, never all zero)."""
+    """Foundry's init: ``offset + scale * uniform(-0.5, 0.5)`` (non-degenerate, never all zero)."""
     return offset + scale * (rng.random(shape) - 0.5)
 
 

@@ -103,7 +103,7 @@ def swiglu_bwd_np(cache: dict, d_out: np.ndarray) -> dict:
 
 
 def init_channel_mix_params(rng: np.random.Generator, C: int, F: int) -> dict:
-    """The seeds' non-degenerate init of a channel-mix (lerp 0.5, matrices 0.3)."""
+    """Foundry's non-degenerate init of a channel-mix (lerp 0.5, matrices 0.3)."""
     return {
         "x_k": seeded_uniform(rng, (C,), 0.5),
         "W_key": seeded_uniform(rng, (F, C), 0.3),
@@ -112,7 +112,7 @@ def init_channel_mix_params(rng: np.random.Generator, C: int, F: int) -> dict:
 
 
 def init_swiglu_params(rng: np.random.Generator, C: int, F: int) -> dict:
-    """The seeds' non-degenerate init of a SwiGLU MLP (matrices 0.3)."""
+    """Foundry's non-degenerate init of a SwiGLU MLP (matrices 0.3)."""
     return {
         "W_gate": seeded_uniform(rng, (F, C), 0.3),
         "W_up": seeded_uniform(rng, (F, C), 0.3),

@@ -205,7 +205,7 @@ def model_bwd_np(cache: dict, d_logits) -> dict:
 
 
 def init_model_params(rng: np.random.Generator, spec: ModelSpec) -> dict:
-    """The seeds' non-degenerate init of every parameter of ``model_fwd_np``."""
+    """Foundry's non-degenerate init of every parameter of ``model_fwd_np``."""
     C, V, F = spec.hidden_size, spec.vocab_size, spec.intermediate_size
     p = {"emb": seeded_uniform(rng, (V, C), 1.0)}
     if spec.ln0:

@@ -425,7 +425,7 @@ def init_time_mix_params(
     use_gate: bool = True,
     use_ln_x: bool = True,
 ) -> dict:
-    """The seeds' non-degenerate time-mix init: matrices uniform(-0.5, 0.5) * 0.3; lerps,
+    """Foundry's non-degenerate time-mix init: matrices uniform(-0.5, 0.5) * 0.3; lerps,
     w0/a0/v0/k_k/k_a/r_k * 0.5; ln_x gamma 1 + 0.2 u, beta 0.2 u. v0/v1/v2 only for
     rwkv_index > 0, x_g/g1/g2 only with use_gate, ln_x_w/ln_x_b only with use_ln_x."""
     N = C // n_head

@@ -15,7 +15,6 @@ function even after ``import mlx_rwkvx.generate`` made the package attribute thi
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import sys
@@ -116,10 +115,10 @@ def _check(cfg: GenerateConfig) -> None:
     for name in ("max_tokens", "max_cache", "temp", "top_p", "min_p", "top_k"):
         if getattr(cfg, name) is None:  # a YAML "name: null"
             raise UsageError(f"--{name.replace('_', '-')} needs a value")
-    for name in ("temp", "top_p", "min_p", "repetition_penalty"):
-        value = getattr(cfg, name)
-        if value is not None and not math.isfinite(value):
-            raise UsageError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    try:
+        settings.check_types(cfg)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if cfg.seed is not None and not 0 <= cfg.seed < 2**64:
         raise UsageError(f"--seed must be in 0 .. 2^64 - 1, got {cfg.seed}")
     if cfg.prompt is not None and cfg.chat:

@@ -6,6 +6,7 @@ the dataclass; then the file; then the flags."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import field, fields
 
@@ -18,13 +19,35 @@ def opt(help: str, *aliases: str, default=None, **kw):
     return field(default=default, metadata={"help": help, "aliases": aliases, **kw})
 
 
+TYPES = {"int": int, "float": float, "bool": bool, "str": str}  # a setting's declared type
+
+
+def _is(kind: str, value) -> bool:
+    """Whether ``value`` is a ``kind`` setting's value (an int is a float; a bool is neither)."""
+    want = (int, float) if kind == "float" else TYPES[kind]
+    return isinstance(value, want) and (kind == "bool" or not isinstance(value, bool))
+
+
+def check_types(settings) -> None:
+    """The one check of a settings dataclass's values (TrainConfig, GenerateConfig): each of
+    its declared type or None (the default), floats finite. ValueError naming the first that
+    is not."""
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        if value is None:
+            continue
+        if not _is(f.type, value):
+            raise ValueError(f"{f.name} must be {f.type}, got {value!r}")
+        if f.type == "float" and not math.isfinite(value):
+            raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
+
+
 def typed(cls, name: str, value):
     """``value`` as the field's type: YAML 1.1 reads ``1e-5`` (no dot) as a string, and
     mlx-lm's configs write learning rates so. ValueError naming the setting otherwise."""
     kind = {f.name: f.type for f in fields(cls)}[name]
-    convert = {"int": int, "float": float, "bool": bool, "str": str}[kind]
-    if value is None or (isinstance(value, convert) and not (
-        kind != "bool" and isinstance(value, bool))):  # fmt: skip
+    convert = TYPES[kind]
+    if value is None or (isinstance(value, convert) and _is(kind, value)):
         return value
     if kind in ("bool", "str") or isinstance(value, bool) or (
         kind == "int" and isinstance(value, float)):  # fmt: skip

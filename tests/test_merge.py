@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import mlx_rwkvx
-from mlx_rwkvx import merge as merge_cli
 from mlx_rwkvx.io.targets import is_temp
 from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.tuner import merge as merging
@@ -318,7 +317,3 @@ def test_merged_halves_know_both(tmp_path):
         out = run_cli("--output", merged, runs[0], runs[1], "--method", method)
         assert out.returncode == 0, out.stderr
         assert loss(merged) < 0.5 * min(alone), (method, loss(merged), alone)
-
-
-def test_merge_cli_module_help():
-    assert "fedavg" in merge_cli.parser().format_help()

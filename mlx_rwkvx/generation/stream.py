@@ -78,8 +78,7 @@ class Session:
         self.attention = _has_attention(model)
         self.tokens: list[int] = []
         self.state: list | None = None
-        # the one-token step, not compiled: mx.compile of it measured slower on the CPU
-        # (BENCHMARKS.md, generate section)
+        # the one-token step, eager (BENCHMARKS.md, generate section, times it compiled too)
         self._step = self._forward
 
     def _forward(self, tokens, state):

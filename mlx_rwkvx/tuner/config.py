@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from dataclasses import dataclass, fields
 
 from mlx_rwkvx import settings
@@ -172,14 +171,9 @@ def mode_only_problem(name: str, mode: str) -> str | None:
 
 
 def _check(cfg: TrainConfig) -> None:
+    settings.check_types(cfg)
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
-        want = {"int": int, "float": (int, float), "bool": bool, "str": str}[f.type]
-        if value is not None and (not isinstance(value, want) or (
-            f.type != "bool" and isinstance(value, bool))):  # fmt: skip
-            raise ValueError(f"{f.name} must be {f.type}, got {value!r}")
-        if f.type == "float" and value is not None and not math.isfinite(value):
-            raise ValueError(f"{f.name.replace('_', '-')} must be a finite number, got {value}")
         if value is not None and "choices" in f.metadata and value not in f.metadata["choices"]:
             raise ValueError(f"{f.name} must be one of {f.metadata['choices']}, got {value!r}")
     for name, low, inclusive in _RANGES:

@@ -1,33 +1,9 @@
-"""Training data: examples read from JSONL, SQLite chat history and Foundry's pre-tokenized
-binary, and length-bucketed batches of them.
-
-Sources (``load_examples``; batches of them: ``tuner/batches.py``):
-
-- a ``.jsonl`` file, one JSON object a line, in one of mlx-lm's formats: ``{"text": ...}``
-  (every token trained, the tokenizer's end-of-text appended), ``{"messages": [{"role",
-  "content"}, ...]}`` (the assistant turns trained) or ``{"prompt", "completion"}`` (a user turn
-  and an assistant turn: the completion trained);
-- an mlx-lm data folder: its ``<split>.jsonl`` (or ``<split>.bin``), split one of train, valid,
-  test;
-- a SQLite database with a query (``sql``) returning ``(conversation, role, content)`` rows,
-  grouped into conversations in the order they first appear, messages in the rows' order;
-- Foundry's pre-tokenized binary: ``[n: u32] ([len: u32] [tokens: u32 x len]) x n``, little
-  endian. It carries no mask: every token is trained, as in Foundry's C engine.
-
-Chat turns are rendered by the tokenizer's ``apply_chat_template``: a Hugging Face tokenizer's
-own template through transformers where it has one, else RWKV's ``User: ...\\n\\nAssistant:
-...\\n\\n``. An assistant turn's tokens run from the rendering of the conversation before it
-with the generation prompt (``...Assistant:``) to the rendering that ends with it, each checked
-to be a token prefix of the whole conversation's tokens; a template that rewrites earlier turns
-(or a tokenizer that merges text across a turn's edge) is an error, never a wrong mask.
-
-An ``Example`` keeps a whole document until it is truncated to ``max_seq_len + 1`` tokens (the
-inputs then hold ``max_seq_len``); with ``max_seq_len=None`` it stays whole, and the trainer's
-``--carry-state`` cuts its batches into segments instead. Bad data (a malformed line, an
-empty example, a missing field, a token id beyond the vocabulary, a truncated ``.bin``) raises one
-``DataError`` naming the file and the line, row or record, or is skipped and counted
-(``skip_bad``).
-"""
+"""Training data into examples (``load_examples``): a ``.jsonl`` file in one of mlx-lm's
+formats (``text``, ``messages``: the assistant turns trained, ``prompt``/``completion``), an
+mlx-lm data folder's split, a SQLite database with a query of ``(conversation, role,
+content)`` rows, or Foundry's pre-tokenized binary (``read_bin``, ``write_bin``; it carries no
+mask). Bad data raises one ``DataError`` naming the file and the line, row or record, or is
+skipped and counted (``skip_bad``). Batches of examples: ``tuner/batches.py``."""
 
 from __future__ import annotations
 
@@ -369,6 +345,12 @@ def _greedy_token_ends(tokenizer, ids: list[int]) -> dict[int, int] | None:
 
 
 def _chat(tokenizer, messages, tools):
+    # Chat turns are rendered by the tokenizer's apply_chat_template (a Hugging Face
+    # tokenizer's own template, else RWKV's "User: ...\n\nAssistant: ...\n\n"). An assistant
+    # turn's tokens run from the rendering of the conversation before it with the generation
+    # prompt to the rendering that ends with it, each checked to be a token prefix of the
+    # whole conversation's tokens: a template that rewrites earlier turns (or a tokenizer that
+    # merges text across a turn's edge) is an error, never a wrong mask
     _check_messages(messages)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:

@@ -1,22 +1,31 @@
-"""scripts/bench.py: every section measures and renders in ``--quick`` mode, its verification
-comes before any timing, and the rendered markdown has its tables and goal lines.
+"""The benchmarks (the ``benchmarks`` package, run as ``scripts/bench.py``): every section
+measures and renders in ``--quick`` mode, its verification comes before any timing, the
+rendered markdown has its tables and goal lines, and each renderer returns the goals it lists.
 
 The quick sizes say nothing about speed: only the shape of what is written is checked.
 """
 
+import ast
 import importlib.util
 import json
+import os
 import re
+import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
+
+from benchmarks import cli, common, plot, report, run, wkv7
+from benchmarks import moba as moba_section
+from benchmarks.common import Goal, Rendered, Section, with_goals
+from benchmarks.sections import SECTIONS
 
 import pytest
 
 BENCH_PATH = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
-_spec = importlib.util.spec_from_file_location("bench", BENCH_PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+PACKAGE = Path(common.__file__).resolve().parent
 
 GOAL = r"[\d.]+ \(goal (>=|<=) [\d.]+\): (met|MISSED)$"
 # Lines each section must write (exactly, or as a regular expression when it starts with ^).
@@ -110,16 +119,14 @@ def quick_run(tmp_path_factory):
     """Each section run once in quick mode into its own BENCHMARKS.md: (results, its text)."""
     done = {}
 
-    def run(name: str):
+    def run_once(name: str):
         if name not in done:
             path = tmp_path_factory.mktemp(name) / "BENCHMARKS.md"
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(bench, "RESULTS", path)
-                results = bench.run_section(name, quick=True)
+            results = run.run_section(name, SECTIONS, quick=True, path=path)
             done[name] = (results, path.read_text())
         return done[name]
 
-    return run
+    return run_once
 
 
 def _has_line(lines: list[str], expected: str) -> bool:
@@ -128,7 +135,12 @@ def _has_line(lines: list[str], expected: str) -> bool:
     return expected in lines
 
 
-@pytest.mark.parametrize("name", list(bench.SECTIONS))
+def _goal_list(lines: list[str]) -> list[str]:
+    goals = lines[lines.index("Goals:") + 2 :]
+    return goals[: goals.index("")] if "" in goals else goals
+
+
+@pytest.mark.parametrize("name", list(SECTIONS))
 def test_quick_section_writes_its_tables_and_goals(quick_run, name):
     results, text = quick_run(name)
     json.dumps(results)  # plain data
@@ -137,20 +149,32 @@ def test_quick_section_writes_its_tables_and_goals(quick_run, name):
     assert any(re.fullmatch(rf"## {name} \(\d{{4}}-\d\d-\d\d \d\d:\d\d\)", ln) for ln in lines)
     assert f"Command: `python scripts/bench.py {name} --quick`" in lines
     assert any(ln.startswith("Verified first") for ln in lines)
-    goals = lines[lines.index("Goals:") + 2 :]
-    goals = goals[: goals.index("")] if "" in goals else goals
+    goals = _goal_list(lines)
     assert len(goals) == GOAL_COUNTS[name], goals
     assert all(re.search(GOAL, ln) for ln in goals), goals
     missing = [e for e in EXPECTED[name] if not _has_line(lines, e)]
     assert not missing, f"{name}: no line matches {missing}"
 
 
-@pytest.mark.parametrize("name", list(bench.SECTIONS))
-def test_render_needs_only_the_measured_data(quick_run, name):
+@pytest.mark.parametrize("name", list(SECTIONS))
+def test_render_needs_only_the_measured_data_and_returns_its_goals(quick_run, name):
     results, text = quick_run(name)
-    _, render, _ = bench.SECTIONS[name]
-    lines = render(json.loads(json.dumps(results)))
-    assert "\n".join(lines) in text
+    rendered = SECTIONS[name].render(json.loads(json.dumps(results)))
+    assert "\n".join(rendered.lines) in text
+    # the goals it returns (for the summary) are the ones it lists, judged the same
+    assert [
+        f"- {g.name}: {g.value:.2f} (goal {g.bound_text}): {g.verdict}" for g in rendered.goals
+    ] == _goal_list(rendered.lines)
+    assert all(isinstance(g, Goal) for g in rendered.goals)
+
+
+def test_goals_are_judged_by_their_bound():
+    assert Goal("more", 2, 1, True).met and not Goal("more", 0.5, 1, True).met
+    assert Goal("less", 0.5, 1, False).met and not Goal("less", 2, 1, False).met
+    assert Goal("at the bound", 1, 1, True).met and Goal("at the bound", 1, 1, False).met
+    lines, goals = with_goals(["before"], [Goal("x", 3, 2.5, False)], after=["after"])
+    assert lines == ["before", "", "Goals:", "", "- x: 3.00 (goal <= 2.5): MISSED", "after"]
+    assert goals == [Goal("x", 3.0, 2.5, False)] and isinstance(goals[0].value, float)
 
 
 def test_wkv7_renders_step_loops_that_do_not_fit(quick_run):
@@ -162,7 +186,7 @@ def test_wkv7_renders_step_loops_that_do_not_fit(quick_run):
     # as in the full run: the longest and the widest step loops are not run
     for shape in ((4 * T, H), max(rows, key=lambda s: s[1])):
         rows[shape]["runs"]["lm_fb"] = rows[shape]["runs"]["ref_fb"] = None
-    lines = bench.render_wkv7(r)
+    lines = wkv7.render(r).lines
     estimate = fitted["ref_fb"]["peak"] * 4 / 1e9  # twice the head-steps: four times the memory
     row = next(ln for ln in lines if ln.startswith(f"| {4 * T} | {H} | ") and "ms" in ln)
     assert f"does not fit ({estimate:.0f} GB)" in row and row.endswith("| n/a | n/a |")
@@ -177,60 +201,113 @@ def test_moba_renders_dense_runs_that_do_not_fit(quick_run):
     r = json.loads(json.dumps(results))
     longest = r["rows"][-1]
     longest["runs"]["dense_fwd"] = longest["runs"]["dense_fb"] = None
-    lines = bench.render_moba(r)
+    lines = moba_section.render(r).lines
     row = next(ln for ln in lines if ln.startswith(f"| {longest['T']} | ") and " s |" in ln)
     assert row.count("does not fit") == 3 and row.count("n/a") == 3
     assert any(ln.startswith(f"- fwd+bwd T={r['rows'][-2]['T']} vs dense: ") for ln in lines)
 
 
-@pytest.mark.parametrize("name", list(bench.SECTIONS))
+def _package_modules() -> list:
+    return [m for n, m in sys.modules.items() if n == "benchmarks" or n.startswith("benchmarks.")]
+
+
+@pytest.mark.parametrize("name", list(SECTIONS))
 def test_verification_fails_before_anything_is_timed(monkeypatch, name):
     def timed(*args, **kwargs):
         raise AssertionError("timed before the verification")
 
-    monkeypatch.setattr(bench, "rel_err", lambda x, ref: 1.0)
-    for timer in ("best_time", "matmul_gflops", "read_bandwidth_gbs", "_measure"):
-        monkeypatch.setattr(bench, timer, timed)
-    measure, _, _ = bench.SECTIONS[name]
-    with pytest.raises(bench.VerificationFailed):
-        measure(quick=True)
+    for module in _package_modules():  # wherever a section module took the names from
+        if hasattr(module, "rel_err"):
+            monkeypatch.setattr(module, "rel_err", lambda x, ref: 1.0)
+        for timer in ("best_time", "matmul_gflops", "read_bandwidth_gbs", "time_and_peak",
+                      "time_steps"):  # fmt: skip
+            if hasattr(module, timer):
+                monkeypatch.setattr(module, timer, timed)
+    with pytest.raises(common.VerificationFailed):
+        SECTIONS[name].measure(quick=True)
 
 
 QUICK_FOLDER = r"^--quick: writing into a new temporary folder, (\S+)$"
 
 
-def test_cli_turns_a_failed_verification_into_one_line(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(bench, "rel_err", lambda x, ref: 1.0)
-    monkeypatch.setattr(bench, "RESULTS", tmp_path / "BENCHMARKS.md")
+def test_cli_turns_a_failed_verification_into_one_line(monkeypatch, capsys):
+    from benchmarks import blas
+
+    monkeypatch.setattr(blas, "rel_err", lambda x, ref: 1.0)
     with pytest.raises(SystemExit, match=r"^verify failed: MLX fp32 matmul error 1.00e\+00"):
-        bench.main(["blas", "--quick"])
-    assert not (tmp_path / "BENCHMARKS.md").exists()
+        cli.main(["blas", "--quick"])
     # the temporary folder of a --quick run is not left behind empty
     assert not Path(re.search(QUICK_FOLDER, capsys.readouterr().out, re.M)[1]).exists()
 
 
-def _fake_sections(calls: list) -> dict:
-    """Stand-ins for SECTIONS: two sections with goals (one met, one missed each time) and one
-    without; each measure records its call."""
+def test_a_worker_is_an_entry_point_of_its_section():
+    """``python -m benchmarks.blas --worker SIZE``: one JSON line; without --worker, a usage
+    error (a section module is not run by itself)."""
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE.parent))
+    cmd = [sys.executable, "-m", "benchmarks.blas"]
+    out = subprocess.run([*cmd, "--worker", "32"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(result) == {"blas", "core", "core_note", "gflops"} and list(result["gflops"]) == [
+        "32"
+    ]
+    refused = subprocess.run([*cmd, "32"], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--worker" in refused.stderr.splitlines()[-1]
 
+
+def test_benchmarks_import_only_the_public_api():
+    """No module of the package imports a private name (a part starting with ``_``) of
+    mlx_rwkvx; and none is longer than about 300 lines."""
+    found = set()
+    for path in sorted(PACKAGE.glob("*.py")):
+        source = path.read_text()
+        assert len(source.splitlines()) <= 300, f"{path.name} is over 300 lines"
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for full in names:
+                parts = full.split(".")
+                private = next((i for i, p in enumerate(parts) if i and p.startswith("_")), None)
+                if parts[0] == "mlx_rwkvx" and private is not None:
+                    found.add(".".join(parts[: private + 1]))
+    assert not found, found
+
+
+@dataclass
+class FakeSections:
+    """Stand-ins for the sections: two with goals (one met, one missed each time) and one
+    without; each measure records its call. ``main`` runs the command line on them."""
+
+    calls: list
+    sections: dict
+
+    def main(self, argv: list[str]) -> None:
+        cli.main(argv, sections=self.sections)
+
+
+def _fake_sections(calls: list) -> dict:
     def measure(name: str, value: float):
-        def run(quick: bool = False) -> dict:
+        def run_it(quick: bool = False) -> dict:
             calls.append(name)
             return {"value": value, "quick": quick}
 
-        return run
+        return run_it
 
-    def render(r: dict) -> list[str]:
-        goals = [("value", r["value"], 1, True), ("value | again", r["value"], 0.1, False)]
-        return [f"Verified first: value {r['value']}."] + bench.goal_lines(goals)
+    def render(r: dict) -> Rendered:
+        goals = [Goal("value", r["value"], 1, True), Goal("value | again", r["value"], 0.1, False)]
+        return with_goals([f"Verified first: value {r['value']}."], goals)
 
-    def render_plain(r: dict) -> list[str]:
-        return [f"value {r['value']}, no goals"]
+    def render_plain(r: dict) -> Rendered:
+        return Rendered([f"value {r['value']}, no goals"], [])
 
     return {
-        "alpha": (measure("alpha", 2.0), render, "the first stand-in"),
-        "beta": (measure("beta", 0.5), render, "the second"),
-        "gamma": (measure("gamma", 3.0), render_plain, "one without goals"),
+        "alpha": Section(measure("alpha", 2.0), render, "the first stand-in"),
+        "beta": Section(measure("beta", 0.5), render, "the second"),
+        "gamma": Section(measure("gamma", 3.0), render_plain, "one without goals"),
     }
 
 
@@ -247,22 +324,20 @@ def _section_text(text: str, name: str) -> str:
 
 
 @pytest.fixture
-def fake_sections(monkeypatch, tmp_path):
+def fake() -> FakeSections:
     calls = []
-    monkeypatch.setattr(bench, "SECTIONS", _fake_sections(calls))
-    monkeypatch.setattr(bench, "RESULTS", tmp_path / "repo" / "BENCHMARKS.md")
-    return calls
+    return FakeSections(calls, _fake_sections(calls))
 
 
-def test_all_rewrites_the_report_with_a_summary_of_every_goal(fake_sections, tmp_path):
+def test_all_rewrites_the_report_with_a_summary_of_every_goal(fake, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "BENCHMARKS.md").write_text("# an old report\n")
-    bench.main(["all", "--output", str(out)])
-    assert fake_sections == ["alpha", "beta", "gamma"]
+    fake.main(["all", "--output", str(out)])
+    assert fake.calls == ["alpha", "beta", "gamma"]
     text = (out / "BENCHMARKS.md").read_text()
     lines = text.splitlines()
-    assert lines[0] == "# Benchmarks" and bench.QUICK_WARNING not in text
+    assert lines[0] == "# Benchmarks" and report.QUICK_WARNING not in text
     assert f"- Command: `python scripts/bench.py all --output {out}`" in lines
     for field in ("Date", "Machine", "MLX", "MLX's BLAS", "NumPy", "Python"):
         assert any(ln.startswith(f"- {field}: ") for ln in lines), field
@@ -286,30 +361,30 @@ def test_all_rewrites_the_report_with_a_summary_of_every_goal(fake_sections, tmp
     saved = json.loads((out / "benchmarks.json").read_text())
     assert saved["sections"]["alpha"]["results"] == {"value": 2.0, "quick": False}
     (out / "BENCHMARKS.md").unlink()
-    bench.main(["render", "--output", str(out)])
+    fake.main(["render", "--output", str(out)])
     assert (out / "BENCHMARKS.md").read_text() == text
-    assert fake_sections == ["alpha", "beta", "gamma"]  # nothing measured again
-    assert not list(out.glob("*.tmp"))
+    assert fake.calls == ["alpha", "beta", "gamma"]  # nothing measured again
+    assert sorted(p.name for p in out.iterdir()) == ["BENCHMARKS.md", "benchmarks.json"]
 
 
-def test_all_skip_carries_a_section_over(fake_sections, tmp_path, monkeypatch):
+def test_all_skip_carries_a_section_over(fake, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    bench.main(["all", "--skip", "beta", "--output", str(out)])  # nothing to carry over yet
+    fake.main(["all", "--skip", "beta", "--output", str(out)])  # nothing to carry over yet
     first = (out / "BENCHMARKS.md").read_text()
     assert "- [beta](#beta): the second; not run (skipped; no earlier benchmarks.json)" in first
     assert "Not run (skipped; no earlier benchmarks.json)." in _section_text(first, "beta")
-    bench.main(["all", "--output", str(out)])
+    fake.main(["all", "--output", str(out)])
     measured = json.loads((out / "benchmarks.json").read_text())
-    fake_sections.clear()
-    monkeypatch.setattr(bench, "_now", lambda: "2100-01-01 00:00")
-    bench.main(["all", "--skip", "beta,gamma", "--output", str(out)])
-    assert fake_sections == ["alpha"]
+    fake.calls.clear()
+    monkeypatch.setattr(run, "now", lambda: "2100-01-01 00:00")
+    fake.main(["all", "--skip", "beta,gamma", "--output", str(out)])
+    assert fake.calls == ["alpha"]
     text = (out / "BENCHMARKS.md").read_text()
-    report = json.loads((out / "benchmarks.json").read_text())
-    assert report["date"] == "2100-01-01 00:00"
-    carried = report["sections"]["beta"]
+    written = json.loads((out / "benchmarks.json").read_text())
+    assert written["date"] == "2100-01-01 00:00"
+    carried = written["sections"]["beta"]
     assert carried["carried_over"] and carried["results"] == {"value": 0.5, "quick": False}
-    assert carried["date"] == measured["date"] != report["date"]
+    assert carried["date"] == measured["date"] != written["date"]
     section = _section_text(text, "beta")
     assert f"Carried over from the run of {measured['date']} (`python scripts/bench.py all " in (
         section
@@ -319,12 +394,12 @@ def test_all_skip_carries_a_section_over(fake_sections, tmp_path, monkeypatch):
         _summary_rows(text)
     )
     # carried over again: still the run it was measured in; a --quick run does not take it
-    bench.main(["all", "--skip", "beta", "--output", str(out)])
+    fake.main(["all", "--skip", "beta", "--output", str(out)])
     again = json.loads((out / "benchmarks.json").read_text())["sections"]["beta"]
     assert again["date"] == measured["date"]
-    bench.main(["all", "--quick", "--skip", "beta", "--output", str(out)])
+    fake.main(["all", "--quick", "--skip", "beta", "--output", str(out)])
     quick = (out / "BENCHMARKS.md").read_text()
-    assert bench.QUICK_WARNING in quick.splitlines()[:4]
+    assert report.QUICK_WARNING in quick.splitlines()[:4]
     assert "Not run (skipped; the earlier measurement was a full run's)." in (
         _section_text(quick, "beta")
     )
@@ -335,29 +410,29 @@ def test_all_skip_carries_a_section_over(fake_sections, tmp_path, monkeypatch):
     "failure, code",
     [
         (
-            bench.VerificationFailed("gamma vs its reference 1.0e+00"),
+            common.VerificationFailed("gamma vs its reference 1.0e+00"),
             "verify failed: gamma vs its reference 1.0e+00",
         ),
         (KeyboardInterrupt(), 130),
     ],
 )
 def test_all_failure_leaves_the_old_report_and_keeps_the_measured(
-    fake_sections, tmp_path, monkeypatch, capsys, failure, code
+    fake, tmp_path, monkeypatch, capsys, failure, code
 ):
     out = tmp_path / "out"
-    monkeypatch.setattr(bench, "_now", lambda: "2000-01-01 00:00")
-    bench.main(["all", "--output", str(out)])
+    monkeypatch.setattr(run, "now", lambda: "2000-01-01 00:00")
+    fake.main(["all", "--output", str(out)])
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    gamma = bench.SECTIONS["gamma"]
+    gamma = fake.sections["gamma"]
 
     def fails(quick=False):
         raise failure
 
-    monkeypatch.setitem(bench.SECTIONS, "gamma", (fails, *gamma[1:]))
-    monkeypatch.setattr(bench, "_now", lambda: "2000-01-02 00:00")
+    fake.sections["gamma"] = gamma._replace(measure=fails)
+    monkeypatch.setattr(run, "now", lambda: "2000-01-02 00:00")
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        bench.main(["all", "--output", str(out)])
+        fake.main(["all", "--output", str(out)])
     assert e.value.code == code
     assert "`all --skip alpha,beta` carries them over" in capsys.readouterr().err
     # the report as it was, and beside it what this run measured before it failed
@@ -366,35 +441,37 @@ def test_all_failure_leaves_the_old_report_and_keeps_the_measured(
     kept = json.loads(partial.read_text())["sections"]
     assert list(kept) == ["alpha", "beta"] and kept["beta"]["date"] == "2000-01-02 00:00"
     # carried over from the newer partial report, which goes once the report is written
-    monkeypatch.setitem(bench.SECTIONS, "gamma", gamma)
-    fake_sections.clear()
-    bench.main(["all", "--skip", "alpha,beta", "--output", str(out)])
-    assert fake_sections == ["gamma"] and not partial.exists()
-    report = json.loads((out / "benchmarks.json").read_text())["sections"]
-    assert report["alpha"]["date"] == "2000-01-02 00:00" and report["alpha"]["carried_over"]
+    fake.sections["gamma"] = gamma
+    fake.calls.clear()
+    fake.main(["all", "--skip", "alpha,beta", "--output", str(out)])
+    assert fake.calls == ["gamma"] and not partial.exists()
+    written = json.loads((out / "benchmarks.json").read_text())["sections"]
+    assert written["alpha"]["date"] == "2000-01-02 00:00" and written["alpha"]["carried_over"]
 
 
-def test_a_section_run_alone_is_appended(fake_sections, tmp_path):
+def test_a_section_run_alone_is_appended(fake, tmp_path):
     out = tmp_path / "out"
-    bench.main(["all", "--output", str(out)])
-    report = (out / "BENCHMARKS.md").read_text()
-    bench.main(["gamma", "--output", str(out)])
+    fake.main(["all", "--output", str(out)])
+    whole = (out / "BENCHMARKS.md").read_text()
+    fake.main(["gamma", "--output", str(out)])
     text = (out / "BENCHMARKS.md").read_text()
-    assert text.startswith(report) and "Command: `python scripts/bench.py gamma`" in text
-    assert report.endswith("\n\n")
-    assert re.match(r"## gamma \(\d{4}-\d\d-\d\d \d\d:\d\d\)\n", text[len(report) :])
+    assert text.startswith(whole) and "Command: `python scripts/bench.py gamma`" in text
+    assert whole.endswith("\n\n")
+    assert re.match(r"## gamma \(\d{4}-\d\d-\d\d \d\d:\d\d\)\n", text[len(whole) :])
 
 
 @pytest.mark.parametrize("argv", [["all", "--quick"], ["gamma", "--quick"]])
-def test_quick_writes_outside_the_repository(fake_sections, capsys, argv):
-    bench.main(argv)
-    assert not bench.RESULTS.exists()
+def test_quick_writes_outside_the_repository(fake, capsys, argv):
+    in_repository = cli.ROOT / "BENCHMARKS.md"
+    before = in_repository.read_bytes() if in_repository.exists() else None
+    fake.main(argv)
+    assert (in_repository.read_bytes() if in_repository.exists() else None) == before
     wrote = Path(re.search(QUICK_FOLDER, capsys.readouterr().out, re.M)[1])
     try:
         text = (wrote / "BENCHMARKS.md").read_text()
-        assert not wrote.is_relative_to(bench.ROOT)
+        assert not wrote.is_relative_to(cli.ROOT)
         if argv[0] == "all":
-            assert text.splitlines()[2] == bench.QUICK_WARNING
+            assert text.splitlines()[2] == report.QUICK_WARNING
         else:
             assert "Command: `python scripts/bench.py gamma --quick`" in text
     finally:
@@ -417,19 +494,19 @@ def _entry(results, **fields) -> dict:
 
 
 def _report_json(sections: dict) -> str:
-    env = {key: "n/a" for key in bench.ENVIRONMENT_FIELDS}
-    report = {
-        "format": bench.REPORT_FORMAT,
+    env = {key: "n/a" for key in report.ENVIRONMENT_FIELDS}
+    written = {
+        "format": report.REPORT_FORMAT,
         "date": "2000-01-01 00:00",
         "quick": False,
         "command": "python scripts/bench.py all",
         "environment": env,
         "sections": sections,
     }
-    return json.dumps(report)
+    return json.dumps(written)
 
 
-NOT_IN_REPO = bench.ROOT / "bench-quick-output"
+NOT_IN_REPO = cli.ROOT / "bench-quick-output"
 
 
 @pytest.mark.parametrize(
@@ -439,7 +516,7 @@ NOT_IN_REPO = bench.ROOT / "bench-quick-output"
         (["alpha", "--skip", "beta"], "--skip goes with all"),
         (["all", "--skip", "alpha,delta"], "no section delta"),
         (["render", "--quick"], "render takes no --quick"),
-        (["all", "--quick", "--output", str(bench.ROOT)], "does not write into the repository"),
+        (["all", "--quick", "--output", str(cli.ROOT)], "does not write into the repository"),
         (["all", "--quick", "--output", str(NOT_IN_REPO)], "does not write into the repository"),
         (["gamma", "--quick", "--output", str(NOT_IN_REPO)], "does not write into the repository"),
         (["render", "--output", "{tmp}"], "benchmarks.json: cannot be read"),
@@ -456,7 +533,7 @@ NOT_IN_REPO = bench.ROOT / "bench-quick-output"
         (["gamma", "--output", "{tmp}/file/sub"], "cannot hold the report (Not a directory)"),
     ],
 )
-def test_cli_refuses_in_one_line(fake_sections, tmp_path, capsys, argv, message):
+def test_cli_refuses_in_one_line(fake, tmp_path, capsys, argv, message):
     (tmp_path / "file").write_text("")
     contents = {
         "bad": "{",
@@ -464,61 +541,59 @@ def test_cli_refuses_in_one_line(fake_sections, tmp_path, capsys, argv, message)
         "no-env": json.dumps({**json.loads(_report_json({})), "environment": {}}),
         "no-seconds": _report_json({"alpha": {**_entry({"value": 1}), "seconds": None}}),
         "not-a-section": _report_json({"beta": [1]}),
-        "old": _report_json({"alpha": _entry({"old": 1})}),  # measured by another bench.py
+        "old": _report_json({"alpha": _entry({"old": 1})}),  # measured by another version
     }
     for name, text in contents.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "benchmarks.json").write_text(text)
     with pytest.raises(SystemExit) as e:
-        bench.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+        fake.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err.splitlines()[-1] and "Traceback" not in err
-    assert fake_sections == [] and not NOT_IN_REPO.exists()
-    assert not list(tmp_path.glob("*/*.tmp"))
+    assert fake.calls == [] and not NOT_IN_REPO.exists()
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == ["benchmarks.json"]
 
 
-def test_cli_refuses_an_unwritable_folder_before_measuring(
-    fake_sections, tmp_path, monkeypatch, capsys
-):
+def test_cli_refuses_an_unwritable_folder_before_measuring(fake, tmp_path, monkeypatch, capsys):
     def refused(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(bench.tempfile, "TemporaryFile", refused)  # root may write anywhere
+    monkeypatch.setattr(tempfile, "TemporaryFile", refused)  # root may write anywhere
     with pytest.raises(SystemExit) as e:
-        bench.main(["all", "--output", str(tmp_path)])
-    assert e.value.code == 2 and fake_sections == []
+        fake.main(["all", "--output", str(tmp_path)])
+    assert e.value.code == 2 and fake.calls == []
     assert "cannot hold the report (Permission denied)" in capsys.readouterr().err
 
 
-def test_a_section_makes_its_missing_output_folder(fake_sections, tmp_path):
+def test_a_section_makes_its_missing_output_folder(fake, tmp_path):
     out = tmp_path / "new" / "deeper"
-    bench.main(["gamma", "--output", str(out)])
+    fake.main(["gamma", "--output", str(out)])
     assert "Command: `python scripts/bench.py gamma`" in (out / "BENCHMARKS.md").read_text()
 
 
-def test_summary_has_a_row_for_each_section_not_run(fake_sections, tmp_path):
-    bench.main(["all", "--skip", "alpha,beta,gamma", "--output", str(tmp_path)])
+def test_summary_has_a_row_for_each_section_not_run(fake, tmp_path):
+    fake.main(["all", "--skip", "alpha,beta,gamma", "--output", str(tmp_path)])
     text = (tmp_path / "BENCHMARKS.md").read_text()
     assert "0 of 0 goals met; 3 sections not run." in text.splitlines()
     assert _summary_rows(text) == [
         [f"[{name}](#{name})", "not run (skipped; no earlier benchmarks.json)", "", "", ""]
         for name in ("alpha", "beta", "gamma")
     ]
-    bench.main(["all", "--skip", "gamma", "--output", str(tmp_path)])
+    fake.main(["all", "--skip", "gamma", "--output", str(tmp_path)])
     assert "1 of 4 goals met; 1 section not run." in (tmp_path / "BENCHMARKS.md").read_text()
 
 
-def test_failed_renames_leave_no_temporary_files(fake_sections, tmp_path, monkeypatch, capsys):
-    bench.main(["all", "--output", str(tmp_path)])
+def test_failed_renames_leave_no_temporary_files(fake, tmp_path, monkeypatch, capsys):
+    fake.main(["all", "--output", str(tmp_path)])
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
 
     def refused(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(bench.os, "replace", refused)
+    monkeypatch.setattr(os, "replace", refused)
     with pytest.raises(SystemExit) as e:
-        bench.main(["all", "--output", str(tmp_path)])
+        fake.main(["all", "--output", str(tmp_path)])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "benchmarks.partial.json: cannot be written (No space left on device); measuring" in err
@@ -526,17 +601,25 @@ def test_failed_renames_leave_no_temporary_files(fake_sections, tmp_path, monkey
         f"error: {tmp_path}: the report cannot be written (No space left on device)\n"
     )
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    # a section run alone: its BENCHMARKS.md as it was
+    with pytest.raises(SystemExit) as e:
+        fake.main(["gamma", "--output", str(tmp_path)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: {tmp_path / 'BENCHMARKS.md'}: cannot be written (No space left on device)\n"
+    )
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 @pytest.fixture
 def fake_pyplot(monkeypatch) -> list:
-    """A stand-in for matplotlib whose figures save a few bytes, so that plot_report runs where
+    """A stand-in for matplotlib whose figures save a few bytes, so that the plot is drawn where
     matplotlib is not installed; the axes it hands out, for the test to look at."""
     plt, axes = mock.MagicMock(), []
 
     def subplots(rows, columns, **kwargs):
         fig = mock.MagicMock()
-        fig.savefig.side_effect = lambda path, **kwargs: Path(path).write_bytes(b"png")
+        fig.savefig.side_effect = lambda f, **kwargs: f.write(b"png")
         axes.extend(mock.MagicMock() for _ in range(columns))
         return fig, [axes[-columns:]]
 
@@ -549,18 +632,18 @@ def fake_pyplot(monkeypatch) -> list:
 MOBA = {"H": 2, "D": 32, "rows": [{"T": 64, "runs": {"moba_fwd": {"time": 0.1}, "dense_fb": None}}]}
 
 
-def test_all_leaves_out_carried_over_data_that_no_longer_fits(
-    fake_sections, tmp_path, monkeypatch, capsys, fake_pyplot
-):
-    """A section measured by an older bench.py and carried over: its plot panel and its section
+def test_all_leaves_out_carried_over_data_that_no_longer_fits(fake, tmp_path, capsys, fake_pyplot):
+    """A section measured by an older version and carried over: its plot panel and its section
     are left out, each with one line, and the rest of the report is written."""
-    render = bench.SECTIONS["gamma"][1]
-    monkeypatch.setitem(bench.SECTIONS, "wkv7", (None, render, "plotted, stale"))
-    moba = (lambda quick=False: MOBA, lambda r: ["moba stand-in"], "plotted")
-    monkeypatch.setitem(bench.SECTIONS, "moba", moba)
+    render = fake.sections["gamma"].render
+    fake.sections["wkv7"] = Section(None, render, "plotted, stale")
+    stand_in = Section(
+        lambda quick=False: MOBA, lambda r: Rendered(["moba stand-in"], []), "plotted"
+    )
+    fake.sections["moba"] = stand_in
     stale = _entry({"rows": [{"T": 64}]})  # no base, no value: an older layout
     (tmp_path / "benchmarks.json").write_text(_report_json({"wkv7": stale}))
-    bench.main(["all", "--skip", "wkv7", "--output", str(tmp_path)])
+    fake.main(["all", "--skip", "wkv7", "--output", str(tmp_path)])
     left_out = "the wkv7 panel is left out, its data does not fit (KeyError('base'))"
     assert f"benchmarks.png: {left_out}" in capsys.readouterr().out.splitlines()
     text = (tmp_path / "BENCHMARKS.md").read_text()
@@ -573,10 +656,10 @@ def test_all_leaves_out_carried_over_data_that_no_longer_fits(
     assert [c.kwargs["label"] for c in ax.plot.call_args_list] == ["MoBA fwd"]
 
 
-def test_a_report_without_a_plot_removes_the_old_one(fake_sections, tmp_path, monkeypatch):
+def test_a_report_without_a_plot_removes_the_old_one(fake, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed
     (tmp_path / "benchmarks.png").write_bytes(b"an older run's")
-    bench.main(["all", "--output", str(tmp_path)])
+    fake.main(["all", "--output", str(tmp_path)])
     assert not (tmp_path / "benchmarks.png").exists()
     assert "![" not in (tmp_path / "BENCHMARKS.md").read_text()
 
@@ -585,32 +668,35 @@ def _matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def test_all_report_of_the_real_sections(quick_run, monkeypatch, tmp_path):
+def test_all_report_of_the_real_sections(quick_run, tmp_path):
     """Every section's quick measurements (as the tests above ran them) through ``all``: the
     summary has each section's goals, each section its own rendering, the plot its panels."""
-    results = {name: quick_run(name)[0] for name in bench.SECTIONS}
-    for name, (_, render, help_text) in list(bench.SECTIONS.items()):
-        stand_in = lambda quick=False, name=name: json.loads(json.dumps(results[name]))  # noqa: E731
-        monkeypatch.setitem(bench.SECTIONS, name, (stand_in, render, help_text))
-    bench.main(["all", "--quick", "--output", str(tmp_path)])
+    results = {name: quick_run(name)[0] for name in SECTIONS}
+    stand_ins = {
+        name: s._replace(
+            measure=lambda quick=False, name=name: json.loads(json.dumps(results[name]))
+        )
+        for name, s in SECTIONS.items()
+    }
+    cli.main(["all", "--quick", "--output", str(tmp_path)], sections=stand_ins)
     text = (tmp_path / "BENCHMARKS.md").read_text()
     rows = _summary_rows(text)
-    for name in bench.SECTIONS:
+    for name in SECTIONS:
         assert sum(row[0] == f"[{name}](#{name})" for row in rows) == GOAL_COUNTS[name], name
-        lines = bench.SECTIONS[name][1](json.loads(json.dumps(results[name])))
+        lines = SECTIONS[name].render(json.loads(json.dumps(results[name]))).lines
         assert "\n".join(lines) in _section_text(text, name)
     assert all(re.fullmatch(r"-?[\d.]+|nan|inf", r[2]) and r[4] in ("met", "MISSED") for r in rows)
     assert (tmp_path / "benchmarks.png").exists() == _matplotlib()
     assert ("![" in text) == _matplotlib()
     (tmp_path / "BENCHMARKS.md").unlink()
-    bench.main(["render", "--output", str(tmp_path)])
+    cli.main(["render", "--output", str(tmp_path)])  # the real sections' renderers
     assert (tmp_path / "BENCHMARKS.md").read_text() == text
 
 
 def test_plot_panels_read_the_real_sections(quick_run):
     sections = {name: {"results": quick_run(name)[0]} for name in ("wkv7", "moba", "train")}
-    drawers = bench.plot_panels(json.loads(json.dumps({"sections": sections})))
-    assert len(drawers) == len(bench.PLOT_PANELS)
+    drawers = plot.plot_panels(json.loads(json.dumps({"sections": sections})))
+    assert len(drawers) == len(plot.PLOT_PANELS)
     for draw in drawers:
         ax = mock.MagicMock()
         draw(ax)
@@ -619,17 +705,14 @@ def test_plot_panels_read_the_real_sections(quick_run):
 
 @pytest.mark.slow
 def test_all_quick_end_to_end(tmp_path):
-    import subprocess
-    import sys
-
-    repo_report = bench.ROOT / "BENCHMARKS.md"
+    repo_report = cli.ROOT / "BENCHMARKS.md"
     before = repo_report.read_bytes() if repo_report.exists() else None
     cmd = [sys.executable, str(BENCH_PATH), "all", "--quick", "--output", str(tmp_path)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
     text = (tmp_path / "BENCHMARKS.md").read_text()
-    assert bench.QUICK_WARNING in text
+    assert report.QUICK_WARNING in text
     assert {row[0].split("]")[0][1:] for row in _summary_rows(text)} == set(GOAL_COUNTS)
-    for name in bench.SECTIONS:
+    for name in SECTIONS:
         assert f"Command: `python scripts/bench.py {name} --quick`" in _section_text(text, name)
     assert (tmp_path / "benchmarks.png").exists() == _matplotlib()
     assert (repo_report.read_bytes() if repo_report.exists() else None) == before

@@ -59,8 +59,8 @@ class Session:
     """A text's tokens so far and the model's state after them (batch 1).
 
     ``feed(ids)`` prefills ids and returns the next-token logits; ``step(token, state)`` is
-    the one-token step. ``state`` is a plain pytree of immutable arrays: keeping a reference to
-    it is a free snapshot."""
+    the one-token step (``compile_step``: under ``mx.compile``). ``state`` is a plain pytree of
+    immutable arrays: keeping a reference to it is a free snapshot."""
 
     def __init__(
         self,
@@ -69,6 +69,7 @@ class Session:
         max_cache: int = DEFAULT_MAX_CACHE,
         window: bool = True,
         prefill_step: int = DEFAULT_PREFILL_STEP,
+        compile_step: bool = False,
     ):
         for name, value in (("max_cache", max_cache), ("prefill_step", prefill_step)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -78,8 +79,8 @@ class Session:
         self.attention = _has_attention(model)
         self.tokens: list[int] = []
         self.state: list | None = None
-        # the one-token step, eager (BENCHMARKS.md, generate section, times it compiled too)
-        self._step = self._forward
+        # the one-token step, eager unless asked (BENCHMARKS.md, generate section, times both)
+        self._step = mx.compile(self._forward) if compile_step else self._forward
 
     def _forward(self, tokens, state):
         h, state = self.model.hidden(tokens, state, check=False)

@@ -1,1 +1,2 @@
-"""Training: adapters (LoRA, DoRA, state tuning), data, the trainer."""
+"""Training: ``trainer.train`` (the run), the model and what it trains, data and batches,
+checkpoints, data parallelism, ``--parallel``, adapters, merging, pre-tokenizing."""

@@ -11,7 +11,9 @@ states of state tuning, which every method averages exactly.
 - ``concat``: the adapters side by side, rank ``sum r_i``, whose update is exactly the weighted
   average (the weights and scales folded into B).
 
-Weights are normalised to sum to 1 (``auto``: the tokens each adapter trained on).
+Weights are normalised to sum to 1 (``auto``: the tokens each adapter trained on). Entry
+points: ``merge_adapters`` (files in, a file or folder out: ``python -m mlx_rwkvx.merge``),
+``read``, ``check``, ``weights_of``, ``merge``, ``fuse``.
 """
 
 from __future__ import annotations

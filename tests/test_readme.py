@@ -53,6 +53,8 @@ def test_readme_promises_only_commands_that_exist():
     for link in re.findall(r"\]\(([^)#]+)\)", README.read_text()):
         if not link.startswith("http"):
             assert (README.parent / link).exists(), f"README links to missing {link}"
+    for path in re.findall(r"`(tests/[^`\s]*)`", README.read_text()):
+        assert (README.parent / path).exists(), f"README names missing {path}"
 
 
 def _design_entries() -> list[str]:
@@ -158,7 +160,7 @@ EXEMPT = {
     ),
     "python scripts/bench.py all": (
         "the benchmarks: minutes to an hour on 2 cores, and it rewrites BENCHMARKS.md; "
-        "tests/test_bench.py runs its sections at --quick sizes"
+        "tests/cli/test_bench.py runs its sections at --quick sizes"
     ),
 }
 
@@ -303,10 +305,9 @@ class Fixtures:
         return path
 
     def _rwkv7(self, path: Path) -> Path:
-        from mlx_rwkvx.models import ModelConfig
+        from helpers import rwkv7_cfg
 
-        cfg = ModelConfig(vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"] * 2)
-        return self._save(cfg, path)
+        return self._save(rwkv7_cfg(hidden_size=64), path)
 
     def _rfa(self, path: Path, vocab_size: int = 256) -> Path:
         """One .safetensors with the config in its metadata, as Foundry's hybrid."""

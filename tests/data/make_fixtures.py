@@ -5,7 +5,7 @@
 
 The model is ``FIXTURE_CONFIG`` with Foundry's init, seed ``FIXTURE_SEED``, in BlinkDL's names,
 with the unused layer-0 ``att.v0/v1/v2`` that several versions of BlinkDL's script write;
-tests/test_io_formats.py rebuilds the same model and compares.
+tests/io/test_io_formats.py rebuilds the same model and compares.
 """
 
 import sys

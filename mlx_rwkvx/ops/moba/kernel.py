@@ -7,7 +7,7 @@ the log-sum-exp; the backward is two kernels: dq per query row (it also saves
 ``delta = <dout, out> - dlse``), then dk, dv per tile of keys, summed over the rows that selected
 the chunk through an inverse index (the slots sorted by chunk), so each gradient row has one
 writer: no atomics, deterministic. The CPU flavour of the same body runs in the tests
-(tests/test_kernels_moba.py); see ``mlx_rwkvx/metal/moba.h`` for the layouts.
+(tests/ops/test_kernels_moba.py); see ``mlx_rwkvx/metal/moba.h`` for the layouts.
 """
 
 from __future__ import annotations

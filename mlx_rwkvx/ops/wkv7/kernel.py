@@ -4,7 +4,7 @@ The forward runs one threadgroup of N threads per (batch, head), thread i holdin
 state; besides y and the final state it saves a state checkpoint every ``SEG`` steps and
 ``sa_t = S_{t-1} a_t``. The backward recomputes each segment's states from its checkpoint and
 runs the reverse steps, thread j holding column j. The CPU flavour of the same body runs in the
-tests (tests/test_kernels_wkv7.py); see ``mlx_rwkvx/metal/wkv7.h`` for the layouts.
+tests (tests/ops/test_kernels_wkv7.py); see ``mlx_rwkvx/metal/wkv7.h`` for the layouts.
 """
 
 from __future__ import annotations

@@ -11,15 +11,15 @@ from mlx_rwkvx.ops.wkv7 import kernel as WK
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_harness import cpu
-from kernel_harness import wkv7 as harness
-from mlx_kernel_emulation import (
+from helpers.mlx_kernel_emulation import (
     MX_DTYPES,
     check_cuda_compiles,
     check_imports_without_mlx,
     check_metal_assembly,
     fake_kernel_maker,
 )
+from kernel_harness import cpu
+from kernel_harness import wkv7 as harness
 from oracle.common import rel_err
 from oracle.wkv7 import WKV7_INPUTS, random_wkv7_inputs, wkv7_bwd_np, wkv7_np
 

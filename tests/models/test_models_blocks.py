@@ -13,7 +13,8 @@ from mlx_rwkvx.ops.moba import moba_selection, selection_mask
 import mlx.core as mx
 import numpy as np
 import pytest
-from model_params import (
+from helpers import LOW_RANK, rwkv7_cfg
+from helpers.model_params import (
     assert_close,
     flat_params,
     from_oracle,
@@ -39,11 +40,8 @@ from oracle.rwkv7 import (
 TOLS = {"float32": (1e-5, 1e-4), "bfloat16": (2e-2, 5e-2)}
 B = 2
 TS = [1, 7, 17]
-LOW_RANK = dict(decay_low_rank=8, a_low_rank=8, v_low_rank=8, gate_low_rank=16)
 RWKV_CFGS = {
-    "rwkv7": lambda: ModelConfig(
-        vocab_size=16, hidden_size=32, head_size=16, block_types=["rwkv7"] * 3, **LOW_RANK
-    ),
+    "rwkv7": lambda: rwkv7_cfg(3, vocab_size=16, **LOW_RANK),
     "arwkv": lambda: rfa_config(
         vocab_size=16,
         hidden_size=32,
@@ -314,7 +312,7 @@ def test_qwen2_block(prefix, T, dtype):
 def test_name_map_is_a_bijection(kind):
     """Every parameter of each block maps to a distinct oracle name and back, and covers the
     oracle's parameters of that block exactly."""
-    from model_params import BLOCK_NAMES, to_oracle
+    from helpers.model_params import BLOCK_NAMES, to_oracle
 
     cfgs = {
         "rwkv7": (RWKV_CFGS["rwkv7"](), 1),

@@ -17,44 +17,26 @@ from mlx_rwkvx.models.rfa import qwen2_to_rfa
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from helpers import DATA, bpe_tokenizer, rfa_cfg, rwkv7_cfg
+from helpers.model_params import flat_params
 from oracle.common import rel_err
 
-DATA = Path(__file__).parent / "data"
 sys.path.insert(0, str(DATA))
 from make_fixtures import FIXTURE_CONFIG, FIXTURE_SEED  # noqa: E402
 
 TOKENS = mx.array([[1, 5, 9, 200, 3, 3, 77, 12, 0, 255]])
 
 
-def rwkv7_cfg(**kw):
-    return ModelConfig(
-        vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"] * 3, **kw
-    )
-
-
-def qwen2_cfg():
-    return rfa_config(
-        vocab_size=256,
-        hidden_size=64,
-        head_size=16,
-        block_types=["qwen2"] * 4,
-        n_q_heads=4,
-        n_kv_heads=2,
-        intermediate_size=96,
-    )
-
-
-def params(model) -> dict:
-    return dict(tree_flatten(model.parameters()))
-
-
 def same_model(a, b) -> bool:
-    pa, pb = params(a), params(b)
+    pa, pb = flat_params(a), flat_params(b)
     return pa.keys() == pb.keys() and all(mx.array_equal(pa[k], pb[k]) for k in pa)
 
 
-@pytest.mark.parametrize("cfg", [rwkv7_cfg(), preset("rwkv-x-tiny"), qwen2_cfg()], ids=str)
+@pytest.mark.parametrize(
+    "cfg",
+    [rwkv7_cfg(3, hidden_size=64), preset("rwkv-x-tiny"), rfa_cfg(["qwen2"] * 4, hidden_size=64)],
+    ids=str,
+)
 @pytest.mark.parametrize("single_file", [False, True])
 def test_native_round_trip(tmp_path, cfg, single_file):
     model = Model(cfg, seed=4)
@@ -83,7 +65,7 @@ def test_blinkdl_pth_without_torch(name):
     model, _ = mlx_rwkvx.load(str(DATA / name))
     assert detect(str(DATA / name)) == "blinkdl"
     if "bf16" in name:
-        pe, pm = params(expected), params(model)
+        pe, pm = flat_params(expected), flat_params(model)
         assert all(mx.array_equal(pe[k].astype(mx.bfloat16), pm[k]) for k in pe)
     else:
         assert same_model(model, expected)
@@ -99,19 +81,23 @@ def test_blinkdl_pth_without_torch(name):
 
 
 def test_blinkdl_safetensors_export(tmp_path):
-    model = Model(rwkv7_cfg(), seed=2)
+    model = Model(rwkv7_cfg(3, hidden_size=64), seed=2)
     path = str(tmp_path / "rwkv7.safetensors")
-    mx.save_safetensors(path, to_blinkdl(model.config, params(model)))
+    mx.save_safetensors(path, to_blinkdl(model.config, flat_params(model)))
     loaded, _ = mlx_rwkvx.load(path)
     assert detect(path) == "blinkdl" and same_model(loaded, model)
 
 
-@pytest.mark.parametrize("cfg", [rwkv7_cfg(), qwen2_cfg()], ids=["rwkv7", "qwen2"])
+@pytest.mark.parametrize(
+    "cfg",
+    [rwkv7_cfg(3, hidden_size=64), rfa_cfg(["qwen2"] * 4, hidden_size=64)],
+    ids=["rwkv7", "qwen2"],
+)
 def test_hugging_face_formats_match_mlx_lm(tmp_path, cfg):
     from mlx_lm.utils import load_model
 
     model = Model(cfg, seed=6)
-    write_hf(str(tmp_path / "hf"), cfg, params(model))
+    write_hf(str(tmp_path / "hf"), cfg, flat_params(model))
     loaded, _ = mlx_rwkvx.load(str(tmp_path / "hf"))
     assert (
         detect(str(tmp_path / "hf")) == f"hf_{'rwkv7' if 'rwkv7' in cfg.block_types else 'qwen2'}"
@@ -125,8 +111,8 @@ def test_hugging_face_formats_match_mlx_lm(tmp_path, cfg):
 
 
 def test_sharded_hugging_face_folder(tmp_path):
-    model = Model(rwkv7_cfg(), seed=1)
-    write_hf(str(tmp_path), model.config, params(model))
+    model = Model(rwkv7_cfg(3, hidden_size=64), seed=1)
+    write_hf(str(tmp_path), model.config, flat_params(model))
     tensors = mx.load(str(tmp_path / "model.safetensors"))
     names = sorted(tensors)
     os.remove(tmp_path / "model.safetensors")
@@ -140,15 +126,15 @@ def test_sharded_hugging_face_folder(tmp_path):
 
 
 def test_world_tokenizer_for_65536_vocab(tmp_path):
-    cfg = ModelConfig(vocab_size=65536, hidden_size=32, head_size=16, block_types=["rwkv7"])
+    cfg = rwkv7_cfg(1, vocab_size=65536)
     mlx_rwkvx.save(Model(cfg), str(tmp_path / "w"))
     _, tokenizer = mlx_rwkvx.load(str(tmp_path / "w"))
     assert isinstance(tokenizer, WorldTokenizer)
 
 
 def test_convert_qwen2_to_rfa(tmp_path):
-    qwen = Model(qwen2_cfg(), seed=3)
-    write_hf(str(tmp_path / "qwen"), qwen.config, params(qwen))
+    qwen = Model(rfa_cfg(["qwen2"] * 4, hidden_size=64), seed=3)
+    write_hf(str(tmp_path / "qwen"), qwen.config, flat_params(qwen))
     rfa = convert(str(tmp_path / "qwen"), str(tmp_path / "rfa"), to_rfa=True, qwen_layers=[1, 3])
     assert rfa.config.block_types == ["rwkv7", "qwen2", "rwkv7", "qwen2"]
     assert rfa.config.rwkv_ffn == "swiglu" and not rfa.config.use_gate
@@ -168,7 +154,7 @@ def test_convert_qwen2_to_rfa(tmp_path):
 
 
 def test_convert_cli_round_trip_and_errors(tmp_path):
-    model = Model(rwkv7_cfg(), seed=5)
+    model = Model(rwkv7_cfg(3, hidden_size=64), seed=5)
     mlx_rwkvx.save(model, str(tmp_path / "src"))
     run = [sys.executable, "-m", "mlx_rwkvx.convert"]
     out = subprocess.run(
@@ -224,7 +210,7 @@ def test_int8_load_and_round_trip(tmp_path):
     assert isinstance(q.layers[0].tmix.decay.down, nn.Linear)  # low-rank stays float
     assert not any(
         v.dtype == mx.float32 and v.ndim == 2 and v.shape[-1] >= 128
-        for k, v in params(q).items()
+        for k, v in flat_params(q).items()
         if "decay" not in k and "iclr" not in k and "value_mix" not in k and "gate" not in k
     )
     # INT8 (group 64, per-group scale and bias) vs fp32 logits: within 2% of their norm here
@@ -287,8 +273,8 @@ def test_int8_layers_stay_ours_through_adapters_and_fusing():
 
 
 def _write_native(tmp_path, change):
-    model = Model(rwkv7_cfg(), seed=1)
-    tensors = params(model)
+    model = Model(rwkv7_cfg(3, hidden_size=64), seed=1)
+    tensors = flat_params(model)
     change(tensors)
     path = str(tmp_path / "bad.safetensors")
     mx.save_safetensors(
@@ -323,7 +309,7 @@ def test_bad_tensors_name_the_file_and_tensor(tmp_path, change, message):
 
 
 def test_truncated_and_unknown_files(tmp_path):
-    model = Model(rwkv7_cfg(), seed=1)
+    model = Model(rwkv7_cfg(3, hidden_size=64), seed=1)
     good = str(tmp_path / "good.safetensors")
     mlx_rwkvx.save(model, good)
     data = Path(good).read_bytes()
@@ -369,12 +355,12 @@ def test_pth_refuses_code(tmp_path):
 
 def test_qwen2_to_rfa_rejects_other_models():
     with pytest.raises(ValueError, match="needs a Qwen2 checkpoint"):
-        qwen2_to_rfa(Model(rwkv7_cfg()), [0])
+        qwen2_to_rfa(Model(rwkv7_cfg(3, hidden_size=64)), [0])
 
 
 def test_loaded_bf16_stays_bf16():
     model, _ = mlx_rwkvx.load(str(DATA / "tiny_rwkv7_bf16.pth"))
-    assert params(model)["embed.weight"].dtype == mx.bfloat16
+    assert flat_params(model)["embed.weight"].dtype == mx.bfloat16
     logits = model(TOKENS)
     assert logits.dtype == mx.bfloat16
     # the bf16 weights' model against the float32 original: the whole-model bf16 bound of the
@@ -401,29 +387,29 @@ def test_quantize_by_row_blocks_equals_whole(tmp_path, monkeypatch):
 
 
 def test_state_tuned_model_round_trip(tmp_path):
-    model = Model(rwkv7_cfg(), seed=3)
+    model = Model(rwkv7_cfg(3, hidden_size=64), seed=3)
     model.layers[1].tmix.enable_state_tuning()
     model.layers[1].tmix.state0 = mx.full(model.layers[1].tmix.state0.shape, 0.25)
     mlx_rwkvx.save(model, str(tmp_path / "tuned"))
     loaded, _ = mlx_rwkvx.load(str(tmp_path / "tuned"))
     assert same_model(loaded, model) and mx.array_equal(loaded(TOKENS), model(TOKENS))
     with pytest.raises(CheckpointError, match="no place for trained initial states"):
-        write_hf(str(tmp_path / "hf"), model.config, params(model))
+        write_hf(str(tmp_path / "hf"), model.config, flat_params(model))
 
 
 def test_quantized_or_hybrid_models_do_not_export_to_other_formats(tmp_path):
     q = Model(ModelConfig(vocab_size=256, hidden_size=128, head_size=32, block_types=["rwkv7"]))
     q.quantize(bits=8)
     with pytest.raises(CheckpointError, match="this model is quantized: use native"):
-        write_hf(str(tmp_path / "hf"), q.config, params(q))
+        write_hf(str(tmp_path / "hf"), q.config, flat_params(q))
     arwkv = rfa_config(vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"] * 2)
     with pytest.raises(CheckpointError, match="only plain RWKV-7 models"):
-        to_blinkdl(arwkv, params(Model(arwkv)))
+        to_blinkdl(arwkv, flat_params(Model(arwkv)))
 
 
 def test_interrupted_save_leftovers_are_ignored(tmp_path):
-    model = Model(rwkv7_cfg(), seed=1)
-    write_hf(str(tmp_path), model.config, params(model))
+    model = Model(rwkv7_cfg(3, hidden_size=64), seed=1)
+    write_hf(str(tmp_path), model.config, flat_params(model))
     (tmp_path / ".mlx_rwkvx-tmp-123.new.model.safetensors").write_bytes(b"half written")
     loaded, _ = mlx_rwkvx.load(str(tmp_path))
     assert same_model(loaded, model)
@@ -456,11 +442,11 @@ def test_qwen2_rope_base_in_both_config_layouts(tmp_path, layout):
     # transformers 5 keeps rope_theta inside rope_parameters; 4.x at the top level. Either
     # way a base of 1e6 must be read, never the 10000 default (positions after the first
     # would be wrong without a word)
-    cfg = qwen2_cfg()
+    cfg = rfa_cfg(["qwen2"] * 4, hidden_size=64)
     cfg.rope_theta = 1e6
     model = Model(cfg, seed=8)
     folder = tmp_path / "qwen"
-    write_hf(str(folder), cfg, params(model))
+    write_hf(str(folder), cfg, flat_params(model))
     if layout == "transformers5":
         _rewrite_config(
             folder, rope_theta=None, rope_parameters={"rope_theta": 1e6, "rope_type": "default"}
@@ -473,13 +459,11 @@ def test_qwen2_rope_base_in_both_config_layouts(tmp_path, layout):
 
 
 def _qwen2_with_tokenizer(folder):
-    from test_io_tokenizers import _tiny_hf_tokenizer
-
-    cfg = qwen2_cfg()
+    cfg = rfa_cfg(["qwen2"] * 4, hidden_size=64)
     cfg.vocab_size = 512  # room for the tokenizer's ~400 tokens
     qwen = Model(cfg, seed=3)
-    write_hf(str(folder), qwen.config, params(qwen))
-    _tiny_hf_tokenizer(folder)
+    write_hf(str(folder), qwen.config, flat_params(qwen))
+    bpe_tokenizer(folder)
     (folder / "chat_template.jinja").write_text(
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     )
@@ -514,7 +498,7 @@ def test_tokenizer_files_travel_with_the_checkpoint(tmp_path):
 
 
 def test_world_vocabulary_travels(tmp_path):
-    cfg = ModelConfig(vocab_size=65536, hidden_size=32, head_size=16, block_types=["rwkv7"])
+    cfg = rwkv7_cfg(1, vocab_size=65536)
     model = Model(cfg)
     _, world = mlx_rwkvx.load(_saved(model, tmp_path / "a"))
     mlx_rwkvx.save(model, tmp_path / "b", tokenizer=world)
@@ -529,22 +513,22 @@ def _saved(model, path):
 def test_overwrite_replaces_a_checkpoint_whole(tmp_path):
     # --to hf into a folder holding another checkpoint's shards: with overwrite the folder is
     # replaced as a whole (no stale shard survives to break loading); without, refused
-    old = Model(rwkv7_cfg(), seed=1)
-    write_hf(str(tmp_path / "hf"), old.config, params(old))
+    old = Model(rwkv7_cfg(3, hidden_size=64), seed=1)
+    write_hf(str(tmp_path / "hf"), old.config, flat_params(old))
     (tmp_path / "hf" / "model-00002-of-00002.safetensors").write_bytes(
         (tmp_path / "hf" / "model.safetensors").read_bytes()
     )
-    new = Model(rwkv7_cfg(), seed=2)
+    new = Model(rwkv7_cfg(3, hidden_size=64), seed=2)
     with pytest.raises(CheckpointError, match="already exists"):
-        write_hf(str(tmp_path / "hf"), new.config, params(new))
-    write_hf(str(tmp_path / "hf"), new.config, params(new), overwrite=True)
+        write_hf(str(tmp_path / "hf"), new.config, flat_params(new))
+    write_hf(str(tmp_path / "hf"), new.config, flat_params(new), overwrite=True)
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
     assert same_model(mlx_rwkvx.load(tmp_path / "hf")[0], new)
     assert not [n for n in os.listdir(tmp_path) if is_temp(n)]
 
 
 def test_a_failed_write_keeps_the_old_checkpoint(tmp_path, monkeypatch):
-    old = Model(rwkv7_cfg(), seed=1)
+    old = Model(rwkv7_cfg(3, hidden_size=64), seed=1)
     for path in (tmp_path / "folder", tmp_path / "one.safetensors"):
         mlx_rwkvx.save(old, path)
         before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
@@ -556,7 +540,7 @@ def test_a_failed_write_keeps_the_old_checkpoint(tmp_path, monkeypatch):
 
         monkeypatch.setattr(mx, "save_safetensors", full_disk)
         with pytest.raises(CheckpointError, match="cannot write .*disk full"):
-            mlx_rwkvx.save(Model(rwkv7_cfg(), seed=2), path, overwrite=True)
+            mlx_rwkvx.save(Model(rwkv7_cfg(3, hidden_size=64), seed=2), path, overwrite=True)
         monkeypatch.undo()
         after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
         assert after == before  # no temporary file left, the old checkpoint untouched
@@ -599,7 +583,7 @@ def test_convert_shows_a_bug_as_a_traceback(tmp_path, monkeypatch):
     from mlx_rwkvx import convert as convert_cli
     from mlx_rwkvx.io import convert as conversion
 
-    mlx_rwkvx.save(Model(rwkv7_cfg()), tmp_path / "src")
+    mlx_rwkvx.save(Model(rwkv7_cfg(3, hidden_size=64)), tmp_path / "src")
 
     def broken(*args, **kwargs):
         raise ValueError("an internal inconsistency")

@@ -2,7 +2,7 @@
 exact text ``mx.fast.metal_kernel`` and ``mx.fast.cuda_kernel`` compile (so g++ and nvcc can check
 it), and a stand-in kernel object that runs the CPU flavour of the same entry on the same buffers
 (so the MLX wrappers and their VJPs run end to end here). Also the checks built on them that
-tests/test_kernels_*.py share."""
+tests/ops/test_kernels_*.py share."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import ROOT
 from mlx_rwkvx.metal import sources
 
 import mlx.core as mx
@@ -222,6 +223,5 @@ def check_imports_without_mlx(module: str) -> None:
         "bad = [m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')]\n"
         "assert not bad, bad\n"
     )
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -18,25 +18,21 @@ from mlx_rwkvx.tuner.adapters import (
 )
 
 import pytest
-from test_generate import constant, tiny
+from helpers import constant, run_module, tiny_model
 
 pexpect = pytest.importorskip("pexpect")
 
-CMD = [sys.executable, "-m", "mlx_rwkvx.generate"]
-
 
 def run(*args, stdin=None):
-    return subprocess.run(
-        [*CMD, *map(str, args)], input=stdin, capture_output=True, text=True, timeout=120
-    )
+    return run_module("generate", *args, input=stdin, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
-    mlx_rwkvx.save(tiny("rwkv-x", seed=1), root / "m")
-    mlx_rwkvx.save(constant(tiny("rwkv7", seed=2), ord("a")), root / "aaa")
-    other = tiny("rwkv-x", seed=7)  # another base: its adapter is refused on m
+    mlx_rwkvx.save(tiny_model("rwkv-x", seed=1), root / "m")
+    mlx_rwkvx.save(constant(tiny_model("rwkv7", seed=2), ord("a")), root / "aaa")
+    other = tiny_model("rwkv-x", seed=7)  # another base: its adapter is refused on m
     paths = target_paths(other, "attn")
     apply_lora(other, paths, rank=2, alpha=4.0)
     config = adapter_config(
@@ -45,7 +41,7 @@ def models(tmp_path_factory):
         paths=paths,
         rank=2,
         alpha=4.0,
-        base_fingerprint=fingerprint(tiny("rwkv-x", seed=7)),
+        base_fingerprint=fingerprint(tiny_model("rwkv-x", seed=7)),
     )
     save_adapter(root / "other.safetensors", other, config)
     return root

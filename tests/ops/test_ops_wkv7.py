@@ -1,6 +1,6 @@
 """WKV7 ops against the float64 oracle: outputs, final state and all seven gradients.
 
-The kernel's CPU flavour passes the same checks in tests/test_kernels_wkv7.py.
+The kernel's CPU flavour passes the same checks in tests/ops/test_kernels_wkv7.py.
 """
 
 import importlib
@@ -109,7 +109,7 @@ def test_all_decays_tiny(impl):
     # With every decay at 1e-4, dL/dlog_w = w * (...) is ~1e-4 of the other gradients. The
     # chunked path gets it as a reverse cumulative sum of terms that cancel to that size, so its
     # float32 rounding (~1e-7 of the other gradients) is ~1e-3 of dlog_w: a looser bound for
-    # that one tensor there. The step loop and the kernel (tests/test_kernels_wkv7.py) have no
+    # that one tensor there. The step loop and the kernel (tests/ops/test_kernels_wkv7.py) have no
     # such cancellation. Decays of RWKV-7 models are >= exp(-exp(-0.5)) = 0.545.
     inputs = random_wkv7_inputs(np.random.default_rng(3), 2, 40, 2, 16, decay_range=(1e-4, 1e-4))
     tols = {"log_w": 1e-2} if impl == "chunked" else None

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import mlx_rwkvx
-from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config
+from mlx_rwkvx.models import Model, ModelConfig, preset
 from mlx_rwkvx.models.attention import MobaBlock, Qwen2Block
 from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
 from mlx_rwkvx.tuner.config import TrainConfig
@@ -21,25 +21,18 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from helpers import LOW_RANK, rfa_cfg, rwkv7_cfg
 from mlx.utils import tree_flatten, tree_map
 from oracle.common import rel_err
 
-
-def _families() -> dict[str, ModelConfig]:
-    return {
-        "rwkv7": ModelConfig(vocab_size=64, hidden_size=32, head_size=16,
-                             block_types=["rwkv7"] * 2),
-        "rwkv-x": ModelConfig(vocab_size=64, hidden_size=32, head_size=16, n_q_heads=2,
-                              n_kv_heads=2, attn_head_dim=16, moba_chunk_size=8, moba_top_k=2,
-                              block_types=["rwkv7", "moba", "rwkv7"]),
-        "rfa": rfa_config(vocab_size=64, hidden_size=32, head_size=16, intermediate_size=48,
-                          n_q_heads=4, n_kv_heads=2, attn_head_dim=8, decay_low_rank=8,
-                          a_low_rank=8, v_low_rank=8, gate_low_rank=16,
-                          block_types=["rwkv7", "qwen2", "rwkv7"]),
-    }  # fmt: skip
-
-
-FAMILIES = _families()
+# the three families at width 32, on a vocabulary of 64
+FAMILIES = {
+    "rwkv7": rwkv7_cfg(vocab_size=64),
+    "rwkv-x": ModelConfig(vocab_size=64, hidden_size=32, head_size=16, n_q_heads=2, n_kv_heads=2,
+                          attn_head_dim=16, moba_chunk_size=8, moba_top_k=2,
+                          block_types=["rwkv7", "moba", "rwkv7"]),
+    "rfa": rfa_cfg(["rwkv7", "qwen2", "rwkv7"], vocab_size=64, attn_head_dim=8, **LOW_RANK),
+}  # fmt: skip
 
 
 def _batch(vocab, B, T, seed=0):

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import mlx_rwkvx
 from mlx_rwkvx.io.targets import is_temp
-from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.tuner import merge as merging
 from mlx_rwkvx.tuner.adapters import (
     adapter_config,
     apply_lora,
-    enable_state_tuning,
     fingerprint,
     read_adapter,
     save_adapter,
@@ -31,34 +29,7 @@ from mlx_rwkvx.tuner.trainer import evaluate, train
 import mlx.core as mx
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def base(seed: int = 0) -> Model:
-    return Model(preset("rwkv-x-tiny"), seed=seed)
-
-
-def make_adapter(path, *, rank=4, alpha=8.0, seed=0, noise=1, base_seed=0, tokens=100,
-                 kind="lora"):  # fmt: skip
-    """An adapter of ``base(base_seed)`` with random A and B (a trained-looking one)."""
-    model = base(base_seed)
-    if kind == "state":
-        paths = enable_state_tuning(model)
-    else:
-        paths = target_paths(model, "attn")
-        apply_lora(model, paths, rank=rank, alpha=alpha, dora=kind == "dora")
-    key = mx.random.key(noise)
-    for _, m in model.named_modules():
-        for leaf in ("lora_a", "lora_b", "state0"):
-            if leaf in m:
-                key, sub = mx.random.split(key)
-                m[leaf] = 0.1 * mx.random.normal(m[leaf].shape, key=sub)
-    config = adapter_config(model, fine_tune_type=kind, paths=paths, rank=rank, alpha=alpha,
-                            base_fingerprint=fingerprint(base(base_seed)), seed=seed,
-                            tokens_trained=tokens)  # fmt: skip
-    save_adapter(path, model, config)
-    return path
+from helpers import ROOT, adapter_base, make_adapter, run_module
 
 
 def np_tensors(path) -> dict[str, np.ndarray]:
@@ -71,8 +42,7 @@ def update(t: dict, module: str, scale: float) -> np.ndarray:
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "mlx_rwkvx.merge", *map(str, args)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return run_module("merge", *args)
 
 
 @pytest.fixture()
@@ -186,13 +156,13 @@ def test_refusals_write_nothing(tmp_path, pair, case, message):
     elif case == "other_seed":
         args = [a, make_adapter(tmp_path / "c.safetensors", seed=7)]
     elif case == "other_targets":
-        model = base()
+        model = adapter_base()
         paths = target_paths(model, "attn")[:3]
         apply_lora(model, paths, rank=4, alpha=8.0)
         c = tmp_path / "c.safetensors"
-        save_adapter(c, model, adapter_config(model, fine_tune_type="lora", paths=paths, rank=4,
-                                              alpha=8.0, base_fingerprint=fingerprint(base()),
-                                              seed=0))  # fmt: skip
+        config = adapter_config(model, fine_tune_type="lora", paths=paths, rank=4, alpha=8.0,
+                                base_fingerprint=fingerprint(adapter_base()), seed=0)  # fmt: skip
+        save_adapter(c, model, config)
         args = [a, c]
     elif case == "dora_delta":
         args = [make_adapter(tmp_path / f"d{i}.safetensors", kind="dora", noise=i)
@@ -241,7 +211,7 @@ def test_existing_output_kept_unless_overwrite(pair, tmp_path):
 
 def test_fuse_into_gives_the_adapter_models_logits(pair, tmp_path):
     a, b = pair
-    mlx_rwkvx.save(base(), tmp_path / "base")
+    mlx_rwkvx.save(adapter_base(), tmp_path / "base")
     merged = tmp_path / "merged.safetensors"
     assert run_cli("--output", merged, a, b, "--method", "concat").returncode == 0
     out = run_cli("--output", tmp_path / "fused", a, b, "--method", "concat",
@@ -254,7 +224,7 @@ def test_fuse_into_gives_the_adapter_models_logits(pair, tmp_path):
     assert np.linalg.norm(np.array(fused(tokens)) - ref) <= 1e-5 * np.linalg.norm(ref)
     assert tok is not None and fused.quantization is None
     # an INT8 base: dequantized to fuse; --quantize re-quantizes and says what it costs
-    mlx_rwkvx.save(base().quantize(8), tmp_path / "base8")
+    mlx_rwkvx.save(adapter_base().quantize(8), tmp_path / "base8")
     out = run_cli("--output", tmp_path / "fused8", a, "--fuse-into", tmp_path / "base8",
                   "--quantize")  # fmt: skip
     assert out.returncode == 0, out.stderr

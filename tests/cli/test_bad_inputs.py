@@ -14,11 +14,9 @@ import builtins
 import contextlib
 import errno
 import hashlib
-import io
 import json
 import os
 import shutil
-import warnings
 import zipfile
 from collections import Counter
 from pathlib import Path
@@ -34,7 +32,7 @@ from mlx_rwkvx.errors import TargetError
 from mlx_rwkvx.generation import Chat
 from mlx_rwkvx.io.formats import CheckpointError, to_blinkdl, write_hf
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, HFTokenizer, WorldTokenizer, load_tokenizer
-from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config, rwkv_x_block_types
+from mlx_rwkvx.models import Model, ModelConfig, preset, rwkv_x_block_types
 from mlx_rwkvx.ops import empty_kv, moba_attention, moba_decode, wkv7
 from mlx_rwkvx.ops.dispatch import DISPATCHERS
 from mlx_rwkvx.tuner import merge as merging
@@ -51,64 +49,10 @@ from mlx_rwkvx.tuner.adapters import (
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-
-DATA = Path(__file__).parent / "data"
-
-
-class CliError(Exception):
-    """A CLI's exit 2 with the one line it printed."""
-
-
-def cli(main, *argv):
-    err = io.StringIO()
-    with (
-        contextlib.redirect_stderr(err),
-        contextlib.redirect_stdout(io.StringIO()),
-        warnings.catch_warnings(record=True) as caught,
-    ):
-        warnings.simplefilter("default")  # what a user's process shows, on its stderr
-        try:
-            main([str(a) for a in argv])
-        except SystemExit as e:
-            shown = [warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line)
-                     for w in caught]  # fmt: skip
-            text = "".join(shown) + err.getvalue()
-            lines = text.strip().splitlines()
-            if e.code != 2 or not lines:
-                raise AssertionError(f"exit {e.code}, stderr {text!r}") from e
-            if lines[0].startswith("usage:"):  # argparse: the usage, then one error line
-                lines = lines[-1:]
-            if len(lines) != 1:
-                raise AssertionError(f"more than one line: {text!r}") from e
-            raise CliError(lines[0]) from None
-    raise AssertionError("the CLI did not fail")
-
+from helpers import DATA, CliError, bpe_tokenizer, cli, rfa_cfg, rwkv7_cfg
+from helpers.model_params import flat_params
 
 # ----- what the cases start from -----------------------------------------------------------
-
-
-def rwkv7_cfg(**kw):
-    return ModelConfig(
-        vocab_size=256, hidden_size=32, head_size=16, block_types=["rwkv7"] * 2, **kw
-    )
-
-
-def qwen2_cfg(**kw):
-    return rfa_config(
-        vocab_size=256,
-        hidden_size=32,
-        head_size=16,
-        block_types=["qwen2"] * 2,
-        n_q_heads=4,
-        n_kv_heads=2,
-        intermediate_size=48,
-        **kw,
-    )
-
-
-def params(model):
-    return dict(tree_flatten(model.parameters()))
 
 
 def native(tmp, model=None):
@@ -125,14 +69,14 @@ def native_file(tmp):
 
 def hf_rwkv7(tmp):
     model = Model(rwkv7_cfg())
-    write_hf(tmp / "hf", model.config, params(model))
+    write_hf(tmp / "hf", model.config, flat_params(model))
     return tmp / "hf"
 
 
 def qwen2(tmp, **rewrite):
     """A Qwen2 folder with transformers 5's config layout (rope_parameters)."""
-    model = Model(qwen2_cfg())
-    write_hf(tmp / "qwen", model.config, params(model))
+    model = Model(rfa_cfg(["qwen2"] * 2))
+    write_hf(tmp / "qwen", model.config, flat_params(model))
     cfg = json.loads((tmp / "qwen" / "config.json").read_text())
     cfg.pop("rope_theta")
     cfg.update(
@@ -161,7 +105,7 @@ def pth(tmp):
 
 def blinkdl_st(tmp, edit=None):
     model = Model(rwkv7_cfg())
-    tensors = to_blinkdl(model.config, params(model))
+    tensors = to_blinkdl(model.config, flat_params(model))
     if edit:
         edit(tensors)
     mx.save_safetensors(str(tmp / "b.safetensors"), tensors)
@@ -225,8 +169,7 @@ def tokenizer_beside(tmp, text: str):
 
 
 def int8_native(tmp):
-    cfg = ModelConfig(vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"])
-    model = Model(cfg).quantize(bits=8)
+    model = Model(rwkv7_cfg(1, hidden_size=64)).quantize(bits=8)
     return native(tmp, model)
 
 
@@ -291,17 +234,7 @@ def moba(q=(1, 8, 4, 8), k=(1, 8, 2, 8), v=None, chunk_size=4, top_k=2, dtype=No
 
 TINY = Model(rwkv7_cfg())
 RWKV_X = Model(preset("rwkv-x-tiny"))
-RFA = Model(
-    rfa_config(
-        vocab_size=256,
-        hidden_size=32,
-        head_size=16,
-        n_q_heads=4,
-        n_kv_heads=2,
-        intermediate_size=48,
-        block_types=["rwkv7", "qwen2"],
-    )
-)
+RFA = Model(rfa_cfg(["rwkv7", "qwen2"]))
 
 
 def call_with_cache(model, cache, batch=1):
@@ -725,9 +658,7 @@ def _cases():
         "no tokenizer fits",
         lambda t: native(
             t,
-            Model(
-                ModelConfig(vocab_size=1000, hidden_size=32, head_size=16, block_types=["rwkv7"])
-            ),
+            Model(rwkv7_cfg(1, vocab_size=1000)),
         ),
         load,
         E,
@@ -1194,11 +1125,7 @@ def _cases():
         lambda t: call_with_cache(
             TINY,
             used_cache(
-                Model(
-                    ModelConfig(
-                        vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"] * 2
-                    )
-                ),
+                Model(rwkv7_cfg(hidden_size=64)),
                 1,
             ),
         ),
@@ -1331,11 +1258,7 @@ def _cases():
         "model",
         "quantize twice",
         None,
-        lambda t: (
-            Model(ModelConfig(vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"]))
-            .quantize(8)
-            .quantize(4)
-        ),
+        lambda t: Model(rwkv7_cfg(1, hidden_size=64)).quantize(8).quantize(4),
         V,
         "already quantized",
     )
@@ -1433,7 +1356,7 @@ def _cases():
     add(
         "tokenizer",
         "HF decode out of range",
-        hf_tokenizer,
+        bpe_tokenizer,
         lambda tok: tok.decode([10**6]),
         V,
         "outside 0..",
@@ -1762,7 +1685,7 @@ def copy_shard(folder):
 def world_beside(tmp):
     path = native(
         tmp,
-        Model(ModelConfig(vocab_size=65536, hidden_size=32, head_size=16, block_types=["rwkv7"])),
+        Model(rwkv7_cfg(1, vocab_size=65536)),
     )
     (path / "rwkv_vocab_v20230424.txt").write_text("1 'a' 5\n")
     return path
@@ -1775,20 +1698,9 @@ def tuned_model():
 
 
 def tokenizer_clash(tmp):
-    from test_io_tokenizers import _tiny_hf_tokenizer
-
-    (tmp / "a").mkdir()
-    _tiny_hf_tokenizer(tmp / "a")
+    tokenizer = bpe_tokenizer(tmp / "a")
     (tmp / "tokenizer.json").write_text("{}")  # another model's, beside where we save
-    model = Model(ModelConfig(vocab_size=512, hidden_size=32, head_size=16, block_types=["rwkv7"]))
-    return model, tmp / "m.safetensors", HFTokenizer(str(tmp / "a"))
-
-
-def hf_tokenizer(tmp):
-    from test_io_tokenizers import _tiny_hf_tokenizer
-
-    _tiny_hf_tokenizer(tmp)
-    return HFTokenizer(str(tmp))
+    return Model(rwkv7_cfg(1, vocab_size=512)), tmp / "m.safetensors", tokenizer
 
 
 def full_disk_cli(main, src):

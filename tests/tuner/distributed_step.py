@@ -1,4 +1,4 @@
-"""Three LoRA steps of a tiny model on fixed micro-batches, by ``tests/test_distributed.py``:
+"""Three LoRA steps of a tiny model on fixed micro-batches, by ``tests/tuner/test_distributed.py``:
 under ``mlx.launch`` each of 2 ranks takes its own micro-batches (other lengths and masks:
 unequal token counts); with ``--single`` one process takes both ranks' rows as one batch. Rank
 0 (or the single process) saves the trained parameters to the .npz named on the command line.

@@ -16,49 +16,13 @@ from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.generation import Chat, GenerationError, Session, stream_generate
 from mlx_rwkvx.generation.stream import _detokenizer, _StopStrings, _TextOnly
 from mlx_rwkvx.io.tokenizers import ByteTokenizer
-from mlx_rwkvx.models.config import ModelConfig, rfa_config, rwkv_x_block_types
-from mlx_rwkvx.models.model import Model
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import chatml_tokenizer, constant, tiny_model
 
 TOL = 1e-5  # DESIGN.md: a whole tiny model, float32
-
-
-def tiny(family: str, seed: int = 0, **kw) -> Model:
-    common = dict(vocab_size=kw.pop("vocab_size", 256), hidden_size=64, head_size=16)
-    if family == "rwkv7":
-        cfg = ModelConfig(**common, block_types=["rwkv7"] * 2, **kw)
-    elif family == "rwkv-x":
-        cfg = ModelConfig(
-            **common,
-            block_types=rwkv_x_block_types(2, 1),
-            moba_chunk_size=8,
-            moba_top_k=1,
-            **kw,
-        )
-    else:
-        cfg = rfa_config(
-            **common,
-            block_types=["rwkv7", "qwen2", "rwkv7"],
-            n_q_heads=4,
-            n_kv_heads=2,
-            attn_head_dim=16,
-            intermediate_size=96,
-            rope_theta=10000.0,
-            **kw,
-        )
-    return Model(cfg, seed=seed)
-
-
-def constant(model: Model, token: int) -> Model:
-    """``model`` made to predict ``token`` after anything: the final norm's output is its bias
-    (ones), and only the head's row of ``token`` sees it."""
-    model.norm.weight = mx.zeros_like(model.norm.weight)
-    model.norm.bias = mx.ones_like(model.norm.bias)
-    model.lm_head.weight = mx.zeros_like(model.lm_head.weight).at[token].add(1.0)
-    return model
 
 
 def rel(a, b) -> float:
@@ -78,7 +42,7 @@ FAMILIES = ["rwkv7", "rwkv-x", "rfa"]
 def test_each_step_equals_full_forward(family):
     from mlx_lm.generate import GenerationResponse
 
-    model, tok = tiny(family), ByteTokenizer()
+    model, tok = tiny_model(family), ByteTokenizer()
     prompt = list(b"The quick brown fox, jumps over.")  # 32 tokens: MoBA chunks of 8 fill up
     steps = list(stream_generate(model, tok, prompt, max_tokens=24))
     assert len(steps) == 24 and steps[-1].finish_reason == "length"
@@ -94,7 +58,7 @@ def test_each_step_equals_full_forward(family):
 
 
 def test_int8_steps_equal_its_own_full_forward():
-    model = tiny("rwkv-x", seed=3)
+    model = tiny_model("rwkv-x", seed=3)
     model.quantize(8)
     tok = ByteTokenizer()
     prompt = list(b"INT8 generation, step by step.")
@@ -107,7 +71,7 @@ def test_int8_steps_equal_its_own_full_forward():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_in_pieces_and_session_continue(family):
-    model = tiny(family, seed=1)
+    model = tiny_model(family, seed=1)
     ids = list(range(40, 90))
     s = Session(model, prefill_step=7)  # pieces of 7: MoBA and Qwen2 attend to their caches
     logits = s.feed(ids[:30])
@@ -120,7 +84,7 @@ def test_prefill_in_pieces_and_session_continue(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chat_state_equals_prefill_of_transcript(family):
-    model, tok = tiny(family, seed=2), ByteTokenizer()
+    model, tok = tiny_model(family, seed=2), ByteTokenizer()
     chat = Chat(model, tok, system="Be brief.", max_tokens=12)
     for user in ("Hello there", "And a second question?", "Third."):
         list(chat.ask(user))
@@ -141,7 +105,7 @@ def test_an_answer_cut_short_leaves_a_consistent_session(family):
     # generate_step feeds a token before its caller sees it: closing the stream at any point
     # (Ctrl-C) leaves the session holding every token shown but the last, and the state of a
     # prefill of them, the window included
-    model, tok = tiny(family, seed=13), ByteTokenizer()
+    model, tok = tiny_model(family, seed=13), ByteTokenizer()
     for cut in (1, 2, 7):
         session = Session(model, max_cache=24)
         responses = stream_generate(model, tok, list(range(40, 60)), max_tokens=50,
@@ -163,7 +127,7 @@ def test_logits_processors_see_the_prompt():
     # log-probabilities are those of the full forward with the penalty over all tokens so far
     from mlx_lm.sample_utils import make_repetition_penalty
 
-    model, tok = tiny("rwkv7", seed=14), ByteTokenizer()
+    model, tok = tiny_model("rwkv7", seed=14), ByteTokenizer()
     prompt = list(b"abcabcabc")
     penalty = make_repetition_penalty(1.5, context_size=20)
     ids = list(prompt)
@@ -199,7 +163,7 @@ def test_detokenizers_stream_whole_characters():
 
 def test_user_errors_are_user_errors(tmp_path):
     # what a user can get wrong is a UserError (one line in the command), still a ValueError
-    model, tok = tiny("rwkv-x", seed=15), ByteTokenizer(vocab_size=200)
+    model, tok = tiny_model("rwkv-x", seed=15), ByteTokenizer(vocab_size=200)
     template = tmp_path / "refuses.jinja"
     template.write_text("{{ raise_exception('no system prompts here') }}{{ messages }}")
     cases = [
@@ -227,7 +191,7 @@ def test_chat_feeds_only_the_new_turn(tmp_path):
         "{% for m in messages %}{{ m.role }}:{{ m.content }}\n\n{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}"
     )
-    model = constant(tiny("rwkv-x", seed=4), ord("a"))
+    model = constant(tiny_model("rwkv-x", seed=4), ord("a"))
     chat = Chat(model, tok, template=str(template), max_tokens=6)
     first = "first turn, a longer one than the second"
     list(chat.ask(first))
@@ -247,7 +211,7 @@ def test_chat_feeds_only_the_new_turn(tmp_path):
     list(chat.ask("second"))
     assert chat.reused == before and chat.messages[1]["content"] == "aaaa"
     # an answer that starts with a space continues: the rendering puts the space back
-    chat = Chat(constant(tiny("rwkv-x", seed=4), ord(" ")), tok, max_tokens=4)
+    chat = Chat(constant(tiny_model("rwkv-x", seed=4), ord(" ")), tok, max_tokens=4)
     list(chat.ask(first))
     held = len(chat.session.tokens)
     list(chat.ask("second"))
@@ -255,7 +219,7 @@ def test_chat_feeds_only_the_new_turn(tmp_path):
 
 
 def test_save_load_in_another_process(tmp_path):
-    model = tiny("rfa", seed=5)
+    model = tiny_model("rfa", seed=5)
     mlx_rwkvx.save(model, tmp_path / "m")
     script = """
 import sys, numpy as np, mlx_rwkvx
@@ -290,11 +254,11 @@ print(len(chat.session.tokens), len(chat.messages))
 
 def test_load_refuses_other_model_and_bad_files(tmp_path):
     tok = ByteTokenizer()
-    chat = Chat(tiny("rwkv7"), tok, max_tokens=4)
+    chat = Chat(tiny_model("rwkv7"), tok, max_tokens=4)
     list(chat.ask("hi"))
     path = str(tmp_path / "c.safetensors")
     chat.save(path)
-    other = Chat(tiny("rwkv7", seed=9), tok)
+    other = Chat(tiny_model("rwkv7", seed=9), tok)
     with pytest.raises(ValueError, match="another model"):
         other.load(path)
     assert other.messages == [] and other.session.tokens == []
@@ -310,7 +274,7 @@ def test_load_refuses_other_model_and_bad_files(tmp_path):
 def test_adapter_equals_fused():
     from mlx_rwkvx.tuner.adapters import apply_lora, fuse_adapters, target_paths
 
-    model, tok = tiny("rfa", seed=6), ByteTokenizer()
+    model, tok = tiny_model("rfa", seed=6), ByteTokenizer()
     apply_lora(model, target_paths(model, "qwen"), rank=4, alpha=8.0)
     for name, m in model.named_modules():  # a trained-looking adapter: B not zero
         if hasattr(m, "lora_b"):
@@ -333,7 +297,7 @@ def test_stop_strings_split_across_tokens():
     s = _StopStrings(["\n\n"])
     assert s.add("a\n") == ("a", False) and s.add("b") == ("\nb", False)
     # end to end: a stop string made of two byte tokens the model generates
-    model, tok = tiny("rwkv7", seed=7), ByteTokenizer()
+    model, tok = tiny_model("rwkv7", seed=7), ByteTokenizer()
     text = "".join(r.text for r in stream_generate(model, tok, "abc", max_tokens=30))
     stop = text[10:12]
     cut = text[: text.index(stop)]
@@ -342,14 +306,14 @@ def test_stop_strings_split_across_tokens():
 
 
 def test_eos_ends_and_is_not_shown():
-    model, tok = constant(tiny("rwkv7", seed=8), 0), ByteTokenizer()  # 0: end of text
+    model, tok = constant(tiny_model("rwkv7", seed=8), 0), ByteTokenizer()  # 0: end of text
     got = list(stream_generate(model, tok, "hello", max_tokens=10))
     assert len(got) == 1 and got[0].text == "" and got[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("family", ["rwkv-x", "rfa"])
 def test_cache_window_and_no_window(family):
-    model, tok = tiny(family, seed=10), ByteTokenizer()
+    model, tok = tiny_model(family, seed=10), ByteTokenizer()
     prompt = list(range(40, 72))
     # the window: the caches never hold more than max_cache tokens, generation goes on
     s = Session(model, max_cache=16)
@@ -364,7 +328,7 @@ def test_cache_window_and_no_window(family):
 
 
 def test_sampling_is_mlx_lms_and_seeded():
-    model, tok = tiny("rwkv7", seed=11), ByteTokenizer()
+    model, tok = tiny_model("rwkv7", seed=11), ByteTokenizer()
     opts = dict(max_tokens=16, temp=1.0, top_p=0.9, top_k=20, min_p=0.01, seed=3)
     a = [r.token for r in stream_generate(model, tok, "seeded", **opts)]
     b = [r.token for r in stream_generate(model, tok, "seeded", **opts)]
@@ -378,7 +342,7 @@ def test_sampling_is_mlx_lms_and_seeded():
 
 
 def test_name_is_function_and_command(tmp_path):
-    mlx_rwkvx.save(tiny("rwkv7"), tmp_path / "m")
+    mlx_rwkvx.save(tiny_model("rwkv7"), tmp_path / "m")
     script = f"""
 import mlx_rwkvx.generate  # the command's module takes the package attribute's name
 import mlx_rwkvx
@@ -415,10 +379,8 @@ def test_generation_config_yaml(tmp_path):
 
 
 def test_chat_with_the_tokenizers_own_template(tmp_path):
-    from test_tuner_data import hf_tokenizer
-
-    tok = hf_tokenizer(tmp_path / "tok")  # byte-level BPE, ChatML template, <|im_end|> ends
-    model = tiny("rfa", seed=12, vocab_size=512)  # a head wider than the tokenizer's 400-odd
+    tok = chatml_tokenizer(tmp_path / "tok")  # byte-level BPE, ChatML template, <|im_end|> ends
+    model = tiny_model("rfa", seed=12, vocab_size=512)  # a head wider than the tokenizer's 400-odd
     chat = Chat(model, tok, system="You are terse.", max_tokens=10, temp=1.0, seed=0)
     assert chat.format.name == "tokenizer"
     for user in ("Hello there", "How are you?"):
@@ -441,9 +403,7 @@ def test_chatml_turns_stop_at_im_end_when_it_is_not_the_end_of_text(tmp_path):
 
     from mlx_rwkvx.generation import chat_format
 
-    from test_tuner_data import hf_tokenizer
-
-    tok = hf_tokenizer(tmp_path / "own")  # its end of text is <|im_end|>: eos stops the turn
+    tok = chatml_tokenizer(tmp_path / "own")  # its end of text is <|im_end|>: eos stops the turn
     assert chat_format(tok).stops == []
     (tmp_path / "own" / "tokenizer_config.json").write_text(
         _json.dumps({"eos_token": "<|endoftext|>"})  # a Qwen2 base tokenizer's
@@ -458,10 +418,10 @@ def test_chatml_turns_stop_at_im_end_when_it_is_not_the_end_of_text(tmp_path):
 
 def test_load_refuses_another_chat_format(tmp_path):
     tok = ByteTokenizer()
-    chat = Chat(tiny("rwkv7"), tok, max_tokens=3)
+    chat = Chat(tiny_model("rwkv7"), tok, max_tokens=3)
     list(chat.ask("hi"))
     chat.save(tmp_path / "c.safetensors")
-    other = Chat(tiny("rwkv7"), tok, template="chatml")
+    other = Chat(tiny_model("rwkv7"), tok, template="chatml")
     with pytest.raises(ValueError, match="saved in the 'rwkv' chat format"):
         other.load(tmp_path / "c.safetensors")
-    assert Chat(tiny("rwkv7"), tok, max_kv_size=7).session.max_cache == 7  # mlx-lm's name
+    assert Chat(tiny_model("rwkv7"), tok, max_kv_size=7).session.max_cache == 7  # mlx-lm's name

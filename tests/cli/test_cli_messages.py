@@ -17,10 +17,11 @@ from mlx_rwkvx import demo as demo_cli
 from mlx_rwkvx import merge as merge_cli
 from mlx_rwkvx import pretokenize as pretok_cli
 from mlx_rwkvx import train as train_cli
-from mlx_rwkvx.models import Model, ModelConfig, preset
+from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.tuner.outputs import metrics_line
 
 import pytest
+from helpers import rwkv7_cfg
 
 COMMANDS = {
     "train": train_cli,
@@ -32,15 +33,11 @@ COMMANDS = {
 }
 
 
-def tiny_cfg() -> ModelConfig:
-    return ModelConfig(vocab_size=256, hidden_size=32, head_size=16, block_types=["rwkv7"] * 2)
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A tiny RWKV-7 (the byte tokenizer) in the native format."""
     path = tmp_path_factory.mktemp("cli") / "base"
-    mlx_rwkvx.save(Model(tiny_cfg()), path)
+    mlx_rwkvx.save(Model(rwkv7_cfg()), path)
     return path
 
 

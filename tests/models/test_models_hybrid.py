@@ -11,7 +11,8 @@ from mlx_rwkvx.ops.moba import moba_selection, selection_mask
 import mlx.core as mx
 import numpy as np
 import pytest
-from model_params import (
+from helpers import LOW_RANK, rwkv7_cfg
+from helpers.model_params import (
     assert_close,
     flat_params,
     from_oracle,
@@ -27,11 +28,8 @@ FWD_TOL, GRAD_TOL = 1e-5, 1e-4  # DESIGN.md, a whole tiny model in float32
 # FWD_TOL of the oracle agree within twice that.
 CACHE_TOL = 2 * FWD_TOL
 B = 2
-LOW_RANK = dict(decay_low_rank=8, a_low_rank=8, v_low_rank=8, gate_low_rank=16)
 CONFIGS = {
-    "rwkv7": lambda: ModelConfig(
-        vocab_size=40, hidden_size=32, head_size=16, block_types=["rwkv7"] * 3, **LOW_RANK
-    ),
+    "rwkv7": lambda: rwkv7_cfg(3, vocab_size=40, **LOW_RANK),
     # rwkv7, rwkv7, moba, rwkv7, rwkv7, moba; chunks of 8, top 2
     "rwkv-x-tiny": lambda: preset("rwkv-x-tiny"),
     "rfa": lambda: rfa_config(
@@ -203,10 +201,10 @@ def test_bf16_model_vs_oracle(name):
     """bfloat16 weights and activations (log-decay and WKV state stay float32): logits within
     3e-2 of the float64 oracle of the same (bf16-rounded) weights.
 
-    Looser than DESIGN.md's 2e-2, which holds per block (tests/test_models_blocks.py: <= 6.5e-3
-    measured): over 3 to 6 blocks the bf16 rounding of the residual stream and of every branch
-    compounds. Measured over 6 seeds: 0.6e-2 (rwkv7) to 1.9e-2 (rfa, whose small un-normalised
-    embedding makes every branch's error count in full)."""
+    Looser than DESIGN.md's 2e-2, which holds per block (tests/models/test_models_blocks.py:
+    <= 6.5e-3 measured): over 3 to 6 blocks the bf16 rounding of the residual stream and of
+    every branch compounds. Measured over 6 seeds: 0.6e-2 (rwkv7) to 1.9e-2 (rfa, whose small
+    un-normalised embedding makes every branch's error count in full)."""
     cfg = CONFIGS[name]()
     model = Model(cfg, seed=7)
     model.set_dtype(mx.bfloat16)
@@ -413,7 +411,7 @@ def test_config_is_a_value(tmp_path):
     # quantizing one model never touches another's config: save(a) stays loadable as float
     import mlx_rwkvx
 
-    cfg = ModelConfig(vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"] * 2)
+    cfg = rwkv7_cfg(hidden_size=64)
     a = Model(cfg)
     b = Model(cfg).quantize()
     assert a.config == cfg and a.config is not cfg and b.config is not a.config

@@ -12,13 +12,14 @@ from mlx_rwkvx import pretokenize as pretokenize_cli
 from mlx_rwkvx import train as train_cli
 from mlx_rwkvx.errors import UsageError
 from mlx_rwkvx.io import convert as conversion
-from mlx_rwkvx.models import Model, ModelConfig
+from mlx_rwkvx.models import Model
 from mlx_rwkvx.tuner import merge as merging
 from mlx_rwkvx.tuner import pretokenize as pretokenizing
 from mlx_rwkvx.tuner import trainer
 
 import mlx.core as mx
 import pytest
+from helpers import rwkv7_cfg
 
 
 def shape_bug(*args, **kwargs):
@@ -29,8 +30,7 @@ def shape_bug(*args, **kwargs):
 @pytest.fixture()
 def model(tmp_path):
     path = tmp_path / "m"
-    cfg = ModelConfig(vocab_size=256, hidden_size=32, head_size=16, block_types=["rwkv7"] * 2)
-    mlx_rwkvx.save(Model(cfg), path)
+    mlx_rwkvx.save(Model(rwkv7_cfg()), path)
     (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
     return path
 

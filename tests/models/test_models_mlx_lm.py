@@ -6,17 +6,18 @@ load with mlx-lm alone, nothing of ours written into its modules."""
 
 from __future__ import annotations
 
-from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config
+from mlx_rwkvx.models import Model, ModelConfig, preset
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import rfa_cfg
+from helpers.model_params import flat_params
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen2 as lm_qwen2
 from mlx_lm.models import rwkv7 as lm_rwkv7
 from mlx_lm.models.cache import make_prompt_cache
-from model_params import flat_params
 from oracle.common import rel_err
 
 # Independent float32 implementations. mlx-lm writes the decay scale as -0.606531 (ours is
@@ -25,6 +26,8 @@ TOL = 1e-5
 B, T = 2, 13
 
 
+# this file's own RWKV-7: the FFN width and each low rank set, not derived from the width (the
+# derived ranks would all be 32), as mlx-lm's ModelArgs takes each of them
 def _rwkv7_cfg() -> ModelConfig:
     return ModelConfig(
         vocab_size=50,
@@ -40,16 +43,7 @@ def _rwkv7_cfg() -> ModelConfig:
 
 
 def _qwen2_cfg() -> ModelConfig:
-    return rfa_config(
-        vocab_size=50,
-        hidden_size=64,
-        head_size=16,
-        block_types=["qwen2"] * 3,
-        intermediate_size=96,
-        n_q_heads=4,
-        n_kv_heads=2,
-        rope_theta=1e4,
-    )
+    return rfa_cfg(["qwen2"] * 3, hidden_size=64, vocab_size=50, rope_theta=1e4)
 
 
 def _rwkv7_weights(model: Model) -> dict[str, mx.array]:
@@ -186,15 +180,7 @@ def _greedy_by_hand(model, prompt: mx.array, n: int) -> list[int]:
 GENERATE = {
     "rwkv7": _rwkv7_cfg,
     "rwkv-x-tiny": lambda: preset("rwkv-x-tiny"),
-    "rfa": lambda: rfa_config(
-        vocab_size=50,
-        hidden_size=64,
-        head_size=16,
-        block_types=["rwkv7", "qwen2", "rwkv7", "qwen2"],
-        intermediate_size=96,
-        n_q_heads=4,
-        n_kv_heads=2,
-    ),
+    "rfa": lambda: rfa_cfg(["rwkv7", "qwen2", "rwkv7", "qwen2"], hidden_size=64, vocab_size=50),
 }
 
 
@@ -225,15 +211,7 @@ def test_stream_generate_with_our_tokenizer(name):
     from mlx_lm.generate import stream_generate
 
     if name == "rfa":
-        cfg = rfa_config(
-            vocab_size=256,
-            hidden_size=64,
-            head_size=16,
-            n_q_heads=4,
-            n_kv_heads=2,
-            intermediate_size=96,
-            block_types=["rwkv7", "qwen2", "rwkv7"],
-        )
+        cfg = rfa_cfg(["rwkv7", "qwen2", "rwkv7"], hidden_size=64)
     else:
         cfg = preset(name)
     model = Model(cfg, seed=3)

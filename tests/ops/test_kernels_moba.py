@@ -13,15 +13,15 @@ from mlx_rwkvx.ops.moba import kernel as MK
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_harness import cpu
-from kernel_harness import moba as harness
-from mlx_kernel_emulation import (
+from helpers.mlx_kernel_emulation import (
     MX_DTYPES,
     check_cuda_compiles,
     check_imports_without_mlx,
     check_metal_assembly,
     fake_kernel_maker,
 )
+from kernel_harness import cpu
+from kernel_harness import moba as harness
 from oracle.common import rel_err
 
 HEAD_SIZES = MK.HEAD_SIZES

@@ -6,7 +6,6 @@ step, and mistakes are one line with exit 2 and nothing written."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -26,8 +25,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from helpers import LOW_RANK, rfa_cfg, run_module, rwkv7_cfg
+from helpers.model_params import from_oracle, oracle_params
 from mlx.utils import tree_flatten, tree_unflatten
-from model_params import from_oracle, oracle_params
 from oracle.common import rel_err
 from oracle.lm import cross_entropy_bwd_np, cross_entropy_fwd_np
 from oracle.model import model_bwd_np, model_fwd_np, spec_of
@@ -131,9 +131,7 @@ def test_adapter_gradients_equal_the_oracles(dora):
     # LoRA; W' = (m / n) V with V = W + s (A B)^T, n its row norms (held fixed, as mlx-lm's
     # DoRALinear does) for DoRA. From the oracle's gradient G of W': dL/dV = G (LoRA) or
     # (m / n) G (DoRA), dL/dm = sum_i G V / n, dL/dA = s dV^T B^T, dL/dB = s A^T dV^T.
-    cfg = rfa_config(vocab_size=40, hidden_size=32, head_size=16, intermediate_size=48,
-                     block_types=["rwkv7", "qwen2"], n_q_heads=4, n_kv_heads=2,
-                     decay_low_rank=8, a_low_rank=8, v_low_rank=8, gate_low_rank=16)  # fmt: skip
+    cfg = rfa_cfg(["rwkv7", "qwen2"], vocab_size=40, **LOW_RANK)
     model = Model(cfg, seed=3)
     paths = target_paths(model, "all")
     apply_lora(model, paths, rank=2, alpha=6, dora=dora)
@@ -180,16 +178,6 @@ def test_adapter_gradients_equal_the_oracles(dora):
             assert rel_err(np.array(grads[f"{p}.m"]), dm) <= 1e-4, p
 
 
-def _run_cli(args, env=None, **kw):
-    return subprocess.run(
-        [sys.executable, "-m", "mlx_rwkvx.train", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        **kw,
-    )
-
-
 def _cli_args(ws, out, iters=8, lora=True):
     return ["--model", ws / "base", "--data", ws / "data", "--output", out, "--batch-size", 3,
             "--lr", 2e-2, "--warmup", 2, "--iters", iters, "--save-every", 2, "--log-every", 4,
@@ -202,14 +190,15 @@ def _cli_args(ws, out, iters=8, lora=True):
 def test_resume_after_sigkill_gives_the_same_losses(workspace, tmp_path, crash, mode):
     extra = ["--mode", "full", "--lr", "1e-3"] if mode == "full" else []
     lora = mode != "full"
-    whole = _run_cli(_cli_args(workspace, tmp_path / "whole", lora=lora) + extra)
+    whole = run_module("train", *_cli_args(workspace, tmp_path / "whole", lora=lora), *extra)
     assert whole.returncode == 0, whole.stderr
-    killed = _run_cli(_cli_args(workspace, tmp_path / "run", lora=lora) + extra,
-                      env={"MLX_RWKVX_CRASH_AT": crash})  # fmt: skip
+    killed = run_module("train", *_cli_args(workspace, tmp_path / "run", lora=lora), *extra,
+                        env={"MLX_RWKVX_CRASH_AT": crash})  # fmt: skip
     assert killed.returncode == -signal.SIGKILL
     if crash == "save:4":  # killed inside the save: checkpoint_4 has no manifest
         assert not (tmp_path / "run" / "checkpoint_4.json").exists()
-    again = _run_cli(_cli_args(workspace, tmp_path / "run", lora=lora) + extra + ["--resume"])
+    again = run_module("train", *_cli_args(workspace, tmp_path / "run", lora=lora), *extra,
+                       "--resume")  # fmt: skip
     assert again.returncode == 0, again.stderr
     want, got = _losses(tmp_path / "whole"), _losses(tmp_path / "run")
     assert sorted(got) == sorted(want)
@@ -240,7 +229,7 @@ def test_ctrl_c_saves_and_exits(workspace, tmp_path):
 
 def test_non_finite_loss_stops_with_the_step(workspace, tmp_path):
     out = tmp_path / "nan"
-    run = _run_cli(_cli_args(workspace, out) + ["--lr", "1e30", "--grad-clip", "0"])
+    run = run_module("train", *_cli_args(workspace, out), "--lr", "1e30", "--grad-clip", "0")
     assert run.returncode == 1, run.stderr
     line = run.stderr.strip().splitlines()[-1]
     assert "step " in line and ("nan" in line or "inf" in line) and "stopped (kept:" in line
@@ -258,7 +247,7 @@ def test_non_finite_loss_stops_with_the_step(workspace, tmp_path):
 )
 def test_mistakes_are_one_line_and_exit_2(workspace, tmp_path, change, message):
     out = tmp_path / "out"
-    run = _run_cli(_cli_args(workspace, out) + change)
+    run = run_module("train", *_cli_args(workspace, out), *change)
     assert run.returncode == 2, run.stderr
     lines = [x for x in run.stderr.strip().splitlines() if x]
     assert len(lines) == 1 and message in lines[0], run.stderr
@@ -267,9 +256,9 @@ def test_mistakes_are_one_line_and_exit_2(workspace, tmp_path, change, message):
 
 def test_an_output_folder_holding_another_run(workspace, tmp_path):
     out = tmp_path / "out"
-    assert _run_cli(_cli_args(workspace, out, iters=2)).returncode == 0
+    assert run_module("train", *_cli_args(workspace, out, iters=2)).returncode == 0
     before = sorted(p.name for p in out.iterdir())
-    run = _run_cli(_cli_args(workspace, out, iters=2))
+    run = run_module("train", *_cli_args(workspace, out, iters=2))
     assert run.returncode == 2 and "holds another run; pass --resume" in run.stderr
     assert sorted(p.name for p in out.iterdir()) == before
 
@@ -584,11 +573,9 @@ def test_pretraining_decays_only_what_rwkvs_trainer_decays():
     # head; not norms, biases, token-shift mixes, w0 (the decay's up.bias), k_k/k_a/r_k, nor
     # the low-rank w1/w2, a1/a2, v1/v2, g1/g2 (parameters of their own there: our LowRank's
     # down.weight and up.weight). One AdamW step with zero gradients shows what decays.
-    from mlx_rwkvx.models import ModelConfig
     from mlx_rwkvx.tuner.optimizer import make_optimizer
 
-    model = Model(ModelConfig(vocab_size=64, hidden_size=32, head_size=16,
-                              block_types=["rwkv7"] * 2), seed=0)  # fmt: skip
+    model = Model(rwkv7_cfg(vocab_size=64), seed=0)
     cfg = TrainConfig(mode="pretrain", model="m", data="d", output="o", lr=0.1, warmup=0,
                       weight_decay=0.5).resolved()  # fmt: skip
     optimizer, _ = make_optimizer(cfg, 10)

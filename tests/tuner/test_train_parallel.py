@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx_rwkvx
@@ -23,6 +20,7 @@ from mlx_rwkvx.tuner.trainer import TrainError, train
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import run_module
 from mlx.utils import tree_flatten
 
 FACTS = [f"{a}+{b}={a + b}" for a in range(1, 6) for b in range(1, 4)]  # 15: shards of 7
@@ -115,9 +113,7 @@ def test_parallel_resumes_after_a_kill(workspace, tmp_path):
     defaults = vars(TrainConfig())  # the settings given: those that differ from the defaults
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(cut).items()
              if v is not None and not isinstance(v, bool) and v != defaults[k]]  # fmt: skip
-    killed = subprocess.run([sys.executable, "-m", "mlx_rwkvx.train", *flags], timeout=300,
-                            capture_output=True, env={**os.environ,
-                                                      "MLX_RWKVX_CRASH_AT": "step:5"})  # fmt: skip
+    killed = run_module("train", *flags, env={"MLX_RWKVX_CRASH_AT": "step:5"})
     assert killed.returncode == -9, killed.stderr
     assert (tmp_path / "cut" / "checkpoint_3.json").exists()
     resumed = train(dataclasses.replace(cut, resume=True))
@@ -147,8 +143,7 @@ def test_foundrys_cross_machine_recipe(workspace, tmp_path):
     # pretokenize --split-weights 6,2; each part trained with --parallel and --quantize (two
     # Macs); the two adapters merged; the result chats
     def run(module, *args):
-        out = subprocess.run([sys.executable, "-m", f"mlx_rwkvx.{module}", *map(str, args)],
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        out = run_module(module, *args, timeout=600)
         assert out.returncode == 0, out.stdout + out.stderr
         return out.stdout
 

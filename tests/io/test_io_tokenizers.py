@@ -1,18 +1,10 @@
 """Tokenizers: World equals greedy longest match; all round-trip ASCII, CJK, emoji, bad UTF-8."""
 
-import json
-
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, HFTokenizer, WorldTokenizer, load_tokenizer
 
 import pytest
+from helpers import TEXTS, bpe_tokenizer
 
-TEXTS = [
-    "Hello, world! The quick brown fox jumps over the lazy dog.",
-    "你好，世界。今天天气很好。",
-    "emoji: 😀🎉👍🏽 and flags 🇯🇵",
-    "mixed 日本語 text with\ttabs\nand newlines\r\n  spaces    ",
-    "",
-]
 BAD_UTF8 = [b"\xff\xfe\x00abc", b"\xc3\x28", b"ok \xe2\x82 cut", b"\xf0\x9f\x98"]
 
 
@@ -69,24 +61,8 @@ def test_byte_tokenizer_round_trips():
         tok.decode([256])
 
 
-def _tiny_hf_tokenizer(folder):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(TEXTS * 20, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-
-
 def test_hf_tokenizer_json(tmp_path):
-    _tiny_hf_tokenizer(tmp_path)
+    bpe_tokenizer(tmp_path)
     tok = load_tokenizer(str(tmp_path), vocab_size=400)
     assert isinstance(tok, HFTokenizer)
     for text in TEXTS:
@@ -125,6 +101,6 @@ def test_byte_tokenizer_for_a_smaller_vocabulary():
 
 
 def test_tokenizer_bigger_than_the_model(tmp_path):
-    _tiny_hf_tokenizer(tmp_path)  # ~400 tokens
+    bpe_tokenizer(tmp_path)  # ~400 tokens
     with pytest.raises(ValueError, match=r"has \d+ tokens, more than the model's 300"):
         load_tokenizer(str(tmp_path), vocab_size=300)

@@ -23,8 +23,9 @@ from benchmarks.common import Goal, Rendered, Section, with_goals
 from benchmarks.sections import SECTIONS
 
 import pytest
+from helpers import ROOT
 
-BENCH_PATH = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+BENCH_PATH = ROOT / "scripts" / "bench.py"
 PACKAGE = Path(common.__file__).resolve().parent
 
 GOAL = r"[\d.]+ \(goal (>=|<=) [\d.]+\): (met|MISSED)$"

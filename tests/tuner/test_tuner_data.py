@@ -7,8 +7,6 @@ tokenizer with a chat template are checked on top.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import sqlite3
 import subprocess
@@ -16,7 +14,7 @@ import sys
 from pathlib import Path
 
 from mlx_rwkvx import pretokenize
-from mlx_rwkvx.io.tokenizers import ByteTokenizer, HFTokenizer, WorldTokenizer
+from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
 from mlx_rwkvx.tuner.batches import batches, count_batches, split_parts
 from mlx_rwkvx.tuner.data import (
     IGNORE_INDEX,
@@ -31,19 +29,7 @@ from mlx_rwkvx.tuner.data import (
 
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-CHAT = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Hello, world!"},
-    {"role": "assistant", "content": "How can I help you today?"},
-    {"role": "user", "content": "The fox?"},
-    {"role": "assistant", "content": "Lazy dog."},
-]
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from helpers import CHAT, CHATML, ROOT, CliError, chatml_tokenizer, cli
 
 
 @pytest.fixture(scope="module")
@@ -64,27 +50,6 @@ def write_jsonl(path: Path, records) -> Path:
 
 def trained_text(tok, example: Example) -> str:
     return tok.decode(example.tokens[example.trained])
-
-
-def hf_tokenizer(folder: Path, template: str | None = CHATML) -> HFTokenizer:
-    """A tiny byte-level BPE tokenizer with ChatML's special tokens and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([m["content"] for m in CHAT] * 20, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    if template is not None:
-        (folder / "chat_template.jinja").write_text(template)
-    return HFTokenizer(str(folder))
 
 
 # ----- formats and masks -----------------------------------------------------------------------
@@ -115,7 +80,7 @@ def test_chat_rwkv_convention(tmp_path, byte_tok, world):
 
 
 def test_chat_hf_template(tmp_path):
-    tok = hf_tokenizer(tmp_path / "tok")
+    tok = chatml_tokenizer(tmp_path / "tok")
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])
     (ex,), _ = load_examples(str(path), tok)
     assert tok.decode(ex.tokens).startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
@@ -125,7 +90,7 @@ def test_chat_hf_template(tmp_path):
 
 
 def test_chat_hf_tokenizer_without_template_uses_rwkv_convention(tmp_path):
-    tok = hf_tokenizer(tmp_path / "tok", template=None)
+    tok = chatml_tokenizer(tmp_path / "tok", template=None)
     chat = [{"role": "user", "content": "The fox?"}, {"role": "assistant", "content": "Lazy dog."}]
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": chat}])
     (ex,), _ = load_examples(str(path), tok)
@@ -135,7 +100,7 @@ def test_chat_hf_tokenizer_without_template_uses_rwkv_convention(tmp_path):
 
 def test_template_that_rewrites_earlier_turns_is_an_error(tmp_path):
     # the count of messages heads the conversation: every prefix renders a different header
-    tok = hf_tokenizer(tmp_path / "tok", template="{{ messages | length }} messages\n" + CHATML)
+    tok = chatml_tokenizer(tmp_path / "tok", template="{{ messages | length }} messages\n" + CHATML)
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])
     with pytest.raises(DataError, match=r"c\.jsonl:1: the chat template rewrites earlier turns"):
         load_examples(str(path), tok)
@@ -508,23 +473,9 @@ def test_split_parts():
 # ----- pre-tokenizing --------------------------------------------------------------------------
 
 
-class CliError(Exception):
-    """The CLI's exit 2 with the one line it printed."""
-
-
 def run_cli(*argv) -> str:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            pretokenize.main([str(a) for a in argv])
-        except SystemExit as e:
-            # --skip-bad reports what it skipped before the error
-            lines = [x for x in err.getvalue().strip().splitlines() if not x.startswith("skipped")]
-            assert e.code == 2, (e.code, err.getvalue())
-            lines = lines[-1:] if lines and lines[0].startswith("usage:") else lines
-            assert len(lines) == 1, err.getvalue()
-            raise CliError(lines[0]) from None
-    return out.getvalue()
+    # --skip-bad reports each record it skips before an error: notes, not the error
+    return cli(pretokenize.main, *argv, notes="skipped")
 
 
 def test_pretokenize_cli(tmp_path, world):
@@ -621,7 +572,7 @@ def test_pretokenize_output_below_a_file(tmp_path):
 
 
 def test_pre_tokenize_script_takes_foundrys_flags(tmp_path):
-    tok = hf_tokenizer(tmp_path / "tok")
+    tok = chatml_tokenizer(tmp_path / "tok")
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}] * 4)
     out = tmp_path / "tokens.bin"
     argv = ["--tokenizer", tmp_path / "tok" / "tokenizer.json", "--data", data, "--output", out]

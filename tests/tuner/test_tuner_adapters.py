@@ -2,7 +2,7 @@
 state tuning, trainable counts, and the base model's fingerprint."""
 
 import mlx_rwkvx
-from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config
+from mlx_rwkvx.models import Model, preset, rfa_config
 from mlx_rwkvx.tuner.adapters import (
     AdapterError,
     adapter_tensors,
@@ -17,25 +17,10 @@ from mlx_rwkvx.tuner.adapters import (
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import rfa_cfg, rwkv7_cfg
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.lora import LoRALinear
 from oracle.common import rel_err
-
-
-def rwkv7_cfg():
-    return ModelConfig(vocab_size=256, hidden_size=64, head_size=16, block_types=["rwkv7"] * 3)
-
-
-def rfa_cfg():
-    return rfa_config(
-        vocab_size=256,
-        hidden_size=64,
-        head_size=16,
-        block_types=["rwkv7", "qwen2", "rwkv7", "qwen2"],
-        intermediate_size=96,
-        n_q_heads=4,
-        n_kv_heads=2,
-    )
 
 
 def test_presets_by_family():
@@ -44,11 +29,11 @@ def test_presets_by_family():
     paths = target_paths(rwkv_x, "attn")
     assert len(paths) == 12 and all(p.split(".")[1] in ("2", "5") for p in paths)
     assert "layers.2.ffn.key" in paths and "layers.0.ffn.key" not in paths
-    rfa = Model(rfa_cfg())
+    rfa = Model(rfa_cfg(["rwkv7", "qwen2"] * 2, hidden_size=64))
     assert default_targets(rfa) == "qwen"
     assert len(target_paths(rfa, "qwen")) == 14  # 7 a Qwen2 block
     assert len(target_paths(rfa, "rwkv")) == 14  # ARWKV: 4 time-mix + SwiGLU's 3
-    rwkv7 = Model(rwkv7_cfg())
+    rwkv7 = Model(rwkv7_cfg(3, hidden_size=64))
     assert default_targets(rwkv7) == "rwkv"
     assert len(target_paths(rwkv7, "rwkv")) == 18  # 4 time-mix + 2 channel-mix, 3 blocks
     # all: no low-rank projection, no embedding, no head
@@ -57,7 +42,7 @@ def test_presets_by_family():
 
 
 def test_globs_and_last_layers():
-    model = Model(rfa_cfg())
+    model = Model(rfa_cfg(["rwkv7", "qwen2"] * 2, hidden_size=64))
     assert target_paths(model, "layers.*.self_attn.q_proj, layers.0.tmix.key") == [
         "layers.0.tmix.key",
         "layers.1.self_attn.q_proj",
@@ -90,7 +75,7 @@ def test_rfa_preset_trainable_count_matches_foundrys():
 
 
 def test_lora_starts_as_the_base_and_fuses_to_its_update():
-    model = Model(rwkv7_cfg(), seed=1)
+    model = Model(rwkv7_cfg(3, hidden_size=64), seed=1)
     tokens = mx.array([[1, 2, 3, 4, 5, 6, 7]])
     base = model(tokens)
     paths = target_paths(model, "rwkv")
@@ -108,13 +93,13 @@ def test_lora_starts_as_the_base_and_fuses_to_its_update():
 
 
 def test_bad_adapter_requests():
-    model = Model(rwkv7_cfg())
+    model = Model(rwkv7_cfg(3, hidden_size=64))
     paths = target_paths(model, "rwkv")
     with pytest.raises(AdapterError, match="rank must be an int >= 1, got 0"):
         apply_lora(model, paths, rank=0, alpha=8)
     with pytest.raises(AdapterError, match="dropout must be in"):
         apply_lora(model, paths, rank=4, alpha=8, dropout=1.5)
-    quantized = Model(rwkv7_cfg()).quantize(8)
+    quantized = Model(rwkv7_cfg(3, hidden_size=64)).quantize(8)
     with pytest.raises(AdapterError, match="DoRA on a quantized base"):
         apply_lora(quantized, target_paths(quantized, "rwkv"), rank=4, alpha=8, dora=True)
     with pytest.raises(AdapterError, match="needs RWKV blocks"):
@@ -124,7 +109,7 @@ def test_bad_adapter_requests():
 
 
 def test_state_tuning_trains_the_states_only():
-    model = Model(rfa_cfg())
+    model = Model(rfa_cfg(["rwkv7", "qwen2"] * 2, hidden_size=64))
     names = enable_state_tuning(model)
     assert names == ["layers.0.tmix.state0", "layers.2.tmix.state0"]
     assert sorted(adapter_tensors(model)) == names
@@ -132,8 +117,7 @@ def test_state_tuning_trains_the_states_only():
 
 
 def test_fingerprint_same_base_any_format_different_bases(tmp_path):
-    model = Model(ModelConfig(vocab_size=256, hidden_size=64, head_size=16,
-                              block_types=["rwkv7"] * 2), seed=3)  # fmt: skip
+    model = Model(rwkv7_cfg(hidden_size=64), seed=3)
     mlx_rwkvx.save(model, tmp_path / "fp32")
     mlx_rwkvx.save(model, tmp_path / "one.safetensors")
     want = fingerprint(model)
@@ -159,7 +143,7 @@ def _trained_lora(model, kind="lora"):
 def test_adapter_file_round_trip_through_load(tmp_path, kind):
     from mlx_rwkvx.tuner.adapters import adapter_config, save_adapter
 
-    base = Model(rfa_cfg(), seed=5)
+    base = Model(rfa_cfg(["rwkv7", "qwen2"] * 2, hidden_size=64), seed=5)
     mlx_rwkvx.save(base, tmp_path / "base")
     fp = fingerprint(base)
     tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
@@ -184,13 +168,15 @@ def test_adapter_file_round_trip_through_load(tmp_path, kind):
 def test_adapter_for_another_base_is_refused(tmp_path):
     from mlx_rwkvx.tuner.adapters import adapter_config, save_adapter
 
-    base = Model(rfa_cfg(), seed=5)
+    base = Model(rfa_cfg(["rwkv7", "qwen2"] * 2, hidden_size=64), seed=5)
     paths = _trained_lora(base)
     config = adapter_config(
         base, fine_tune_type="lora", paths=paths, rank=4, alpha=8, base_fingerprint="0" * 16
     )
     save_adapter(tmp_path / "a.safetensors", base, config)
-    mlx_rwkvx.save(Model(rfa_cfg(), seed=5), tmp_path / "base")
+    mlx_rwkvx.save(
+        Model(rfa_cfg(["rwkv7", "qwen2"] * 2, hidden_size=64), seed=5), tmp_path / "base"
+    )
     with pytest.raises(AdapterError, match="trained on another base model"):
         mlx_rwkvx.load(tmp_path / "base", adapter=tmp_path / "a.safetensors")
     with pytest.raises(AdapterError, match="no such adapter"):
@@ -201,7 +187,7 @@ def test_saving_an_adapter_wrapped_model_is_one_clear_error(tmp_path):
     from mlx_rwkvx.io.formats import CheckpointError
     from mlx_rwkvx.tuner.adapters import fuse_adapters
 
-    model = Model(rwkv7_cfg(), seed=2)
+    model = Model(rwkv7_cfg(3, hidden_size=64), seed=2)
     _trained_lora(model)
     tokens = mx.array([[1, 2, 3, 4]])
     want = model(tokens)
@@ -217,9 +203,9 @@ def test_mlx_lm_adapter_folder_loads(tmp_path):
     # relative to a block and apply to the last num_layers blocks
     import json
 
-    base = Model(rwkv7_cfg(), seed=6)
+    base = Model(rwkv7_cfg(3, hidden_size=64), seed=6)
     mlx_rwkvx.save(base, tmp_path / "base")
-    trained = Model(rwkv7_cfg(), seed=6)
+    trained = Model(rwkv7_cfg(3, hidden_size=64), seed=6)
     paths = target_paths(trained, "tmix.key,tmix.value".replace("tmix", "layers.*.tmix"), 2)
     apply_lora(trained, paths, rank=2, alpha=4)
     for name, x in adapter_tensors(trained).items():
@@ -253,7 +239,7 @@ def test_adapter_trained_by_mlx_lm_on_its_rwkv7_loads(tmp_path, lora_parameters,
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load_model
 
-    base = Model(rwkv7_cfg(), seed=7)
+    base = Model(rwkv7_cfg(3, hidden_size=64), seed=7)
     mlx_rwkvx.save(base, tmp_path / "native")
     convert(tmp_path / "native", tmp_path / "hf", to="hf")
     theirs, _ = load_model(tmp_path / "hf")
@@ -278,7 +264,7 @@ def test_adapter_trained_by_mlx_lm_on_its_rwkv7_loads(tmp_path, lora_parameters,
 
 def test_each_target_pattern_must_match():
     # a pattern of a comma list that matches nothing (a typo) is named, not silently dropped
-    model = Model(rfa_cfg())
+    model = Model(rfa_cfg(["rwkv7", "qwen2"] * 2, hidden_size=64))
     with pytest.raises(AdapterError, match=r"'layers.\*.bogus' \(of 'qwen,layers.\*.bogus'\)"):
         target_paths(model, "qwen,layers.*.bogus")
     with pytest.raises(AdapterError, match=r"'attn' \(of 'attn, qwen'\) matches no projection"):

@@ -30,30 +30,14 @@ from mlx_rwkvx.io.targets import (
     output_lock,
     remove_stale,
 )
-from mlx_rwkvx.models import Model, ModelConfig
+from mlx_rwkvx.models import Model
 from mlx_rwkvx.tuner.data import read_bin, write_bin
 
 import mlx.core as mx
 import pytest
-from test_merge import base, make_adapter
+from helpers import adapter_base, make_adapter, run_module, rwkv7_cfg
 
 PRECIOUS = b"the user's own work, written by hand\n"
-
-
-def tiny() -> Model:
-    return Model(ModelConfig(vocab_size=256, hidden_size=32, head_size=16,
-                             block_types=["rwkv7"] * 2))  # fmt: skip
-
-
-def run(module: str, *args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", f"mlx_rwkvx.{module}", *map(str, args)],
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def refused(proc: subprocess.CompletedProcess, message: str) -> None:
@@ -84,12 +68,12 @@ def debris(*folders: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
-    """A model (bytes), two adapters of the merge tests' base, a text data file."""
+    """A model (bytes), two adapters of ``adapter_base()``, a text data file."""
     root = tmp_path_factory.mktemp("kit")
-    mlx_rwkvx.save(tiny(), root / "model")
+    mlx_rwkvx.save(Model(rwkv7_cfg()), root / "model")
     make_adapter(root / "a.safetensors", noise=1)
     make_adapter(root / "b.safetensors", noise=2)
-    mlx_rwkvx.save(base(), root / "xbase")  # the adapters' base
+    mlx_rwkvx.save(adapter_base(), root / "xbase")  # the adapters' base
     lines = [json.dumps({"text": f"{i} + {i} = {2 * i};"}) for i in range(12)]
     (root / "data.jsonl").write_text("\n".join(lines) + "\n")
     return root
@@ -139,7 +123,7 @@ def test_outputs_that_hold_the_current_folder_are_refused(kit, scratch):
     before = snapshot(scratch.parent, kit)
     for module, args, message in unsafe_cases(kit):
         args = [str(home) if x == "HOME" else x for x in args]
-        refused(run(module, *args, cwd=scratch, env={"HOME": str(home)}), message)
+        refused(run_module(module, *args, cwd=scratch, env={"HOME": str(home)}), message)
         assert snapshot(scratch.parent, kit) == before, (module, args)
 
 
@@ -148,7 +132,7 @@ def test_the_api_refuses_them_too(tmp_path, monkeypatch):
     (tmp_path / "thesis.txt").write_bytes(PRECIOUS)
     for path in ("", ".", "nonexist/..", tmp_path):
         with pytest.raises(TargetError):
-            mlx_rwkvx.save(tiny(), path, overwrite=True)
+            mlx_rwkvx.save(Model(rwkv7_cfg()), path, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["thesis.txt"]
 
 
@@ -183,7 +167,7 @@ def test_an_output_never_replaces_or_enters_an_input(kit, tmp_path):
     ]  # fmt: skip
     before = snapshot(tmp_path)
     for module, args, message in cases:
-        refused(run(module, *args), message)
+        refused(run_module(module, *args), message)
         assert snapshot(tmp_path) == before, (module, args)
 
 
@@ -210,13 +194,13 @@ def test_overwrite_replaces_only_what_the_command_writes(kit, tmp_path):
     ]  # fmt: skip
     before = snapshot(tmp_path)
     for module, args, message in cases:
-        refused(run(module, *args), message)
+        refused(run_module(module, *args), message)
         assert snapshot(tmp_path) == before, (module, args)
     # what the command itself wrote is replaced with --overwrite
     out = tmp_path / "p.bin"
     base = ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output", out]
-    assert run("pretokenize", *base).returncode == 0
-    assert run("pretokenize", *base, "--max-seq-len", 4, "--overwrite").returncode == 0
+    assert run_module("pretokenize", *base).returncode == 0
+    assert run_module("pretokenize", *base, "--max-seq-len", 4, "--overwrite").returncode == 0
     assert max(len(x) for x in read_bin(str(out))) == 5
 
 
@@ -225,7 +209,7 @@ def test_chat_save_replaces_only_a_conversation(kit, tmp_path):
     chat = Chat(model, tokenizer, max_tokens=2)  # a short answer: the state is what matters
     list(chat.ask("hi"))
     m2 = tmp_path / "m2"
-    mlx_rwkvx.save(tiny(), m2 / "model.safetensors")
+    mlx_rwkvx.save(Model(rwkv7_cfg()), m2 / "model.safetensors")
     essay = tmp_path / "essay.safetensors"
     essay.write_bytes(PRECIOUS)
     fifo = tmp_path / "pipe.safetensors"
@@ -278,7 +262,7 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_output(kit, tmp_pa
     for module, target, args in cases:
         inside = module == "train"  # a run's folder holds its own lock
         with output_lock(os.path.realpath(target), inside=inside):
-            refused(run(module, *args), f"process {os.getpid()} is writing it")
+            refused(run_module(module, *args), f"process {os.getpid()} is writing it")
             assert target.exists() == inside
         assert not target.exists()
     assert not debris(tmp_path)
@@ -308,7 +292,7 @@ def test_two_train_runs_on_one_output(kit, tmp_path):
         while not _stopped(first.pid) and time.time() < deadline and first.poll() is None:
             time.sleep(0.1)
         assert _stopped(first.pid), first.poll()
-        second = run("train", *args)
+        second = run_module("train", *args)
         refused(second, f"process {first.pid} is writing it")
     finally:
         first.send_signal(signal.SIGCONT)
@@ -332,14 +316,14 @@ def _complete(out: Path) -> list[int]:
 @pytest.mark.parametrize(("crash", "saved"), [("step:3:TERM", 3), ("save:2:TERM", 2)])
 def test_sigterm_in_train_saves_like_ctrl_c(kit, tmp_path, crash, saved):
     out = tmp_path / "run"
-    proc = run("train", *_train_args(kit, out), env={"MLX_RWKVX_CRASH_AT": crash})
+    proc = run_module("train", *_train_args(kit, out), env={"MLX_RWKVX_CRASH_AT": crash})
     assert proc.returncode == 143, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"mlx_rwkvx.train: interrupted (saved checkpoint_{saved})"
     )
     assert _complete(out)[-1] == saved and not debris(tmp_path)
-    again = run("train", *_train_args(kit, out), "--resume")
+    again = run_module("train", *_train_args(kit, out), "--resume")
     assert again.returncode == 0, again.stderr
     assert (out / "adapter_final.safetensors").exists()
 
@@ -347,13 +331,13 @@ def test_sigterm_in_train_saves_like_ctrl_c(kit, tmp_path, crash, saved):
 def test_a_kill_while_saving_is_cleaned_up_by_the_next_run(kit, tmp_path):
     out = tmp_path / "run"
     crash = "commit:checkpoint_4.state.safetensors"  # killed between a file's write and rename
-    proc = run("train", *_train_args(kit, out), env={"MLX_RWKVX_CRASH_AT": crash})
+    proc = run_module("train", *_train_args(kit, out), env={"MLX_RWKVX_CRASH_AT": crash})
     assert proc.returncode == -signal.SIGKILL
     left = [p.name for p in out.iterdir() if is_temp(p.name)]
     assert left == [f"{TMP_PREFIX}{left[0].split('-tmp-')[1].split('.')[0]}.new."
                     "checkpoint_4.state.safetensors"], left  # fmt: skip
     assert _complete(out) == [2] and (out / "checkpoint_4.safetensors").exists()
-    again = run("train", *_train_args(kit, out), "--resume")
+    again = run_module("train", *_train_args(kit, out), "--resume")
     assert again.returncode == 0, again.stderr
     assert "--resume: skipped checkpoint_4 (no manifest" in again.stderr
     assert not debris(tmp_path) and _complete(out)[-1] == 6
@@ -367,16 +351,16 @@ def test_signals_in_convert_and_merge(kit, tmp_path, module):
     else:
         args = ["--output", out, "--fuse-into", kit / "xbase", kit / "a.safetensors"]
     for sig, code in (("TERM", 143), ("INT", 130)):
-        proc = run(module, *args, env={"MLX_RWKVX_CRASH_AT": f"commit:out:{sig}"})
+        proc = run_module(module, *args, env={"MLX_RWKVX_CRASH_AT": f"commit:out:{sig}"})
         assert proc.returncode == code, proc.stderr
         assert proc.stderr.strip().splitlines() == [
             f"mlx_rwkvx.{module}: interrupted (nothing written)"
         ]
         assert not out.exists() and not debris(tmp_path)
-    killed = run(module, *args, env={"MLX_RWKVX_CRASH_AT": "commit:out"})
+    killed = run_module(module, *args, env={"MLX_RWKVX_CRASH_AT": "commit:out"})
     assert killed.returncode == -signal.SIGKILL
     assert [p.name for p in tmp_path.iterdir() if is_temp(p.name)]  # the half-written folder
-    again = run(module, *args)
+    again = run_module(module, *args)
     assert again.returncode == 0, again.stderr
     assert out.is_dir() and not debris(tmp_path)
     mlx_rwkvx.load(out)
@@ -384,7 +368,7 @@ def test_signals_in_convert_and_merge(kit, tmp_path, module):
 
 def test_sigterm_in_the_demo_stops_it_in_one_line(tmp_path):
     out = tmp_path / "demo"
-    proc = run("demo", "--quick", "--out", out, env={"MLX_RWKVX_CRASH_AT": "step:2:TERM"})
+    proc = run_module("demo", "--quick", "--out", out, env={"MLX_RWKVX_CRASH_AT": "step:2:TERM"})
     assert proc.returncode == 143, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("mlx_rwkvx.demo: interrupted")
@@ -535,11 +519,11 @@ def test_a_target_that_appears_while_written_is_left_alone(tmp_path):
 
 def test_convert_overwrite_keeps_what_the_checkpoint_does_not_bring(kit, tmp_path):
     out = tmp_path / "out"
-    assert run("convert", kit / "model", out).returncode == 0
+    assert run_module("convert", kit / "model", out).returncode == 0
     backup = out / "my_finetune_backup.safetensors"
     shutil.copy(out / "model.safetensors", backup)
     before = snapshot(tmp_path)
-    refused(run("convert", kit / "model", out, "--overwrite"),
+    refused(run_module("convert", kit / "model", out, "--overwrite"),
             "replacing it would drop ['my_finetune_backup.safetensors']")  # fmt: skip
     assert snapshot(tmp_path) == before
 
@@ -554,6 +538,8 @@ def test_train_adds_to_a_folder_but_never_over_files_it_did_not_write(kit, tmp_p
     (linked / "adapter_config.json").symlink_to(tmp_path / "precious.json")
     before = snapshot(tmp_path)
     args = ["--model", kit / "model", "--data", kit / "data.jsonl", "--lora-rank", 4]
-    refused(run("train", *args, "--output", ".", cwd=here), "holds ['metrics.jsonl']")
-    refused(run("train", *args, "--output", linked), "adapter_config.json is a symbolic link")
+    refused(run_module("train", *args, "--output", ".", cwd=here), "holds ['metrics.jsonl']")
+    refused(
+        run_module("train", *args, "--output", linked), "adapter_config.json is a symbolic link"
+    )
     assert snapshot(tmp_path) == before

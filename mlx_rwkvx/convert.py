@@ -1,8 +1,9 @@
 """``python -m mlx_rwkvx.convert SRC DST``: convert a checkpoint between formats.
 
 SRC is any format ``mlx_rwkvx.load`` reads. DST is written as ``--to native`` (a folder, or one
-``.safetensors`` with the config in its metadata), ``hf`` (Hugging Face: plain RWKV-7 or Qwen2)
-or ``blinkdl`` (BlinkDL's names, ``.safetensors``). ``--quantize int8`` stores INT8 weights
+``.safetensors`` with the config in its metadata), ``hf`` (Hugging Face: plain RWKV-7 or Qwen2),
+``blinkdl`` (BlinkDL's names, one ``.pth`` or ``.safetensors``) or ``rwkvx`` (the RWKV-X
+authors' names, one ``.pth`` or ``.safetensors``). ``--quantize int8`` stores INT8 weights
 (native only). ``--to-rfa`` turns a Qwen2 checkpoint into an RFA model: the attention of every
 layer not listed in ``--qwen-layers`` becomes an ARWKV time-mix initialised from it.
 """

@@ -25,6 +25,7 @@ import mlx_rwkvx
 from mlx_rwkvx import cli, generation, settings
 from mlx_rwkvx.errors import UsageError, UserError
 from mlx_rwkvx.generation import DEFAULT_MAX_CACHE, Chat, chat_format, stream_generate
+from mlx_rwkvx.generation.stream import default_max_cache
 from mlx_rwkvx.io.load import load
 from mlx_rwkvx.ops import prepare
 from mlx_rwkvx.settings import opt
@@ -61,8 +62,8 @@ class GenerateConfig:
     repetition_penalty: float = opt("divide the logits of recent tokens by this (> 1)")
     seed: int = opt("random seed of the sampler")
     stop: str = opt("one more string that ends an answer")
-    max_cache: int = opt("tokens the attention blocks' KV caches hold", "max_kv_size",
-                         default=DEFAULT_MAX_CACHE)  # fmt: skip
+    max_cache: int = opt("tokens the attention blocks' KV caches hold (default: the model's "
+                         f"own, else {DEFAULT_MAX_CACHE})", "max_kv_size")  # fmt: skip
     window: bool = opt("past --max-cache, keep a sliding window of the last tokens (the "
                        "default); --no-window stops the answer instead", default=True)  # fmt: skip
     verbose: bool = opt("print the prompt's and the answer's token counts and speeds",
@@ -112,7 +113,7 @@ def _sampling(cfg: GenerateConfig) -> dict:
 
 
 def _check(cfg: GenerateConfig) -> None:
-    for name in ("max_tokens", "max_cache", "temp", "top_p", "min_p", "top_k"):
+    for name in ("max_tokens", "temp", "top_p", "min_p", "top_k"):
         if getattr(cfg, name) is None:  # a YAML "name: null"
             raise UsageError(f"--{name.replace('_', '-')} needs a value")
     try:
@@ -130,7 +131,7 @@ def _check(cfg: GenerateConfig) -> None:
             raise UsageError(f"{' and '.join(given)} with --ignore-chat-template: the prompt "
                              "goes in as it is, with no template to carry them")  # fmt: skip
     for name in ("max_tokens", "max_cache"):
-        if getattr(cfg, name) < 1:
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("temp", "top_p", "min_p", "top_k"):
         if getattr(cfg, name) < 0:
@@ -179,7 +180,7 @@ def _one_answer(cfg: GenerateConfig, model, tokenizer) -> None:
         print(last.text, end="", flush=True)
     print()
     if last is not None and last.finish_reason == "cache":
-        print(CACHE_FULL.format(cfg.max_cache), file=sys.stderr)
+        print(CACHE_FULL.format(cfg.max_cache or default_max_cache(model)), file=sys.stderr)
     if cfg.verbose and last is not None:
         print(_stats(last), file=sys.stderr)
 

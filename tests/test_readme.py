@@ -243,19 +243,22 @@ RECIPES = {
         expect=("lora-dp/adapter_final.safetensors", "lora-local/adapter_final.safetensors"),
         slow=True,
     ),
-    "convert-a-hugging-face-or-blinkdl-checkpoint": Recipe(
+    "convert-a-hugging-face-blinkdl-or-rwkv-x-checkpoint": Recipe(
         files={
             "rwkv7-g1-1.5b.pth": "rwkv7-pth",
             "rwkv7-g1-1.5b-hf": "rwkv7-hf",
             "Qwen2.5-1.5B-Instruct": "qwen2-hf",
+            "RWKV-X-0.2B-64k-Base.pth": "rwkvx-pth",
         },
         expect=(
             "rwkv7-1.5b/config.json",
             "rwkv7-1.5b-int8/config.json",
             "rwkv7-1.5b-from-hf/config.json",
             "rwkv7-1.5b-hf/config.json",
-            "rwkv7-1.5b-blinkdl.safetensors",
+            "rwkv7-1.5b-blinkdl.pth",
             "rfa-from-qwen/config.json",
+            "rwkv-x-0.2b/config.json",
+            "RWKV-X-0.2B-again.pth",
         ),
     ),
 }
@@ -273,7 +276,8 @@ class Fixtures:
     RWKV-7 folder, bytes as tokens), ``rfa`` (ARWKV, ARWKV, Qwen2 at C = 64, one .safetensors),
     ``tokenizer-json`` (a byte-level BPE ``tokenizer.json``, Qwen2's kind, trained on ``chats``)
     and ``rfa-bpe`` (``rfa`` with that tokenizer's vocabulary size, to sit beside it),
-    ``rwkv7-pth`` (BlinkDL's .pth layout, written by torch), ``rwkv7-hf`` and ``qwen2-hf``
+    ``rwkv7-pth`` (BlinkDL's .pth layout, written by torch), ``rwkvx-pth`` (the RWKV-X
+    authors' .pth layout), ``rwkv7-hf`` and ``qwen2-hf``
     (Hugging Face folders written by ``convert --to hf``), ``chats`` (a chat data folder),
     ``corpus`` (a text data folder), ``hosts`` (a hostfile of two local ranks), ``lora`` (an
     adapter of ``rwkv7`` after one step), ``readme-yaml`` (the README's own YAML file)."""
@@ -342,6 +346,20 @@ class Fixtures:
 
     def _rwkv7_pth(self, path: Path) -> Path:
         return DATA / "tiny_rwkv7.pth"  # written by torch.save, as BlinkDL's scripts do
+
+    def _rwkvx_pth(self, path: Path) -> Path:
+        """RWKV-7, RWKV-7, MoBA at C = 128 in the RWKV-X authors' layout (their code's heads
+        of 64; tests/io/test_parity_rwkvx.py runs such files in their code)."""
+        from mlx_rwkvx.io.formats import write_rwkvx
+        from mlx_rwkvx.models import Model, ModelConfig, rwkv_x_block_types
+
+        from helpers.model_params import flat_params
+
+        cfg = ModelConfig(vocab_size=256, hidden_size=128, head_size=64, n_q_heads=2,
+                          block_types=rwkv_x_block_types(2, 1))  # fmt: skip
+        model = Model(cfg, seed=0)
+        write_rwkvx(path.with_suffix(".pth"), cfg, flat_params(model))
+        return path.with_suffix(".pth")
 
     def _rwkv7_hf(self, path: Path) -> Path:
         run_cli("mlx_rwkvx.convert", str(self.get("rwkv7")), str(path), "--to", "hf", cwd=self.root)

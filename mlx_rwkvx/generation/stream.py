@@ -47,6 +47,12 @@ DEFAULT_MAX_CACHE = 2048  # Foundry's KV cache length
 DEFAULT_PREFILL_STEP = 2048  # tokens per parallel prefill piece
 
 
+def default_max_cache(model: Model) -> int:
+    """The KV cache length a model's attention blocks keep unless told: its config's own (a
+    long-context checkpoint records one), else Foundry's 2048."""
+    return model.config.max_cache or DEFAULT_MAX_CACHE
+
+
 def _has_attention(model: Model) -> bool:
     return any(layer.kind != "rwkv7" for layer in model.layers)
 
@@ -66,11 +72,13 @@ class Session:
         self,
         model: Model,
         *,
-        max_cache: int = DEFAULT_MAX_CACHE,
+        max_cache: int | None = None,
         window: bool = True,
         prefill_step: int = DEFAULT_PREFILL_STEP,
         compile_step: bool = False,
     ):
+        if max_cache is None:
+            max_cache = default_max_cache(model)
         for name, value in (("max_cache", max_cache), ("prefill_step", prefill_step)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise GenerationError(f"{name} must be a positive int, got {value!r}")
@@ -346,7 +354,7 @@ def stream_generate(
     repetition_penalty: float | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
-    max_cache: int = DEFAULT_MAX_CACHE,
+    max_cache: int | None = None,
     window: bool = True,
     prefill_step: int = DEFAULT_PREFILL_STEP,
     session: Session | None = None,

@@ -32,25 +32,25 @@ def matrix_shape(path: str, tensors: dict, name: str) -> tuple[int, int]:
 RWKV7_FIXED = dict(use_gate=True, use_ln_x=True, ln0=True, tie_embeddings=False)
 
 
-def rwkv7_config_from_native(path: str, t: dict, **fixed) -> ModelConfig:
+def rwkv7_config_from_native(path: str, t: dict, block_types=None, **fixed) -> ModelConfig:
     """An RWKV-7 config whose sizes are read from native-named tensors (formats without a
-    config); ``fixed`` fields are not inferred."""
+    config); ``fixed`` fields are not inferred. ``block_types``: the layout when it holds more
+    than RWKV-7 blocks (their sizes are read from the RWKV-7 ones)."""
     vocab, C = matrix_shape(path, t, "embed.weight")
     layers = sorted({int(n.split(".")[1]) for n in t if n.startswith("layers.")})
     if not layers:
         raise CheckpointError(f"{path}: no RWKV blocks found")
+    block_types = block_types or ["rwkv7"] * (layers[-1] + 1)
+    rwkv = [i for i, kind in enumerate(block_types) if kind == "rwkv7"]
     H, N = matrix_shape(path, t, "layers.0.tmix.r_k")
     tm = "layers.0.tmix"
     gate = f"{tm}.gate.down.weight" in t
-    v_rank = (
-        t["layers.1.tmix.value_mix.down.weight"].shape[0]
-        if "layers.1.tmix.value_mix.down.weight" in t
-        else None
-    )
+    v_mix = f"layers.{rwkv[1]}.tmix.value_mix.down.weight" if len(rwkv) > 1 else None
+    v_rank = t[v_mix].shape[0] if v_mix in t else None
     fields = dict(
         vocab_size=vocab,
         hidden_size=C,
-        block_types=["rwkv7"] * (layers[-1] + 1),
+        block_types=block_types,
         head_size=N,
         intermediate_size=need(path, t, "layers.0.ffn.key.weight").shape[0],
         decay_low_rank=need(path, t, f"{tm}.decay.down.weight").shape[0],
@@ -67,6 +67,27 @@ def rwkv7_config_from_native(path: str, t: dict, **fixed) -> ModelConfig:
         return ModelConfig(**fields)
     except ValueError as e:
         raise CheckpointError(f"{path}: tensors describe no valid model ({e})") from e
+
+
+# The RWKV-X authors' checkpoints carry no config. Their attention has heads of 64 (their
+# loader: n_head = n_embd // 64) and no MoBA settings of its own: their inference attends densely
+# over the prompt, and their long-context training (pretrain/training-run_prolong_0.2B.sh in
+# howard-hou/RWKV-X, the 0.2B 64k model) used chunks of 2048 and a top-k of 4 counting the
+# query's own chunk, our top_k 3; 64k context (64,000 tokens trained, 65,536 kept: 32 chunks).
+RWKVX_FIXED = dict(
+    RWKV7_FIXED, attn_head_dim=64, moba_chunk_size=2048, moba_top_k=3, max_cache=65536
+)
+
+
+def rwkvx_config(path: str, t: dict, block_types: list[str]) -> ModelConfig:
+    """The config of an RWKV-X checkpoint in its authors' layout (see ``RWKVX_FIXED``)."""
+    C = matrix_shape(path, t, "embed.weight")[1]
+    if C % 64:
+        raise CheckpointError(
+            f"{path}: hidden size {C} is not a multiple of 64, the RWKV-X authors' attention "
+            "head size"
+        )
+    return rwkv7_config_from_native(path, t, block_types, n_q_heads=C // 64, **RWKVX_FIXED)
 
 
 def native_config(path: str, d: dict) -> tuple[ModelConfig, dict | None]:

@@ -1,6 +1,7 @@
 """Converting a checkpoint between formats (``python -m mlx_rwkvx.convert``): read any format
 ``load`` reads, optionally make an RFA model of a Qwen2 one or quantize, and write ``native``,
-``hf`` or ``blinkdl`` with the tokenizer's files beside the weights. Entry point: ``convert``."""
+``hf``, ``blinkdl`` or ``rwkvx`` with the tokenizer's files beside the weights. Entry point:
+``convert``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import tempfile
 from mlx_rwkvx.errors import UsageError
 from mlx_rwkvx.io.atomic import check_target
 from mlx_rwkvx.io.detect import is_checkpoint
-from mlx_rwkvx.io.formats import write_blinkdl, write_hf, write_native
+from mlx_rwkvx.io.formats import write_blinkdl, write_hf, write_native, write_rwkvx
 from mlx_rwkvx.io.load import load
 from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, byte_tokenizer_files, tokenizer_files
@@ -22,7 +23,13 @@ from mlx_rwkvx.models.rfa import qwen2_to_rfa
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-WRITERS = {"native": write_native, "hf": write_hf, "blinkdl": write_blinkdl}
+WRITERS = {
+    "native": write_native,
+    "hf": write_hf,
+    "blinkdl": write_blinkdl,
+    "rwkvx": write_rwkvx,
+}
+SINGLE_FILES = (".safetensors", ".pth")  # what a DST that is not a folder ends with
 
 
 def convert(
@@ -60,7 +67,7 @@ def convert(
 
 def _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrite) -> Model:
     # the target first: a conversion that could not be written is not worth reading
-    check_target(dst, overwrite=overwrite, folder=not os.fspath(dst).endswith(".safetensors"),
+    check_target(dst, overwrite=overwrite, folder=not os.fspath(dst).endswith(SINGLE_FILES),
                  recognise=is_checkpoint)  # fmt: skip
     model, tokenizer = load(src, dtype=dtype)
     if to_rfa:

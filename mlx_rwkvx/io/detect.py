@@ -6,6 +6,7 @@ import json
 import os
 
 from mlx_rwkvx.io.atomic import CheckpointError
+from mlx_rwkvx.io.pth import PthError, pth_names
 from mlx_rwkvx.io.tensors import read_safetensors
 
 FORMAT_TAG = "mlx_rwkvx"
@@ -50,16 +51,22 @@ def detect(path: str) -> str:
             "config, or model_type rwkv7 or qwen2)"
         )
     if path.endswith(".pth"):
-        return "blinkdl"
+        try:
+            names = pth_names(path)  # the pickle only, no tensor's bytes
+        except PthError:
+            return "blinkdl"  # its reader says what is wrong with it
+        return "rwkvx" if "rwkv.emb.weight" in names else "blinkdl"
     if path.endswith(".safetensors"):
         tensors, metadata = read_safetensors(path)  # the header only: tensors load lazily
         if metadata.get("format") == FORMAT_TAG:
             return "native_file"
         if "emb.weight" in tensors and any(n.startswith("blocks.0.att.") for n in tensors):
             return "blinkdl"
+        if "rwkv.emb.weight" in tensors:
+            return "rwkvx"
         raise CheckpointError(
             f"{path}: unknown safetensors checkpoint (no mlx_rwkvx config in its metadata, and "
-            "not BlinkDL's RWKV-7 naming)"
+            "neither BlinkDL's RWKV-7 naming nor the RWKV-X authors')"
         )
     raise CheckpointError(
         f"{path}: unknown checkpoint format (expected a folder, .safetensors or .pth)"

@@ -7,7 +7,9 @@ Native names are our module paths (``layers.3.tmix.receptance.weight``). Formats
 - ``native_file``: one ``.safetensors`` whose metadata holds the config (incl. ``block_types``);
 - ``hf_rwkv7``: Hugging Face RWKV-7 as flash-linear-attention and mlx-lm name it;
 - ``hf_qwen2``: Hugging Face Qwen2 (loaded as a model of Qwen2 blocks);
-- ``blinkdl``: BlinkDL's ``.pth`` (read without torch) or its ``.safetensors`` export.
+- ``blinkdl``: BlinkDL's ``.pth`` (read without torch) or its ``.safetensors`` export;
+- ``rwkvx``: the RWKV-X authors' ``.pth`` (``howard-hou/RWKV-X``: BlinkDL's names under
+  ``rwkv.``, the attention blocks under ``moba.<j>.``) or the same names in ``.safetensors``.
 
 The jobs live beside this module: ``detect.py`` (which format), ``tensors.py`` (reading,
 row-wise too), ``names.py`` (the name tables), ``configs.py`` (configs), ``atomic.py``
@@ -39,6 +41,7 @@ from mlx_rwkvx.io.configs import (
     qwen2_config,
     qwen2_config_dict,
     rwkv7_config_from_native,
+    rwkvx_config,
 )
 from mlx_rwkvx.io.detect import (
     CONFIG_FILE,
@@ -49,16 +52,26 @@ from mlx_rwkvx.io.detect import (
     is_checkpoint,
     read_json,
 )
-from mlx_rwkvx.io.names import BLINKDL, HF_RWKV7, QWEN2, hf_rwkv7_rule, rename
+from mlx_rwkvx.io.names import (
+    BLINKDL,
+    HF_RWKV7,
+    QWEN2,
+    RwkvXNaming,
+    hf_rwkv7_rule,
+    rename,
+    rwkvx_layout,
+)
+from mlx_rwkvx.io.pth import Tensor, pth_names, write_pth
 from mlx_rwkvx.io.tensors import (
     INDEX_FILE,
     read_folder_safetensors,
     read_pth_tensors,
     read_safetensors,
 )
-from mlx_rwkvx.models.config import ModelConfig
+from mlx_rwkvx.models.config import ModelConfig, rwkv_x_block_types
 
 import mlx.core as mx
+import numpy as np
 
 __all__ = ["CheckpointError", "checkpoint_path", "detect"]  # raised and used by both sides
 
@@ -103,6 +116,13 @@ def read_checkpoint(path) -> Checkpoint:
         sources = {} if from_pth else {n: (path, stored) for n, stored in kept.items()}
         cfg = rwkv7_config_from_native(path, tensors, **RWKV7_FIXED)
         return Checkpoint(cfg, tensors, fmt, sources)
+    if fmt == "rwkvx":
+        from_pth = path.endswith(".pth")
+        raw = read_pth_tensors(path) if from_pth else read_safetensors(path)[0]
+        block_types = rwkv_x_block_types(*rwkvx_layout(path, raw))
+        tensors, kept = rename(path, raw, RwkvXNaming(block_types).read)
+        sources = {} if from_pth else {n: (path, stored) for n, stored in kept.items()}
+        return Checkpoint(rwkvx_config(path, tensors, block_types), tensors, fmt, sources)
     config_path = os.path.join(path, CONFIG_FILE)
     hf = read_json(config_path)
     raw, files = read_folder_safetensors(path)
@@ -125,6 +145,9 @@ def block_kinds(path) -> set[str]:
     fmt = detect(path)
     if fmt in ("blinkdl", "hf_rwkv7"):
         return {"rwkv7"}
+    if fmt == "rwkvx":
+        names = pth_names(path) if path.endswith(".pth") else read_safetensors(path)[0]
+        return {"rwkv7", "moba"} if any(n.startswith("moba.") for n in names) else {"rwkv7"}
     if fmt == "hf_qwen2":
         return {"qwen2"}
     try:
@@ -155,7 +178,7 @@ def _exportable(cfg: ModelConfig, tensors: dict, fmt: str, rwkv7: bool = True) -
     """One CheckpointError unless the model fits ``fmt``: float weights, no trainable state,
     and (``rwkv7``) plain RWKV-7 blocks: LayerNorms, channel-mix, gate and ln_x."""
     plain = (
-        set(cfg.block_types) == {"rwkv7"}
+        (set(cfg.block_types) == {"rwkv7"} or fmt == "RWKV-X")
         and cfg.rwkv_ffn == "channel_mix"
         and cfg.use_gate
         and cfg.use_ln_x
@@ -174,6 +197,34 @@ def to_blinkdl(cfg: ModelConfig, tensors: dict[str, mx.array]) -> dict[str, mx.a
     """Native tensors of a plain RWKV-7 model in BlinkDL's names and shapes (``.pth`` layout)."""
     _exportable(cfg, tensors, "BlinkDL")
     return BLINKDL.write(tensors)
+
+
+def to_rwkvx(cfg: ModelConfig, tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Native tensors of an RWKV-X model in its authors' names and shapes: RWKV-7 blocks as
+    BlinkDL's, MoBA blocks in the order their code runs them (see ``io/names.py``)."""
+    kinds = cfg.block_types
+    n_rwkv, n_moba = kinds.count("rwkv7"), kinds.count("moba")
+    C = cfg.hidden_size
+    problems = []
+    if set(kinds) - {"rwkv7", "moba"} or n_rwkv < 1:
+        problems.append(f"blocks {sorted(set(kinds))}: only RWKV-7 and MoBA blocks")
+    elif (n_moba > 1 and n_rwkv % n_moba) or kinds != rwkv_x_block_types(n_rwkv, n_moba):
+        problems.append(
+            "the blocks are not in the authors' order (one MoBA block after each "
+            f"{n_rwkv // max(n_moba, 1)} RWKV-7 blocks, every RWKV-7 block run)"
+        )
+    if cfg.head_size != 64:
+        problems.append(f"head_size {cfg.head_size}: their code fixes 64")
+    if n_moba and (cfg.attn_head_dim != 64 or cfg.n_q_heads * 64 != C):
+        problems.append(f"attention heads of {cfg.attn_head_dim}: their code fixes 64")
+    if n_moba and cfg.intermediate_size != 4 * C:
+        problems.append(f"intermediate_size {cfg.intermediate_size}: their MoBA blocks fix 4 x C")
+    if not cfg.ln0 or cfg.tie_embeddings:
+        problems.append("their code needs ln0 and an untied head")
+    if problems:
+        raise CheckpointError("cannot write the RWKV-X authors' layout: " + "; ".join(problems))
+    _exportable(cfg, tensors, "RWKV-X")
+    return RwkvXNaming(kinds).write(tensors)
 
 
 def to_hf(cfg: ModelConfig, tensors: dict[str, mx.array]) -> tuple[dict, dict[str, mx.array]]:
@@ -266,18 +317,43 @@ def write_hf(
 def write_blinkdl(
     path, cfg: ModelConfig, tensors: dict[str, mx.array], *, extra_files=None, overwrite=False
 ) -> None:
-    """BlinkDL's names and shapes in one ``.safetensors`` file, written atomically."""
+    """BlinkDL's names and shapes in one ``.pth`` (as ``torch.save`` writes it) or
+    ``.safetensors`` file, written atomically."""
+    _write_one_file(path, "BlinkDL", lambda: to_blinkdl(cfg, tensors), extra_files, overwrite)
+
+
+def write_rwkvx(
+    path, cfg: ModelConfig, tensors: dict[str, mx.array], *, extra_files=None, overwrite=False
+) -> None:
+    """The RWKV-X authors' names and shapes in one ``.pth`` (what their ``RWKV_X`` loads) or
+    ``.safetensors`` file, written atomically."""
+    _write_one_file(path, "RWKV-X", lambda: to_rwkvx(cfg, tensors), extra_files, overwrite)
+
+
+def _write_one_file(path, fmt: str, tensors, extra_files, overwrite) -> None:
     path = checkpoint_path(path)
-    if not path.endswith(".safetensors"):
-        raise CheckpointError(f"{path}: BlinkDL export writes one .safetensors file: name it so")
-    out = to_blinkdl(cfg, tensors)
-    _write(
-        path,
-        lambda tmp: save_safetensors(tmp, out),
-        folder=False,
-        overwrite=overwrite,
-        extra_files=extra_files,
-    )
+    if not path.endswith((".pth", ".safetensors")):
+        raise CheckpointError(
+            f"{path}: the {fmt} format is one .pth or .safetensors file: name it so"
+        )
+    out = tensors()
+    if path.endswith(".pth"):
+
+        def write(tmp):
+            with open(tmp, "wb") as f:
+                write_pth(f, {n: _pth_tensor(x) for n, x in out.items()})
+    else:
+
+        def write(tmp):
+            save_safetensors(tmp, out)
+
+    _write(path, write, folder=False, overwrite=overwrite, extra_files=extra_files)
+
+
+def _pth_tensor(x: mx.array) -> Tensor:
+    if x.dtype == mx.bfloat16:
+        return Tensor(np.array(x.view(mx.uint16)), True)
+    return Tensor(np.array(x), False)
 
 
 def write_native(

@@ -178,6 +178,88 @@ class _Qwen2Naming:
 QWEN2 = _Qwen2Naming()
 
 
+class RwkvXNaming:
+    """The RWKV-X authors' names (``howard-hou/RWKV-X``): BlinkDL's RWKV-7 names under
+    ``rwkv.``, numbered among the RWKV blocks alone, and the attention blocks under
+    ``moba.<j>.``, numbered among themselves; ``block_types`` places both in our one
+    ``layers`` list."""
+
+    _ATT = {"receptance": "q_proj", "key": "k_proj", "value": "v_proj", "output": "o_proj"}
+
+    def __init__(self, block_types: list[str]):
+        self.rwkv = [i for i, kind in enumerate(block_types) if kind == "rwkv7"]
+        self.moba = [i for i, kind in enumerate(block_types) if kind == "moba"]
+        self.native_index = {("rwkv", r): i for r, i in enumerate(self.rwkv)}
+        self.native_index.update({("moba", j): i for j, i in enumerate(self.moba)})
+
+    def read(self, name: str):
+        m = re.fullmatch(r"rwkv\.blocks\.(\d+)\.(.+)", name)
+        if m:
+            i = self.native_index.get(("rwkv", int(m[1])))
+            return None if i is None else BLINKDL.read(f"blocks.{i}.{m[2]}")
+        if name.startswith("rwkv."):
+            inner = name.removeprefix("rwkv.")
+            return BLINKDL.read(inner) if not inner.startswith("blocks.") else None
+        m = re.fullmatch(r"moba\.(\d+)\.(.+)", name)
+        i = self.native_index.get(("moba", int(m[1]))) if m else None
+        if i is None:
+            return None
+        part = m[2]
+        if re.fullmatch(r"ln[12]\.(weight|bias)", part):
+            return f"layers.{i}.{part}", None
+        a = re.fullmatch(r"att\.(receptance|key|value|output)\.weight", part)
+        if a:
+            return f"layers.{i}.attn.{self._ATT[a[1]]}.weight", None
+        if part in ("ffn.key.weight", "ffn.value.weight"):
+            return f"layers.{i}.{part}", None
+        if part == "ffn.x_k":
+            return f"layers.{i}.ffn.x_k", _flat
+        return None
+
+    def write(self, tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+        rwkv_of = {i: r for r, i in enumerate(self.rwkv)}
+        moba_of = {i: j for j, i in enumerate(self.moba)}
+        att = {native: fmt for fmt, native in self._ATT.items()}
+        rwkv, out = {}, {}
+        for name, x in tensors.items():
+            if not name.startswith("layers."):
+                rwkv[name] = x
+                continue
+            _, i, rest = name.split(".", 2)
+            if int(i) in rwkv_of:
+                rwkv[f"layers.{rwkv_of[int(i)]}.{rest}"] = x
+                continue
+            prefix = f"moba.{moba_of[int(i)]}"
+            if rest.startswith("attn."):
+                proj, tail = rest.removeprefix("attn.").split(".", 1)
+                out[f"{prefix}.att.{att[proj]}.{tail}"] = x
+            elif rest == "ffn.x_k":
+                out[f"{prefix}.ffn.x_k"] = _row(x)
+            else:
+                out[f"{prefix}.{rest}"] = x
+        return {**{"rwkv." + n: x for n, x in BLINKDL.write(rwkv).items()}, **out}
+
+
+def rwkvx_layout(path: str, names) -> tuple[int, int]:
+    """(RWKV-7 blocks, attention blocks) of a checkpoint in the RWKV-X authors' names."""
+    rwkv = {int(m[1]) for n in names if (m := re.match(r"rwkv\.blocks\.(\d+)\.", n))}
+    moba = {int(m[1]) for n in names if (m := re.match(r"moba\.(\d+)\.", n))}
+    for kind, found in (("rwkv.blocks", rwkv), ("moba", moba)):
+        if found != set(range(len(found))):
+            missing = sorted(set(range(max(found) + 1)) - found)
+            raise CheckpointError(f"{path}: {kind}.{missing[0]} is missing (found {sorted(found)})")
+    if not rwkv:
+        raise CheckpointError(f"{path}: no RWKV blocks (rwkv.blocks.*) found")
+    if len(moba) > 1 and len(rwkv) % len(moba):
+        raise CheckpointError(
+            f"{path}: {len(moba)} attention blocks for {len(rwkv)} RWKV blocks: the authors' "
+            f"code runs one after each {len(rwkv) // len(moba)} RWKV blocks and never runs the "
+            f"last {len(rwkv) % len(moba)}; such a file is not read (its last blocks were never "
+            "trained or used)"
+        )
+    return len(rwkv), len(moba)
+
+
 # Several versions of BlinkDL's x070 training script create the value-mix low-rank projection
 # (att.v0, v1, v2) in every layer, layer 0 included, where it is never used (layer 0 produces
 # v_first); their checkpoints carry it. It holds no information: accepted and dropped.

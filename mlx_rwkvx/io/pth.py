@@ -1,15 +1,19 @@
-"""Read PyTorch ``.pth`` checkpoints without torch, and without running code from the file.
+"""PyTorch ``.pth`` checkpoints read and written without torch, and without running code
+from the file.
 
 A ``torch.save`` file is a zip: ``<name>/data.pkl`` (a pickle of the state dict whose tensors
 are persistent references) and ``<name>/data/<key>`` (the raw bytes of each storage). The
 unpickler below resolves only the globals needed to rebuild tensors and plain containers; any
-other global in the pickle is refused, so no code from the file can run.
+other global in the pickle is refused, so no code from the file can run. The writer emits the
+same layout, opcode by opcode (pickling torch's globals would need torch itself).
 """
 
 from __future__ import annotations
 
 import collections
+import io
 import pickle
+import struct
 import zipfile
 from dataclasses import dataclass
 
@@ -49,6 +53,8 @@ class Tensor:
 
 def _rebuild_tensor(storage, offset, size, stride, *_):
     data, bf16 = storage
+    if data is None:  # names only: no bytes were read
+        return Tensor(np.zeros(0, np.uint8), bf16)
     itemsize = data.itemsize
     size, stride = tuple(size), tuple(stride)
     # as_strided does no bounds check: refuse any view reaching outside the storage
@@ -81,6 +87,7 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(file)
         self.archive, self.prefix, self.path = archive, prefix, path
         self.storages: dict[str, tuple[np.ndarray, bool]] = {}
+        self.names_only = False
 
     def find_class(self, module, name):
         if module == "torch" and name in _STORAGES:
@@ -93,6 +100,8 @@ class _Unpickler(pickle.Unpickler):
         )
 
     def persistent_load(self, pid):
+        if self.names_only:
+            return None, False
         if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
             raise PthError(f"{self.path}: unexpected persistent id {pid!r}")
         _, storage_type, key, _location, _numel = pid
@@ -111,6 +120,15 @@ class _Unpickler(pickle.Unpickler):
 def read_pth(path: str) -> dict[str, Tensor]:
     """The state dict of a ``torch.save`` file: name -> Tensor. Raises PthError naming the
     problem (not a zip, truncated, not a tensor dict, a forbidden global)."""
+    return _load(path, names_only=False)
+
+
+def pth_names(path: str) -> list[str]:
+    """The tensor names of a ``torch.save`` file, without reading any tensor's bytes."""
+    return list(_load(path, names_only=True))
+
+
+def _load(path: str, names_only: bool) -> dict:
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError) as e:
@@ -122,11 +140,94 @@ def read_pth(path: str) -> dict[str, Tensor]:
         prefix = pickles[0][: -len("/data.pkl")]
         with archive.open(pickles[0]) as f:
             try:
-                state = _Unpickler(f, archive, prefix, path).load()
+                unpickler = _Unpickler(f, archive, prefix, path)
+                unpickler.names_only = names_only
+                state = unpickler.load()
             except PthError:
                 raise
             except Exception as e:  # a damaged pickle can fail in many ways
                 raise PthError(f"{path}: damaged checkpoint pickle ({e})") from e
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        if names_only and isinstance(state, dict):
+            return state
         raise PthError(f"{path}: expected a dict of tensors (a state dict)")
     return dict(state)
+
+
+# numpy dtype -> torch's storage class, for writing
+_STORAGE_OF = {np.dtype(d): name for name, (d, bf16) in _STORAGES.items() if not bf16}
+
+
+def write_pth(file, tensors: dict[str, Tensor], archive_name: str = "archive") -> None:
+    """``tensors`` (contiguous little-endian arrays; bfloat16 as their uint16 bits) as
+    ``torch.save`` writes a state dict: a zip of ``data.pkl`` and one storage per tensor,
+    records aligned to 64 bytes as torch aligns them. ``file``: a path or a binary file."""
+    body = io.BytesIO()
+    op = body.write
+    op(pickle.PROTO + b"\x02")
+
+    def global_(module: str, name: str) -> None:
+        op(pickle.GLOBAL + f"{module}\n{name}\n".encode())
+
+    def string(s: str) -> None:
+        data = s.encode()
+        op(pickle.BINUNICODE + struct.pack("<I", len(data)) + data)
+
+    def integer(n: int) -> None:
+        op(pickle.BININT + struct.pack("<i", n) if n < 2**31 else pickle.LONG1 + _long(n))
+
+    def int_tuple(values) -> None:
+        op(pickle.MARK)
+        for n in values:
+            integer(n)
+        op(pickle.TUPLE)
+
+    global_("collections", "OrderedDict")
+    op(pickle.EMPTY_TUPLE + pickle.REDUCE + pickle.MARK)
+    storages = []
+    for key, (name, t) in enumerate(tensors.items()):
+        a = t.array
+        if a.dtype.byteorder == ">" or (not t.bfloat16 and a.dtype not in _STORAGE_OF):
+            raise PthError(f"{name}: cannot store dtype {a.dtype} in a .pth")
+        storage = "BFloat16Storage" if t.bfloat16 else _STORAGE_OF[a.dtype]
+        string(name)
+        global_("torch._utils", "_rebuild_tensor_v2")
+        op(pickle.MARK)
+        op(pickle.MARK)
+        string("storage")
+        global_("torch", storage)
+        string(str(key))
+        string("cpu")
+        integer(a.size)
+        op(pickle.TUPLE + pickle.BINPERSID)
+        integer(0)
+        int_tuple(a.shape)
+        int_tuple(tuple(s // a.itemsize for s in np.ascontiguousarray(a).strides))
+        op(pickle.NEWFALSE)
+        global_("collections", "OrderedDict")
+        op(pickle.EMPTY_TUPLE + pickle.REDUCE)
+        op(pickle.TUPLE + pickle.REDUCE)
+        storages.append(np.ascontiguousarray(a).tobytes())
+    op(pickle.SETITEMS + pickle.STOP)
+    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED) as z:
+        _write_aligned(z, f"{archive_name}/data.pkl", body.getvalue())
+        _write_aligned(z, f"{archive_name}/byteorder", b"little")
+        for key, data in enumerate(storages):
+            _write_aligned(z, f"{archive_name}/data/{key}", data)
+        _write_aligned(z, f"{archive_name}/version", b"3\n")
+
+
+def _long(n: int) -> bytes:
+    data = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return bytes([len(data)]) + data
+
+
+def _write_aligned(z: zipfile.ZipFile, name: str, data: bytes) -> None:
+    """A stored record whose data starts at a multiple of 64 bytes (padding in the local
+    header's extra field, as torch writes it, so readers may map the storages)."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    offset = z.fp.tell() + 30 + len(name.encode())
+    pad = (-(offset + 4)) % 64
+    info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # torch's "FB" padding record
+    z.writestr(info, data)

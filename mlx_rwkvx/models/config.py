@@ -37,7 +37,14 @@ _LOW_RANK_SIZES = (
 # the type of each field, checked before anything is derived from it
 _FIELD_KINDS = {
     **dict.fromkeys(
-        ("vocab_size", "hidden_size", "head_size", "intermediate_size", "moba_chunk_size"),
+        (
+            "vocab_size",
+            "hidden_size",
+            "head_size",
+            "intermediate_size",
+            "moba_chunk_size",
+            "max_cache",
+        ),
         "size",
     ),
     **dict.fromkeys([name for name, _, _ in _LOW_RANK_SIZES], "size"),
@@ -52,8 +59,11 @@ _OPTIONAL = {
     "n_q_heads",
     "n_kv_heads",
     "attn_head_dim",
+    "max_cache",
     *[name for name, _, _ in _LOW_RANK_SIZES],
 }
+# fields added after checkpoints were written without them: a missing one takes its default
+_ADDED_LATER = {"max_cache"}
 
 
 @dataclass
@@ -84,6 +94,9 @@ class ModelConfig:
     moba_chunk_size: int = 256
     moba_top_k: int = 3
     tie_embeddings: bool = False
+    # the tokens attention blocks' KV caches hold unless --max-cache says otherwise (None:
+    # Foundry's 2048); a long-context model records its own
+    max_cache: int | None = None
 
     def __post_init__(self):
         if isinstance(self.block_types, (list, tuple)):
@@ -197,7 +210,7 @@ class ModelConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"ModelConfig: unknown fields {unknown}")
-        missing = sorted(known - set(d)) if complete else []
+        missing = sorted(known - set(d) - _ADDED_LATER) if complete else []
         if missing:
             raise ValueError(f"ModelConfig: missing fields {missing}")
         return cls(**d)

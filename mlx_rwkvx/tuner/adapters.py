@@ -201,7 +201,9 @@ def fingerprint(model: Model) -> str:
     """A short hash of a base model, the same in any of our formats and in float32, bfloat16 or
     INT8 (its architecture, and its norm weights rounded to bfloat16: norms are never
     quantized), and different between bases whose norms differ."""
-    h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
+    architecture = model.config.to_dict()
+    architecture.pop("max_cache")  # a default of generation's, not what the weights compute
+    h = hashlib.sha256(json.dumps(architecture, sort_keys=True).encode())
     for path, module in sorted(model.named_modules(), key=lambda item: item[0]):
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm, HeadNorm)):
             h.update(path.encode())

@@ -31,6 +31,8 @@ from mlx_rwkvx import train as train_cli
 from mlx_rwkvx.errors import TargetError
 from mlx_rwkvx.generation import Chat
 from mlx_rwkvx.io.formats import CheckpointError, to_blinkdl, write_hf
+from mlx_rwkvx.io.names import RwkvXNaming
+from mlx_rwkvx.io.pth import Tensor, write_pth
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, HFTokenizer, WorldTokenizer, load_tokenizer
 from mlx_rwkvx.models import Model, ModelConfig, preset, rwkv_x_block_types
 from mlx_rwkvx.ops import empty_kv, moba_attention, moba_decode, wkv7
@@ -110,6 +112,27 @@ def blinkdl_st(tmp, edit=None):
         edit(tensors)
     mx.save_safetensors(str(tmp / "b.safetensors"), tensors)
     return tmp / "b.safetensors"
+
+
+def rwkvx_file(tmp, edit=None, *, width=64, suffix=".pth"):
+    """A 4 + 2 block RWKV-X in its authors' names (``.pth`` as torch writes it, or
+    ``.safetensors``), after ``edit(tensors)``."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=width, head_size=width // 2,
+                      block_types=rwkv_x_block_types(4, 2), n_q_heads=1)  # fmt: skip
+    tensors = RwkvXNaming(cfg.block_types).write(flat_params(Model(cfg)))
+    if edit:
+        edit(tensors)
+    path = tmp / f"x{suffix}"
+    if suffix == ".pth":
+        write_pth(path, {n: Tensor(np.array(x), False) for n, x in tensors.items()})
+    else:
+        mx.save_safetensors(str(path), tensors)
+    return path
+
+
+def drop_prefix(tensors, prefix):
+    for name in [n for n in tensors if n.startswith(prefix)]:
+        del tensors[name]
 
 
 def edit_config(path, **changes):
@@ -475,6 +498,40 @@ def _cases():
     )
     add(
         "load",
+        "RWKV-X with RWKV blocks left over",
+        lambda t: rwkvx_file(t, lambda d: drop_prefix(d, "rwkv.blocks.3.")),
+        load,
+        E,
+        r"2 attention blocks for 3 RWKV blocks: .* never runs the last 1",
+    )
+    add(
+        "load",
+        "RWKV-X with a MoBA block missing",
+        lambda t: rwkvx_file(t, lambda d: drop_prefix(d, "moba.0."), suffix=".safetensors"),
+        load,
+        E,
+        r"moba\.0 is missing \(found \[1\]\)",
+    )
+    add(
+        "load",
+        "RWKV-X with a tensor of another model",
+        lambda t: rwkvx_file(
+            t, lambda d: d.update({"moba.0.att.rotary.inv_freq": d["rwkv.ln_out.bias"]})
+        ),
+        load,
+        E,
+        "unexpected tensor 'moba.0.att.rotary.inv_freq'",
+    )
+    add(
+        "load",
+        "RWKV-X of width 32",
+        lambda t: rwkvx_file(t, width=32),
+        load,
+        E,
+        "hidden size 32 is not a multiple of 64",
+    )
+    add(
+        "load",
         ".pth without head",
         lambda t: blinkdl_st(t, lambda d: d.pop("head.weight")),
         load,
@@ -796,7 +853,23 @@ def _cases():
         native,
         lambda p: cli(main, p, p.parent / "o", "--to", "blinkdl"),
         C,
-        "writes one .safetensors file",
+        r"the BlinkDL format is one \.pth or \.safetensors file",
+    )
+    add(
+        "convert",
+        "RFA in the RWKV-X authors' layout",
+        lambda t: native(t, Model(rfa_cfg(["rwkv7", "qwen2"]))),
+        lambda p: cli(main, p, p.parent / "o.pth", "--to", "rwkvx"),
+        C,
+        r"cannot write the RWKV-X authors' layout: blocks \['qwen2', 'rwkv7'\]",
+    )
+    add(
+        "convert",
+        "RWKV-X heads the authors' code cannot run",
+        rwkv_x,
+        lambda p: cli(main, p, p.parent / "o.pth", "--to", "rwkvx"),
+        C,
+        "head_size 16: their code fixes 64",
     )
     add(
         "convert",
@@ -1928,7 +2001,7 @@ def test_table_size():
     # issue 9 asked for at least 100 bad inputs across these areas; issue 21 added the
     # commands' (train, generate, merge, data), the environment's and the Python API's
     by_area = Counter(c[0] for c in CASES)
-    assert len(CASES) >= 247 and set(by_area) == {
+    assert len(CASES) >= 253 and set(by_area) == {
         "load",
         "save",
         "convert",

@@ -7,12 +7,24 @@ import sys
 from pathlib import Path
 
 import mlx_rwkvx
+from mlx_rwkvx.generation import Session
 from mlx_rwkvx.io.convert import convert
-from mlx_rwkvx.io.formats import CheckpointError, detect, to_blinkdl, write_hf
+from mlx_rwkvx.io.formats import (
+    CheckpointError,
+    block_kinds,
+    detect,
+    read_checkpoint,
+    to_blinkdl,
+    write_blinkdl,
+    write_hf,
+    write_rwkvx,
+)
+from mlx_rwkvx.io.pth import pth_names
 from mlx_rwkvx.io.targets import is_temp
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
-from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config
+from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config, rwkv_x_block_types
 from mlx_rwkvx.models.rfa import qwen2_to_rfa
+from mlx_rwkvx.tuner.adapters import fingerprint
 
 import mlx.core as mx
 import numpy as np
@@ -30,6 +42,76 @@ TOKENS = mx.array([[1, 5, 9, 200, 3, 3, 77, 12, 0, 255]])
 def same_model(a, b) -> bool:
     pa, pb = flat_params(a), flat_params(b)
     return pa.keys() == pb.keys() and all(mx.array_equal(pa[k], pb[k]) for k in pa)
+
+
+def rwkvx_cfg(n_rwkv: int, n_attn: int, **kw) -> ModelConfig:
+    """An RWKV-X the authors' code runs: heads of 64, MoBA blocks after each group."""
+    settings = dict(moba_chunk_size=2048, moba_top_k=3, max_cache=65536) | kw
+    return ModelConfig(vocab_size=256, hidden_size=128, head_size=64, n_q_heads=2,
+                       block_types=rwkv_x_block_types(n_rwkv, n_attn), **settings)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", [(4, 2), (3, 1), (1, 1), (6, 3)], ids=str)
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_rwkvx_authors_layout_round_trip(tmp_path, layout, suffix):
+    """Written in the RWKV-X authors' names, read back: the same model, its block order
+    inferred from the tensors; converted again, the same file contents."""
+    model = Model(rwkvx_cfg(*layout), seed=5)
+    first = tmp_path / f"a{suffix}"
+    write_rwkvx(first, model.config, flat_params(model))
+    assert detect(str(first)) == "rwkvx"
+    assert block_kinds(str(first)) == {"rwkv7", "moba"}
+    loaded, _ = mlx_rwkvx.load(first)
+    assert loaded.config.to_dict() == model.config.to_dict() and same_model(loaded, model)
+    second = tmp_path / f"b{suffix}"
+    convert(first, second, to="rwkvx")
+    a, b = read_checkpoint(str(first)).tensors, read_checkpoint(str(second)).tensors
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) for k in a)
+    names = pth_names(str(first)) if suffix == ".pth" else mx.load(str(first)).keys()
+    n_rwkv, n_attn = layout
+    assert {n.split(".")[0] for n in names} == {"rwkv", "moba"}
+    assert f"rwkv.blocks.{n_rwkv - 1}.att.r_k" in names and f"moba.{n_attn - 1}.ffn.x_k" in names
+
+
+def test_rwkvx_files_take_the_authors_moba_settings(tmp_path):
+    """Their files hold no MoBA settings: read, they get the long-context defaults (chunks of
+    2048, top 3 besides the own chunk, 65,536 cached tokens), which generation then keeps."""
+    model = Model(rwkvx_cfg(2, 1, moba_chunk_size=8, moba_top_k=1, max_cache=None), seed=1)
+    path = tmp_path / "x.pth"
+    write_rwkvx(path, model.config, flat_params(model))
+    loaded, _ = mlx_rwkvx.load(path)
+    c = loaded.config
+    assert (c.moba_chunk_size, c.moba_top_k, c.max_cache) == (2048, 3, 65536)
+    assert Session(loaded).max_cache == 65536 and Session(model).max_cache == 2048
+    assert Session(loaded, max_cache=100).max_cache == 100
+    native = tmp_path / "native"
+    convert(path, native)  # the settings are recorded in the converted config
+    recorded = json.loads((native / "config.json").read_text())
+    assert (recorded["moba_chunk_size"], recorded["moba_top_k"], recorded["max_cache"]) == (
+        2048, 3, 65536)  # fmt: skip
+
+
+def test_rwkvx_bfloat16_and_blinkdl_pth_written_without_torch(tmp_path):
+    bf16 = Model(rwkvx_cfg(2, 1), seed=2)
+    bf16.set_dtype(mx.bfloat16)
+    write_rwkvx(tmp_path / "x.pth", bf16.config, flat_params(bf16))
+    loaded, _ = mlx_rwkvx.load(tmp_path / "x.pth")
+    assert loaded.embed.weight.dtype == mx.bfloat16 and same_model(loaded, bf16)
+    plain = Model(rwkv7_cfg(3, hidden_size=64), seed=2)
+    write_blinkdl(tmp_path / "b.pth", plain.config, flat_params(plain))
+    loaded, _ = mlx_rwkvx.load(tmp_path / "b.pth")
+    assert detect(str(tmp_path / "b.pth")) == "blinkdl" and same_model(loaded, plain)
+
+
+def test_old_native_configs_without_max_cache_still_load(tmp_path):
+    model = Model(rwkv7_cfg(), seed=1)
+    mlx_rwkvx.save(model, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    del config["max_cache"]  # as every checkpoint written before the field existed
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    loaded, _ = mlx_rwkvx.load(tmp_path / "m")
+    assert loaded.config.max_cache is None and same_model(loaded, model)
+    assert fingerprint(loaded) == fingerprint(model)
 
 
 @pytest.mark.parametrize(

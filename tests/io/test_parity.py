@@ -16,13 +16,11 @@ length past one WKV chunk of 16 and not a multiple of it). The references come f
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import warnings
 
 import mlx_rwkvx
 from mlx_rwkvx.io.tokenizers import WorldTokenizer
@@ -30,33 +28,18 @@ from mlx_rwkvx.io.tokenizers import WorldTokenizer
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers.parity import JIT_DEPRECATED, blinkdl_state, import_parity_extra
 from oracle.common import rel_err
 
 TOL = 1e-5
 LENGTHS = [1, 17, 100]
-CI_FLAG = "MLX_RWKVX_CI"
 PARITY_EXTRA = ("torch", "transformers", "rwkv.model", "rwkv.rwkv_tokenizer")
-# the rwkv package is written with torch.jit.script, which torch now calls deprecated
-JIT_DEPRECATED = "`torch.jit.script"
 pytestmark = pytest.mark.filterwarnings(f"ignore:{JIT_DEPRECATED}:DeprecationWarning")
 
 
-def _import_parity_extra() -> list:
-    """The parity extra's modules. Without them: one skip line, or under CI a failure."""
-    # read when rwkv.model is imported: its RWKV-7 ("x070") classes instead of RWKV-4..6
-    os.environ["RWKV_V7_ON"] = "1"
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", JIT_DEPRECATED, DeprecationWarning)
-            return [importlib.import_module(name) for name in PARITY_EXTRA]
-    except ImportError as e:
-        missing = f"the parity extra is not installed ({e})"
-    if os.environ.get(CI_FLAG) == "1":
-        pytest.fail(f"{CI_FLAG}=1 but {missing}: .ci/run installs it first", pytrace=False)
-    pytest.skip(f"{missing}: pip install -e '.[parity]'", allow_module_level=True)
-
-
-torch, transformers, rwkv_model, rwkv_tokenizer = _import_parity_extra()
+# read when rwkv.model is imported: its RWKV-7 ("x070") classes instead of RWKV-4..6
+os.environ["RWKV_V7_ON"] = "1"
+torch, transformers, rwkv_model, rwkv_tokenizer = import_parity_extra(PARITY_EXTRA)
 
 
 def _tokens(vocab: int, length: int) -> list[int]:
@@ -73,61 +56,7 @@ def _check(ours: np.ndarray, ref: np.ndarray, what: str) -> None:
     assert err <= TOL, f"{what}: relative error {err:.2e} > {TOL:.0e}"
 
 
-# BlinkDL's RWKV-7 .pth: vocabulary, width, heads of N, layers, low ranks of w, a, v, g.
-# The ranks differ from one another so that a swapped projection cannot load.
-V, C, N, LAYERS = 256, 64, 16, 3
-RANKS = {"w": 16, "a": 8, "v": 12, "g": 24}
-
-
-def _blinkdl_state(seed: int, layer0_v: bool) -> dict[str, np.ndarray]:
-    """A random RWKV-7 in BlinkDL's names and shapes, as its x070 train script saves it. Every
-    tensor is non-zero; lerps lie in (0, 1); w0 in (-4, 2) spreads the per-step decays
-    exp(-e^-0.5 sigmoid(w0 + ...)) from about 0.59 to 0.99. ``layer0_v``: layer 0 also has
-    v0/v1/v2 (never used there)."""
-    rng = np.random.default_rng(seed)
-
-    def normal(*shape, std=1.0, mean=0.0):
-        return (mean + std * rng.standard_normal(shape)).astype(np.float32)
-
-    def uniform(*shape, low=0.0, high=1.0):
-        return rng.uniform(low, high, shape).astype(np.float32)
-
-    def proj(rows, cols):  # a Linear weight [out, in]
-        return normal(rows, cols, std=cols**-0.5)
-
-    def layer_norm(prefix, low=0.9, high=1.1):
-        s[prefix + ".weight"] = uniform(C, low=low, high=high)
-        s[prefix + ".bias"] = normal(C, std=0.1)
-
-    s = {"emb.weight": normal(V, C)}
-    layer_norm("blocks.0.ln0")
-    for i in range(LAYERS):
-        block, att = f"blocks.{i}", f"blocks.{i}.att."
-        layer_norm(f"{block}.ln1")
-        layer_norm(f"{block}.ln2")
-        for x in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
-            s[att + x] = uniform(1, 1, C)
-        s[att + "w0"] = uniform(1, 1, C, low=-4.0, high=2.0)
-        s[att + "a0"] = uniform(1, 1, C, low=-1.0, high=1.0)
-        for p, rank in RANKS.items():
-            if p == "v" and i == 0 and not layer0_v:
-                continue
-            if p == "v":
-                s[att + "v0"] = normal(1, 1, C, mean=1.0, std=0.2)
-            s[f"{att}{p}1"] = normal(C, rank, std=C**-0.5)  # [C, D]: x @ w1
-            s[f"{att}{p}2"] = normal(rank, C, std=rank**-0.5 * (0.5 if p == "w" else 1.0))
-        s[att + "k_k"] = normal(1, 1, C, mean=0.85, std=0.1)
-        s[att + "k_a"] = normal(1, 1, C, mean=1.0, std=0.2)
-        s[att + "r_k"] = normal(C // N, N, std=0.3)
-        for name in ("receptance", "key", "value", "output"):
-            s[f"{att}{name}.weight"] = proj(C, C)
-        layer_norm(att + "ln_x", low=0.5, high=1.5)
-        s[f"{block}.ffn.x_k"] = uniform(1, 1, C)
-        s[f"{block}.ffn.key.weight"] = proj(4 * C, C)
-        s[f"{block}.ffn.value.weight"] = proj(C, 4 * C)
-    layer_norm("ln_out")
-    s["head.weight"] = proj(V, C)
-    return s
+V = 256  # the vocabulary of every random checkpoint below
 
 
 class BlinkDLReference:
@@ -154,7 +83,7 @@ class BlinkDLReference:
 
 @pytest.fixture(scope="module", params=[False, True], ids=["blinkdl", "blinkdl-layer0-v"])
 def blinkdl(request, tmp_path_factory) -> BlinkDLReference:
-    state = _blinkdl_state(seed=3, layer0_v=request.param)
+    state = blinkdl_state(seed=3, layer0_v=request.param)
     pth = str(tmp_path_factory.mktemp("pth") / "rwkv7-tiny.pth")
     torch.save({k: torch.from_numpy(v) for k, v in state.items()}, pth)
     return BlinkDLReference(pth)

@@ -26,6 +26,7 @@ from mlx_rwkvx import cli, generation, settings
 from mlx_rwkvx.errors import UsageError, UserError
 from mlx_rwkvx.generation import DEFAULT_MAX_CACHE, Chat, chat_format, stream_generate
 from mlx_rwkvx.generation.stream import default_max_cache
+from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load
 from mlx_rwkvx.ops import prepare
 from mlx_rwkvx.settings import opt
@@ -143,9 +144,10 @@ def _check(cfg: GenerateConfig) -> None:
 
 
 def _load(cfg: GenerateConfig):
-    if not os.path.exists(cfg.model):
+    path = resolve_model(cfg.model)  # a Hugging Face name: its snapshot in the hub's cache
+    if not os.path.exists(path):
         raise UsageError(f"--model {cfg.model}: no such file or folder")
-    model, tokenizer = load(cfg.model, quantize=cfg.quantize, dtype=cfg.dtype)
+    model, tokenizer = load(path, quantize=cfg.quantize, dtype=cfg.dtype)
     if cfg.adapter is not None:
         if not os.path.exists(cfg.adapter):
             raise UsageError(f"--adapter {cfg.adapter}: no such file or folder")

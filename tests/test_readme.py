@@ -13,7 +13,9 @@ no ssh for it), so a two-Mac hostfile becomes two local ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import re
 import shlex
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers.hub import StandInHub, folder_files
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 DATA = Path(__file__).resolve().parent / "data"
@@ -172,9 +175,12 @@ class Recipe:
     one (matched as whole words: ``--iters 2000`` leaves ``--iters 20000`` alone), each with
     its reason; ``expect`` names files the block must leave (``mlx.launch`` exits 0 even when
     a rank fails); ``stdin`` feeds every command, and with ``chat`` every ``--chat`` command
-    must answer each of its lines with some text."""
+    must answer each of its lines with some text. ``hub`` serves a stand-in under each
+    Hugging Face name the block gives (``helpers/hub.py``: the real huggingface_hub downloads
+    it from 127.0.0.1 into a cache of the block's own)."""
 
     files: dict[str, str]
+    hub: dict[str, str] = field(default_factory=dict)
     replace: dict[str, str] = field(default_factory=dict)
     expect: tuple[str, ...] = ()
     stdin: str = ""
@@ -187,7 +193,8 @@ LONG_RUN = "--iters 2"  # a real run's thousand steps: minutes to hours; two sho
 
 RECIPES = {
     "lora-fine-tune-on-a-chat-jsonl": Recipe(
-        files={"rwkv7-1.5b": "rwkv7", "chats": "chats"},
+        files={"chats": "chats"},
+        hub={"fla-hub/rwkv7-1.5B-world": "rwkv7-hf"},
         replace={"--iters 1000": LONG_RUN},
         expect=("lora/adapter_final.safetensors", "lora/adapter_config.json", "lora/metrics.jsonl"),
     ),
@@ -197,7 +204,8 @@ RECIPES = {
         expect=("rfa-lora/adapter_final.safetensors",),
     ),
     "state-tuning": Recipe(
-        files={"rwkv7-1.5b": "rwkv7", "chats": "chats"},
+        files={"chats": "chats"},
+        hub={"fla-hub/rwkv7-1.5B-world": "rwkv7-hf"},
         replace={"--iters 500": LONG_RUN},
         expect=("state/adapter_final.safetensors",),
     ),
@@ -214,12 +222,22 @@ RECIPES = {
         slow=True,
     ),
     "chat": Recipe(
-        files={"rwkv7-1.5b": "rwkv7", "lora": "lora"},
+        files={"lora": "lora"},
+        hub={"fla-hub/rwkv7-1.5B-world": "rwkv7-hf"},
         # a seeded sampler: the answers checked are the same on every run (a random model's
         # first sampled token is its end of text about once in 256)
         replace={"--top-p 0.9": "--top-p 0.9 --seed 0"},
         stdin="What is 2 plus 3?\nAnd 4 plus 4?\n",  # two turns, then end of input: the chat ends
         chat=True,
+    ),
+    "checkpoints": Recipe(
+        files={},
+        hub={
+            "fla-hub/rwkv7-1.5B-world": "rwkv7-hf",
+            "BlinkDL/rwkv7-g1/rwkv7-g1a-0.1b-20250728-ctx4096.pth": "rwkv7-pth",
+        },
+        replace={'--prompt "Hello"': '--prompt "Hello" --max-tokens 4'},
+        expect=("rwkv7-g1a-0.1b/config.json",),
     ),
     "merge-adapters-from-two-macs": Recipe(
         files={
@@ -290,6 +308,19 @@ class Fixtures:
         if kind not in self.built:
             self.built[kind] = getattr(self, "_" + kind.replace("-", "_"))(self.root / kind)
         return self.built[kind]
+
+    def repos(self, names: dict[str, str]) -> dict[str, dict[str, bytes]]:
+        """Hub repositories of stand-ins: ``org/name`` -> a folder's files, ``org/name/FILE``
+        -> one file by that name in the repository."""
+        repos: dict[str, dict[str, bytes]] = {}
+        for name, kind in names.items():
+            org, repo, *file = name.split("/", 2)
+            src = self.get(kind)
+            files = folder_files(src) if src.is_dir() else {src.name: src.read_bytes()}
+            if file:
+                files = {file[0]: src.read_bytes()}
+            repos.setdefault(f"{org}/{repo}", {}).update(files)
+        return repos
 
     def place(self, kind: str, dest: Path) -> None:
         if kind == "readme-yaml":  # the README's ```yaml block that starts "# <dest name>"
@@ -459,6 +490,18 @@ def test_readme_bash_block_runs(block, fixtures, tmp_path):
     text = dict(blocks("bash"))[block]
     for name, kind in recipe.files.items():
         fixtures.place(kind, tmp_path / name)
+    with contextlib.ExitStack() as stack:
+        env = None
+        if recipe.hub:
+            hub = stack.enter_context(StandInHub(fixtures.repos(recipe.hub)))
+            env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url,
+                   "HF_HOME": str(tmp_path / ".hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}  # fmt: skip
+        _run_block(recipe, text, tmp_path, env)
+    missing = [f for f in recipe.expect if not (tmp_path / f).exists()]
+    assert not missing, f"{block}: the commands left no {missing}"
+
+
+def _run_block(recipe: Recipe, text: str, tmp_path: Path, env: dict | None) -> None:
     for command in commands(text):
         if command in EXEMPT:
             continue
@@ -466,7 +509,7 @@ def test_readme_bash_block_runs(block, fixtures, tmp_path):
             command = replace_words(command, old, new)
         command = local(command)
         out = subprocess.run(command, shell=True, executable="/bin/bash", cwd=tmp_path,
-                             input=recipe.stdin, capture_output=True, text=True,
+                             input=recipe.stdin, capture_output=True, text=True, env=env,
                              timeout=600)  # fmt: skip
         assert out.returncode == 0, f"{command}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
         if recipe.chat and " --chat" in command:
@@ -475,5 +518,3 @@ def test_readme_bash_block_runs(block, fixtures, tmp_path):
             assert len(answers) == len(turns) and all(a.strip() for a in answers), (
                 f"{command}: {len(turns)} turns, answers {answers}\nstdout:\n{out.stdout}"
             )
-    missing = [f for f in recipe.expect if not (tmp_path / f).exists()]
-    assert not missing, f"{block}: the commands left no {missing}"

@@ -12,6 +12,7 @@ from mlx_rwkvx.errors import UsageError
 from mlx_rwkvx.io.atomic import check_target
 from mlx_rwkvx.io.detect import is_checkpoint
 from mlx_rwkvx.io.formats import write_blinkdl, write_hf, write_native, write_rwkvx
+from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load
 from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, byte_tokenizer_files, tokenizer_files
@@ -59,6 +60,7 @@ def convert(
     bits = quantize_bits(quantize)
     if bits and to != "native":
         raise UsageError("--quantize writes INT8 weights, which only the native format holds")
+    src = resolve_model(src)  # a Hugging Face name: its snapshot in the hub's cache
     real = resolve_target(dst, what="DST", inputs=[src])
     with output_lock(real, "DST"):
         remove_stale(os.path.dirname(real), os.path.basename(real))

@@ -10,6 +10,7 @@ safetensors file: no float copy of the base weights exists (a ``.pth`` is unpick
 from __future__ import annotations
 
 from mlx_rwkvx.io.formats import CheckpointError, checkpoint_path, read_checkpoint, write_native
+from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.tensors import read_rows
 from mlx_rwkvx.io.tokenizers import load_tokenizer, tokenizer_files
 from mlx_rwkvx.models.init import ROW_BLOCK_BYTES
@@ -100,7 +101,7 @@ def load_model(path, *, quantize=None, dtype=None) -> Model:
     """The model of any supported checkpoint (see ``mlx_rwkvx.io.formats``)."""
     bits = quantize_bits(quantize)
     dtype = float_dtype(dtype)
-    path = checkpoint_path(path)
+    path = checkpoint_path(resolve_model(path))
     return _model_of(path, read_checkpoint(path), bits, quantize, dtype)
 
 
@@ -161,7 +162,7 @@ def load(path, *, quantize=None, dtype=None, tokenizer: bool = True):
     """
     bits = quantize_bits(quantize)
     dtype = float_dtype(dtype)
-    path = checkpoint_path(path)
+    path = checkpoint_path(resolve_model(path))
     ckpt = read_checkpoint(path)  # the config and lazy tensors: the tokenizer is found first
     found = None
     if tokenizer:

@@ -15,6 +15,9 @@ import json
 import os
 from importlib import resources
 
+from mlx_rwkvx.errors import CheckpointError
+from mlx_rwkvx.io.hub import resolve_model
+
 WORLD_VOCAB = "rwkv_vocab_v20230424.txt"
 # what a Hugging Face tokenizer folder may hold beside tokenizer.json (transformers 5 writes the
 # chat template to its own file)
@@ -306,6 +309,10 @@ def resolve_tokenizer(spec: str, vocab_size: int | None = None):
         return WorldTokenizer()
     if spec == "bytes":
         return ByteTokenizer(256 if vocab_size is None else vocab_size)
+    try:  # a Hugging Face name: its tokenizer files in the hub's cache
+        spec = resolve_model(spec, weights=False)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from e
     if os.path.isfile(spec) and os.path.basename(spec) == "tokenizer.json":
         tokenizer = HFTokenizer(os.path.dirname(spec) or ".")
     elif os.path.isfile(spec) and spec.endswith(".txt"):

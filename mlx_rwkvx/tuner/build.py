@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from mlx_rwkvx.errors import AdapterError, CheckpointError, TrainError
 from mlx_rwkvx.io.formats import block_kinds
+from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load_model
 from mlx_rwkvx.io.tokenizers import builtin_tokenizer, load_tokenizer, tokenizer_files_beside
 from mlx_rwkvx.models import Model, ModelConfig, preset
@@ -67,7 +68,7 @@ def block_kinds_of(cfg: TrainConfig) -> set[str]:
     if cfg.mode == "pretrain":
         return set(model_config(cfg.model).block_types)
     try:
-        return block_kinds(cfg.model)
+        return block_kinds(resolve_model(cfg.model))
     except CheckpointError as e:
         raise _not_a_checkpoint(cfg, e) from e
 
@@ -85,13 +86,14 @@ def build(cfg: TrainConfig) -> Built:
             )
     else:
         try:
-            model = load_model(cfg.model, quantize=cfg.quantize, dtype=cfg.dtype)
+            path = resolve_model(cfg.model)  # a Hugging Face name: its snapshot in the cache
+            model = load_model(path, quantize=cfg.quantize, dtype=cfg.dtype)
         except CheckpointError as e:
             raise _not_a_checkpoint(cfg, e) from e
         try:  # pre-tokenized data needs none: a text data set says so if it lacks one
-            tokenizer = load_tokenizer(cfg.model, model.config.vocab_size)
+            tokenizer = load_tokenizer(path, model.config.vocab_size)
         except ValueError as e:
-            if tokenizer_files_beside(cfg.model):  # there is one, and it is broken or foreign
+            if tokenizer_files_beside(path):  # there is one, and it is broken or foreign
                 raise TrainError(str(e)) from e
             tokenizer = None
     base = fingerprint(model)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from mlx_rwkvx.errors import CheckpointError, MergeError, UsageError
 from mlx_rwkvx.io.atomic import atomic_target, check_target, save_text
 from mlx_rwkvx.io.detect import is_checkpoint
+from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load, save
 from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
 from mlx_rwkvx.models.quantize import dequantize_model, quantize_bits
@@ -262,6 +263,8 @@ def merge_adapters(
         raise UsageError("--quantize goes with --fuse-into (an adapter has no base weights)")
     if rank is not None and method != "delta":
         raise UsageError("--rank goes with --method delta")
+    if fuse_into is not None:
+        fuse_into = resolve_model(fuse_into)  # a Hugging Face name: its snapshot in the cache
     out = resolve_target(output, what="--output", inputs=[*paths, fuse_into])
     with output_lock(out, "--output"):
         remove_stale(os.path.dirname(out), os.path.basename(out))

@@ -6,7 +6,8 @@ tests interrupt real commands at named moments rather than after a sleep.
 Points: ``step`` (train: step ``<at>`` done, before its checkpoint), ``save`` (train: the
 tensors of checkpoint ``<at>`` written, its manifest not yet), ``commit`` (any atomic write of
 a file or folder named ``<at>``: the temporary written, not yet renamed into place: convert,
-merge, save, each file of a checkpoint).
+merge, save, each file of a checkpoint), ``eval`` (the loss on a data set: batch ``<at>``
+evaluated, counting from 1: the trainer's validation and ``evaluate``).
 """
 
 from __future__ import annotations

@@ -80,19 +80,8 @@ def parser():
     )
 
 
-def _from_yaml(data: dict, notes: list) -> dict:
-    names = settings.names(GenerateConfig)
-    out = {}
-    for key, value in data.items():
-        key = str(key).replace("-", "_")
-        if key not in names:
-            raise ValueError(f"unknown setting {key!r}")
-        out[names[key]] = settings.typed(GenerateConfig, names[key], value)
-    return out
-
-
 def config_from(argv) -> GenerateConfig:
-    args, found = settings.parse(parser(), argv, _from_yaml)
+    args, found = settings.parse(parser(), argv, settings.plain_yaml(GenerateConfig))
     found.update(args)
     cfg = GenerateConfig(**found)
     if not cfg.model:

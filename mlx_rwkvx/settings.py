@@ -19,11 +19,14 @@ def opt(help: str, *aliases: str, default=None, **kw):
     return field(default=default, metadata={"help": help, "aliases": aliases, **kw})
 
 
-TYPES = {"int": int, "float": float, "bool": bool, "str": str}  # a setting's declared type
+# a setting's declared type ("list": of strings, a flag given once per value)
+TYPES = {"int": int, "float": float, "bool": bool, "str": str, "list": list}
 
 
 def _is(kind: str, value) -> bool:
     """Whether ``value`` is a ``kind`` setting's value (an int is a float; a bool is neither)."""
+    if kind == "list":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
     want = (int, float) if kind == "float" else TYPES[kind]
     return isinstance(value, want) and (kind == "bool" or not isinstance(value, bool))
 
@@ -46,6 +49,11 @@ def typed(cls, name: str, value):
     """``value`` as the field's type: YAML 1.1 reads ``1e-5`` (no dot) as a string, and
     mlx-lm's configs write learning rates so. ValueError naming the setting otherwise."""
     kind = {f.name: f.type for f in fields(cls)}[name]
+    if kind == "list":
+        value = [value] if isinstance(value, str) else value
+        if value is None or _is(kind, value):
+            return value
+        raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
     convert = TYPES[kind]
     if value is None or (isinstance(value, convert) and _is(kind, value)):
         return value
@@ -80,6 +88,8 @@ def make_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
         kwargs = {"dest": f.name, "help": f.metadata["help"], "default": argparse.SUPPRESS}
         if f.type == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        elif f.type == "list":
+            kwargs["action"] = "append"
         else:
             kwargs["type"] = {"int": int, "float": float}.get(f.type, str)
             if "choices" in f.metadata:
@@ -90,6 +100,23 @@ def make_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
             kwargs["help"] += f" (default: {f.default})"
         p.add_argument(*flags, **kwargs)
     return p
+
+
+def plain_yaml(cls):
+    """A ``from_yaml`` for ``parse`` that takes every setting of ``cls`` by any of its names,
+    typed as the field is, and refuses an unknown one."""
+
+    def from_yaml(data: dict, notes: list) -> dict:
+        known = names(cls)
+        out = {}
+        for key, value in data.items():
+            key = str(key).replace("-", "_")
+            if key not in known:
+                raise ValueError(f"unknown setting {key!r}")
+            out[known[key]] = typed(cls, known[key], value)
+        return out
+
+    return from_yaml
 
 
 def parse(p: argparse.ArgumentParser, argv, from_yaml) -> tuple[dict, dict]:

@@ -19,9 +19,10 @@ LAYERS = [
     ("models", ["mlx_rwkvx.models"]),
     ("io", ["mlx_rwkvx.io"]),
     ("tuner, generation", ["mlx_rwkvx.tuner", "mlx_rwkvx.generation"]),
+    ("evaluation", ["mlx_rwkvx.evaluation"]),
     ("commands", ["mlx_rwkvx.api", "mlx_rwkvx.cli", "mlx_rwkvx.info", "mlx_rwkvx.convert",
                   "mlx_rwkvx.train", "mlx_rwkvx.generate", "mlx_rwkvx.merge",
-                  "mlx_rwkvx.pretokenize", "mlx_rwkvx.demo"]),
+                  "mlx_rwkvx.pretokenize", "mlx_rwkvx.demo", "mlx_rwkvx.evaluate"]),
 ]  # fmt: skip
 LAZY = {"load": "mlx_rwkvx.api", "load_model": "mlx_rwkvx.api", "save": "mlx_rwkvx.api",
         "configure": "mlx_rwkvx._runtime", "generate": "mlx_rwkvx.generation",

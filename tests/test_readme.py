@@ -239,6 +239,10 @@ RECIPES = {
         replace={'--prompt "Hello"': '--prompt "Hello" --max-tokens 4'},
         expect=("rwkv7-g1a-0.1b/config.json",),
     ),
+    "evaluate": Recipe(
+        files={"lora": "lora", "chats": "chats"},
+        hub={"fla-hub/rwkv7-1.5B-world": "rwkv7-hf"},
+    ),
     "merge-adapters-from-two-macs": Recipe(
         files={
             "rwkv-qwen-hybrid-1.5B.safetensors": "rfa-bpe",

@@ -299,6 +299,42 @@ def builtin_tokenizer(vocab_size: int):
     return ByteTokenizer(vocab_size) if vocab_size <= 256 else None
 
 
+def token_byte_lengths(tokenizer, vocab_size: int):
+    """``lengths[id]``: the UTF-8 bytes token ``id`` spells (0 for special tokens and ids the
+    tokenizer lacks), so that a loss over targets is measured per byte of their text (bits per
+    byte). World and byte tokens are bytes; a byte-level BPE token (Qwen2's, GPT-2's) maps its
+    characters back to bytes; any other tokenizer's token is decoded alone (approximate where
+    its decoder joins tokens, e.g. SentencePiece's leading spaces)."""
+    import numpy as np
+
+    lengths = np.zeros(vocab_size, dtype=np.int64)
+    eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    table = getattr(tokenizer, "id_to_bytes", None)
+    if table is not None:  # World, bytes
+        for i, token in table.items():
+            if i < vocab_size and i not in eos:
+                lengths[i] = len(token)
+        return lengths
+    tok = tokenizer._tok
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special} | eos
+    byte_level = type(tok.decoder).__name__ == "ByteLevel"
+    if byte_level:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        to_byte = {c: b for b, c in bytes_to_unicode().items()}
+    for i in range(min(vocab_size, tokenizer.vocab_size)):
+        if i in special:
+            continue
+        piece = tok.id_to_token(i)
+        if piece is None:
+            continue
+        if byte_level and all(c in to_byte for c in piece):
+            lengths[i] = len(piece)  # one character per byte
+        else:
+            lengths[i] = len(tok.decode([i], skip_special_tokens=False).encode("utf-8"))
+    return lengths
+
+
 def resolve_tokenizer(spec: str, vocab_size: int | None = None):
     """The one resolver every command uses. ``spec``: ``world`` or ``bytes``; a
     ``tokenizer.json`` or World vocabulary file; a checkpoint (its folder, or the folder of its

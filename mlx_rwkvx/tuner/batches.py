@@ -13,6 +13,11 @@ import numpy as np
 BUCKET_BATCHES = 64  # a batch is drawn from a length-sorted window of this many batches' examples
 
 
+# a batch's length is rounded up to a multiple of this (padding the loss skips): fewer distinct
+# shapes, so the compiled step is traced a few times rather than once per length
+PAD_MULTIPLE = 32
+
+
 def _check_batching(batch_size: int, **nonnegative: int) -> None:
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")

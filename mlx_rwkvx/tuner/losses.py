@@ -1,15 +1,23 @@
 """Training losses over the models' explicit state: the summed token cross-entropy of a batch
-(through the fused head + loss, ``ops.cross_entropy_head``: no ``[tokens, vocab]`` logits) and
-the cutting of a long batch into segments for ``--carry-state``."""
+(through the fused head + loss, ``ops.cross_entropy_head``: no ``[tokens, vocab]`` logits), the
+cutting of a long batch into segments for ``--carry-state``, and ``dataset_loss``, the one
+definition of the loss on a data set (the trainer's validation and test, and ``evaluate``)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mlx_rwkvx._crash import crash_point
 from mlx_rwkvx.models import Model
 from mlx_rwkvx.ops import cross_entropy_head
+from mlx_rwkvx.tuner.batches import PAD_MULTIPLE, batches
 from mlx_rwkvx.tuner.data import IGNORE_INDEX
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 
 def head_arrays(model: Model) -> dict:
@@ -54,3 +62,74 @@ def segments(inputs, targets, length: int | None):
         ignored = mx.full((B, pad), IGNORE_INDEX, dtype=targets.dtype)
         targets = mx.concatenate([targets, ignored], axis=1)
     return [(inputs[:, a : a + length], targets[:, a : a + length]) for a in range(0, T, length)]
+
+
+@dataclass
+class LossSum:
+    """The summed token loss of a data set (nats), the tokens it is over and the UTF-8 bytes
+    those tokens spell (0 unless byte lengths were given); ``complete``: every batch asked for
+    was evaluated (False after an interruption)."""
+
+    loss: float = 0.0
+    tokens: int = 0
+    bytes: int = 0
+    batches: int = 0
+    complete: bool = True
+
+    @property
+    def mean(self) -> float:
+        return self.loss / max(self.tokens, 1)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.mean) if self.mean < 700 else math.inf
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.loss / math.log(2) / self.bytes if self.bytes else math.nan
+
+
+def dataset_loss(
+    model: Model,
+    examples,
+    batch_size: int,
+    max_batches: int | None = None,
+    segment: int | None = None,
+    max_cache: int | None = None,
+    *,
+    byte_lengths: np.ndarray | None = None,
+    on_batch: Callable[[LossSum, int], None] | None = None,
+) -> LossSum:
+    """The summed token loss over ``examples`` (the first ``max_batches`` batches, in a fixed
+    order) with dropout off. ``segment``: long texts a segment of that many tokens at a time,
+    the state carried (its KV caches cut to ``max_cache`` tokens), as --carry-state trains.
+    ``byte_lengths[id]``: the UTF-8 bytes each token spells (for bits per byte).
+    ``on_batch(sum so far, tokens of the batch)`` after each batch. Ctrl-C returns the sum so
+    far, marked incomplete."""
+    result = LossSum()
+    was_training = model.training
+    model.eval()
+    try:
+        stream = batches(examples, batch_size=batch_size, seed=0, epoch=0,
+                         pad_to_multiple=PAD_MULTIPLE)  # fmt: skip
+        for i, (inputs, targets) in enumerate(stream):
+            if max_batches is not None and i >= max_batches:
+                break
+            state, done = None, result.tokens
+            for x, y in segments(mx.array(inputs), mx.array(targets), segment):
+                if state is not None and max_cache is not None:
+                    state = model.trim_state(state, max_cache)
+                loss, n, state = segment_loss(model, x, y, state)
+                mx.eval(loss, n, state)
+                result.loss, result.tokens = result.loss + loss.item(), result.tokens + n.item()
+            if byte_lengths is not None:
+                result.bytes += int(byte_lengths[targets[targets != IGNORE_INDEX]].sum())
+            result.batches += 1
+            crash_point("eval", result.batches)
+            if on_batch is not None:
+                on_batch(result, result.tokens - done)
+    except KeyboardInterrupt:
+        result.complete = False
+    finally:
+        model.train(was_training)
+    return result

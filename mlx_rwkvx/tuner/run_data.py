@@ -11,12 +11,8 @@ from collections.abc import Iterator
 
 from mlx_rwkvx.errors import DataError, TrainError
 from mlx_rwkvx.tuner import data, parallel
-from mlx_rwkvx.tuner.batches import batches
+from mlx_rwkvx.tuner.batches import PAD_MULTIPLE, batches
 from mlx_rwkvx.tuner.config import TrainConfig
-
-# a batch's length is rounded up to a multiple of this (padding the loss skips): fewer distinct
-# shapes, so the compiled step is traced a few times rather than once per length
-PAD_MULTIPLE = 32
 
 
 def train_examples(cfg: TrainConfig, tokenizer, vocab: int, split="train", path=None):

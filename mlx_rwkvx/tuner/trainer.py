@@ -32,7 +32,7 @@ from mlx_rwkvx.models import Model
 from mlx_rwkvx.ops import prepare
 from mlx_rwkvx.tuner import distributed, outputs, parallel, run_data
 from mlx_rwkvx.tuner.adapters import adapter_config, trainable_count
-from mlx_rwkvx.tuner.batches import batches, count_batches
+from mlx_rwkvx.tuner.batches import count_batches
 from mlx_rwkvx.tuner.build import block_kinds_of, build
 from mlx_rwkvx.tuner.checkpoints import (
     load_checkpoint,
@@ -41,7 +41,7 @@ from mlx_rwkvx.tuner.checkpoints import (
     scan_checkpoints,
 )
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.losses import batch_loss, segment_loss, segments
+from mlx_rwkvx.tuner.losses import batch_loss, dataset_loss, segment_loss, segments
 from mlx_rwkvx.tuner.optimizer import make_optimizer
 
 import mlx.core as mx
@@ -183,28 +183,12 @@ class Run:
 
 def evaluate(model: Model, examples, batch_size: int, max_batches: int | None = None,
              segment: int | None = None, max_cache: int | None = None) -> float:  # fmt: skip
-    """The mean token loss over ``examples`` (the first ``max_batches`` batches, in a fixed
-    order) with dropout off; ``segment``: long texts a segment of that many tokens at a time,
-    the state carried (its KV caches cut to ``max_cache`` tokens), as --carry-state trains."""
-    total, count = 0.0, 0
-    was_training = model.training
-    model.eval()
-    try:
-        stream = batches(examples, batch_size=batch_size, seed=0, epoch=0,
-                         pad_to_multiple=run_data.PAD_MULTIPLE)  # fmt: skip
-        for i, (inputs, targets) in enumerate(stream):
-            if max_batches is not None and i >= max_batches:
-                break
-            state = None
-            for x, y in segments(mx.array(inputs), mx.array(targets), segment):
-                if state is not None and max_cache is not None:
-                    state = model.trim_state(state, max_cache)
-                loss, n, state = segment_loss(model, x, y, state)
-                mx.eval(loss, n, state)
-                total, count = total + loss.item(), count + n.item()
-    finally:
-        model.train(was_training)
-    return total / max(count, 1)
+    """The mean token loss over ``examples`` (``losses.dataset_loss``, the one definition the
+    ``evaluate`` command shares)."""
+    result = dataset_loss(model, examples, batch_size, max_batches, segment, max_cache)
+    if not result.complete:
+        raise KeyboardInterrupt  # the trainer's own Ctrl-C handling takes it from here
+    return result.mean
 
 
 def train(cfg: TrainConfig, log: Callable[[dict], None] | None = None) -> Path | None:

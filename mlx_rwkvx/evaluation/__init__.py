@@ -1,0 +1,13 @@
+"""Evaluation: the loss of a model on a data set (mean loss, perplexity, bits per byte;
+``perplexity.py``, on the trainer's one definition, ``tuner.losses.dataset_loss``). Entry
+point of the command: ``mlx_rwkvx.evaluate``."""
+
+from mlx_rwkvx.evaluation.perplexity import (
+    PLAIN_TEXT,
+    Row,
+    default_seq_len,
+    eval_examples,
+    evaluate_loss,
+)
+
+__all__ = ["PLAIN_TEXT", "Row", "default_seq_len", "eval_examples", "evaluate_loss"]

@@ -21,6 +21,8 @@ import mlx_rwkvx
 from mlx_rwkvx import cli, settings
 from mlx_rwkvx.errors import AdapterError, Interrupted, UsageError
 from mlx_rwkvx.evaluation import Row, default_seq_len, eval_examples, evaluate_loss
+from mlx_rwkvx.evaluation.lambada import TASK as LAMBADA
+from mlx_rwkvx.evaluation.lambada import lambada, read_lambada
 from mlx_rwkvx.generation.stream import default_max_cache
 from mlx_rwkvx.io.load import load
 from mlx_rwkvx.ops import prepare
@@ -53,6 +55,8 @@ class EvaluateConfig:
                          "(default: the model's own, else 2048)")  # fmt: skip
     batch_size: int = opt("texts per batch", default=1)
     max_batches: int = opt("evaluate only the first N batches (default: all)")
+    tasks: list = opt(f"tasks instead of the loss on --data: {LAMBADA} (on --data, a LAMBADA "
+                      "JSONL); comma-separated or repeated")  # fmt: skip
     json: bool = opt("print one JSON record instead of the table", default=False)
 
 
@@ -69,8 +73,6 @@ def config_from(argv) -> EvaluateConfig:
     cfg = EvaluateConfig(**found)
     if not cfg.model:
         parser().error("--model is required (on the command line or in --config)")
-    if not cfg.data:
-        parser().error("--data is required (on the command line or in --config)")
     return cfg
 
 
@@ -92,43 +94,74 @@ def main(argv: list[str] | None = None) -> None:
 
 def _main(cfg: EvaluateConfig) -> None:
     _check(cfg)
+    tasks = _tasks(cfg)
     mlx_rwkvx.configure()
     prepare(dtypes=(mx.float32, mx.bfloat16))
     jobs = _jobs(cfg)  # every adapter matched to its model before any work
-    rows: list[Row] = []
-    examples = {}  # per model's tokenizer and window: read once
-    file = cfg.data
+    lambada_docs = read_lambada(cfg.data) if LAMBADA in tasks else None
+    rows: list[dict] = []
+    read = {}  # the data set's examples per model (its tokenizer) and window: read once
     try:
         for path, adapter in jobs:
             model, tokenizer = load(path, quantize=cfg.quantize, dtype=cfg.dtype)
             if adapter is not None:
                 model = apply_adapter(model, adapter)
-            seq_len = cfg.max_seq_len or default_seq_len(model)
-            key = (path, model.config.vocab_size, seq_len)
-            if key not in examples:
-                examples[key] = eval_examples(
-                    cfg.data, tokenizer, model.config.vocab_size, max_seq_len=seq_len,
-                    carry_state=cfg.carry_state, split=cfg.split,
-                )  # fmt: skip
-            found, file = examples[key]
-            total = sum(int(e.trained.sum()) for e in found)
-            name = f"{path}" + (f" + {adapter}" if adapter else "")
-            with tqdm(total=total, unit="tok", desc=name, delay=2, leave=False,
-                      disable=None, file=sys.stderr) as bar:  # fmt: skip
-                result, seconds = evaluate_loss(
-                    model, tokenizer, found, batch_size=cfg.batch_size, max_seq_len=seq_len,
-                    carry_state=cfg.carry_state,
-                    max_cache=cfg.max_cache or default_max_cache(model),
-                    max_batches=cfg.max_batches, on_batch=lambda _, n: bar.update(n),
-                )  # fmt: skip
-            rows.append(Row(path, adapter, result, seconds))
-            if not result.complete:
+            head = {"model": path, "adapter": adapter}
+            if not tasks:
+                rows.append({**_perplexity(cfg, path, model, tokenizer, read), **head})
+            for task in tasks:
+                if task == LAMBADA:
+                    rows.append({**_lambada(cfg, path, model, tokenizer, lambada_docs), **head})
+            if rows and not rows[-1].get("complete", True):
                 raise Interrupted(kept="the result so far is above")
     except KeyboardInterrupt:
         if rows:  # what was measured before Ctrl-C, marked
-            _report(cfg, rows, file)
+            _report(cfg, rows)
         raise
-    _report(cfg, rows, file)
+    _report(cfg, rows)
+
+
+def _tasks(cfg: EvaluateConfig) -> list[str]:
+    tasks = [t.strip() for spec in cfg.tasks or [] for t in spec.split(",") if t.strip()]
+    unknown = [t for t in tasks if t != LAMBADA]
+    if unknown:
+        raise UsageError(f"--tasks: unknown task {unknown[0]!r} (built in: {LAMBADA})")
+    if LAMBADA in tasks and not cfg.data:
+        raise UsageError(f"--tasks {LAMBADA} reads --data, a LAMBADA JSONL (lines {{\"text\": "
+                         "...}}, e.g. RWKV-LM's lambada_test.jsonl)")  # fmt: skip
+    if not tasks and not cfg.data:
+        raise UsageError("--data is required (or --tasks)")
+    return list(dict.fromkeys(tasks))
+
+
+def _perplexity(cfg: EvaluateConfig, path: str, model, tokenizer, read: dict) -> dict:
+    seq_len = cfg.max_seq_len or default_seq_len(model)
+    key = (path, model.config.vocab_size, seq_len)
+    if key not in read:
+        read[key] = eval_examples(cfg.data, tokenizer, model.config.vocab_size,
+                                  max_seq_len=seq_len, carry_state=cfg.carry_state,
+                                  split=cfg.split)  # fmt: skip
+    found, file = read[key]
+    total = sum(int(e.trained.sum()) for e in found)
+    with _bar(total, "tok", path) as bar:
+        result, seconds = evaluate_loss(
+            model, tokenizer, found, batch_size=cfg.batch_size, max_seq_len=seq_len,
+            carry_state=cfg.carry_state, max_cache=cfg.max_cache or default_max_cache(model),
+            max_batches=cfg.max_batches, on_batch=lambda _, n: bar.update(n),
+        )  # fmt: skip
+    return {"data": file, **Row(path, None, result, seconds).record(), "task": None}
+
+
+def _lambada(cfg: EvaluateConfig, path: str, model, tokenizer, docs) -> dict:
+    with _bar(len(docs), "text", f"{path}: {LAMBADA}") as bar:
+        result = lambada(model, tokenizer, docs, batch_size=cfg.batch_size, on_done=bar.update)
+    return {"data": cfg.data, **result.record()}
+
+
+def _bar(total: int, unit: str, desc: str):
+    """A progress bar on standard error, shown once a run passes 2 seconds."""
+    return tqdm(total=total, unit=unit, desc=desc, delay=2, leave=False, disable=None,
+                file=sys.stderr)  # fmt: skip
 
 
 def _jobs(cfg: EvaluateConfig) -> list[tuple[str, str | None]]:
@@ -155,28 +188,36 @@ def _jobs(cfg: EvaluateConfig) -> list[tuple[str, str | None]]:
     return jobs
 
 
-def _report(cfg: EvaluateConfig, rows: list[Row], file: str) -> None:
-    records = [r.record() for r in rows]
+def _report(cfg: EvaluateConfig, rows: list[dict]) -> None:
     if cfg.json:
-        print(json.dumps({"data": file, "results": records}))
+        print(json.dumps({"results": rows}))
         return
-    print(f"{file}:")
-    head = ("model", "loss", "ppl", "bits/byte", "tokens", "tok/s")
-    table = [head]
-    for r in records:
-        name = r["model"] + (f" + {r['adapter']}" if r["adapter"] else "")
-        if not r["complete"]:
-            name += " (interrupted: so far)"
-        bpb = r["bits_per_byte"]
-        table.append((name, f"{r['loss']:.4f}", _ppl(r["perplexity"]),
-                      "-" if math.isnan(bpb) else f"{bpb:.4f}", str(r["tokens"]),
-                      f"{r['tokens_per_s']:.0f}"))  # fmt: skip
+    losses = [r for r in rows if r.get("task") is None]
+    if losses:
+        print(f"{losses[0]['data']}:")
+        _table(("model", "loss", "ppl", "bits/byte", "tokens", "tok/s"), [
+            (_name(r), f"{r['loss']:.4f}", _ppl(r["perplexity"]),
+             "-" if math.isnan(r["bits_per_byte"]) else f"{r['bits_per_byte']:.4f}",
+             str(r["tokens"]), f"{r['tokens_per_s']:.0f}") for r in losses])  # fmt: skip
+    lambadas = [r for r in rows if r.get("task") == LAMBADA]
+    if lambadas:
+        print(f"{LAMBADA} ({lambadas[0]['data']}):")
+        _table(("model", "accuracy", "ppl", "texts"), [
+            (_name(r), f"{100 * r['accuracy']:.2f}%", _ppl(r["perplexity"]), str(r["texts"]))
+            for r in lambadas])  # fmt: skip
+
+
+def _name(r: dict) -> str:
+    name = r["model"] + (f" + {r['adapter']}" if r["adapter"] else "")
+    return name + ("" if r.get("complete", True) else " (interrupted: so far)")
+
+
+def _table(head: tuple, body: list[tuple]) -> None:
+    table = [head, *body]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        print("  ".join(cells))
+        rest = zip(row[1:], widths[1:], strict=True)
+        print("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in rest]))
 
 
 def _ppl(p: float) -> str:

@@ -240,7 +240,7 @@ RECIPES = {
         expect=("rwkv7-g1a-0.1b/config.json",),
     ),
     "evaluate": Recipe(
-        files={"lora": "lora", "chats": "chats"},
+        files={"lora": "lora", "chats": "chats", "lambada_test.jsonl": "lambada"},
         hub={"fla-hub/rwkv7-1.5B-world": "rwkv7-hf"},
     ),
     "merge-adapters-from-two-macs": Recipe(
@@ -422,6 +422,12 @@ class Fixtures:
         path.mkdir()
         (path / "train.jsonl").write_text("\n".join(lines) + "\n")
         (path / "valid.jsonl").write_text("\n".join(lines[-4:]) + "\n")
+        return path
+
+    def _lambada(self, path: Path) -> Path:
+        """A few lines in the format of RWKV-LM's lambada_test.jsonl."""
+        texts = ["the cat sat on the mat", "she opened the door and saw her brother"]
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
         return path
 
     def _corpus(self, path: Path) -> Path:

@@ -57,6 +57,7 @@ class _MlxLmSurface:
     ``chat_template``, ``apply_chat_template`` and ``get_vocab``."""
 
     bos_token = None
+    bos_token_id = None
     chat_template = None
     eos_token_ids: set[int] = set()
 
@@ -211,11 +212,27 @@ class HFTokenizer(_MlxLmSurface):
         self.folder, self._hf = folder, None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = self._eos_ids(folder)
+        self.bos_token, self.bos_token_id = self._bos(folder)
         self.files = {
             name: os.path.join(folder, name)
             for name in HF_TOKENIZER_FILES
             if os.path.isfile(os.path.join(folder, name))
         }
+
+    def _bos(self, folder: str) -> tuple[str | None, int | None]:
+        """The BOS token of ``tokenizer_config.json`` (Qwen2 has none), and its id."""
+        path = os.path.join(folder, "tokenizer_config.json")
+        try:
+            with open(path) as f:
+                value = json.load(f).get("bos_token")
+        except FileNotFoundError:
+            return None, None
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"{path}: cannot read bos_token ({e})") from e
+        if isinstance(value, dict):
+            value = value.get("content")
+        tid = self._tok.token_to_id(value) if isinstance(value, str) else None
+        return (value, tid) if tid is not None else (None, None)
 
     def _eos_ids(self, folder: str) -> set[int]:
         names = []

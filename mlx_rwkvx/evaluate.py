@@ -21,6 +21,7 @@ import mlx_rwkvx
 from mlx_rwkvx import cli, settings
 from mlx_rwkvx.errors import AdapterError, Interrupted, UsageError
 from mlx_rwkvx.evaluation import Row, default_seq_len, eval_examples, evaluate_loss
+from mlx_rwkvx.evaluation.harness import make_lm, require_lm_eval, run_tasks
 from mlx_rwkvx.evaluation.lambada import TASK as LAMBADA
 from mlx_rwkvx.evaluation.lambada import lambada, read_lambada
 from mlx_rwkvx.generation.stream import default_max_cache
@@ -56,7 +57,15 @@ class EvaluateConfig:
     batch_size: int = opt("texts per batch", default=1)
     max_batches: int = opt("evaluate only the first N batches (default: all)")
     tasks: list = opt(f"tasks instead of the loss on --data: {LAMBADA} (on --data, a LAMBADA "
-                      "JSONL); comma-separated or repeated")  # fmt: skip
+                      "JSONL) or lm-evaluation-harness's (hellaswag, arc_easy, ...; the eval "
+                      "extra); comma-separated or repeated")  # fmt: skip
+    num_shots: int = opt("lm-eval tasks: examples shown before each question (default: the "
+                         "task's)", "num_fewshot")  # fmt: skip
+    limit: float = opt("lm-eval tasks: only the first N documents of each (a fraction if < 1)")
+    apply_chat_template: bool = opt("lm-eval tasks: render prompts with the tokenizer's chat "
+                                    "template", default=False)  # fmt: skip
+    include_path: str = opt("lm-eval tasks: a folder of your own task YAMLs")
+    seed: int = opt("lm-eval tasks: the seed of few-shot sampling", default=0)
     json: bool = opt("print one JSON record instead of the table", default=False)
 
 
@@ -109,9 +118,11 @@ def _main(cfg: EvaluateConfig) -> None:
             head = {"model": path, "adapter": adapter}
             if not tasks:
                 rows.append({**_perplexity(cfg, path, model, tokenizer, read), **head})
-            for task in tasks:
-                if task == LAMBADA:
-                    rows.append({**_lambada(cfg, path, model, tokenizer, lambada_docs), **head})
+            if LAMBADA in tasks:
+                rows.append({**_lambada(cfg, path, model, tokenizer, lambada_docs), **head})
+            harness = [t for t in tasks if t != LAMBADA]
+            if harness:
+                rows += [{**r, **head} for r in _harness(cfg, path, model, tokenizer, harness)]
             if rows and not rows[-1].get("complete", True):
                 raise Interrupted(kept="the result so far is above")
     except KeyboardInterrupt:
@@ -123,15 +134,33 @@ def _main(cfg: EvaluateConfig) -> None:
 
 def _tasks(cfg: EvaluateConfig) -> list[str]:
     tasks = [t.strip() for spec in cfg.tasks or [] for t in spec.split(",") if t.strip()]
-    unknown = [t for t in tasks if t != LAMBADA]
-    if unknown:
-        raise UsageError(f"--tasks: unknown task {unknown[0]!r} (built in: {LAMBADA})")
+    harness = [t for t in tasks if t != LAMBADA]
+    if harness:
+        require_lm_eval(harness)  # before any model loads
     if LAMBADA in tasks and not cfg.data:
         raise UsageError(f"--tasks {LAMBADA} reads --data, a LAMBADA JSONL (lines {{\"text\": "
                          "...}}, e.g. RWKV-LM's lambada_test.jsonl)")  # fmt: skip
     if not tasks and not cfg.data:
         raise UsageError("--data is required (or --tasks)")
+    given = [f"--{n.replace('_', '-')}" for n in ("num_shots", "limit", "include_path")
+             if getattr(cfg, n) is not None] + (["--apply-chat-template"]
+                                                if cfg.apply_chat_template else [])  # fmt: skip
+    if given and not harness:
+        raise UsageError(f"{given[0]} goes with lm-evaluation-harness --tasks")
     return list(dict.fromkeys(tasks))
+
+
+def _harness(cfg: EvaluateConfig, path: str, model, tokenizer, tasks: list[str]) -> list[dict]:
+    lm = make_lm(model, tokenizer, name=path, batch_size=cfg.batch_size,
+                 chat_template=cfg.apply_chat_template)  # fmt: skip
+    results = run_tasks(lm, tasks, num_fewshot=cfg.num_shots, limit=cfg.limit,
+                        include_path=cfg.include_path, seed=cfg.seed)  # fmt: skip
+    rows = []
+    for task, metrics in results.items():
+        values = {k.removesuffix(",none"): v for k, v in metrics.items()
+                  if isinstance(v, (int, float)) and k not in ("alias", "sample_len")}  # fmt: skip
+        rows.append({"task": task, "metrics": values})
+    return rows
 
 
 def _perplexity(cfg: EvaluateConfig, path: str, model, tokenizer, read: dict) -> dict:
@@ -205,6 +234,12 @@ def _report(cfg: EvaluateConfig, rows: list[dict]) -> None:
         _table(("model", "accuracy", "ppl", "texts"), [
             (_name(r), f"{100 * r['accuracy']:.2f}%", _ppl(r["perplexity"]), str(r["texts"]))
             for r in lambadas])  # fmt: skip
+    harness = [r for r in rows if "metrics" in r]
+    if harness:
+        print("lm-evaluation-harness:")
+        _table(("model", "task", "metric", "value"), [
+            (_name(r), r["task"], metric, f"{value:.4f}")
+            for r in harness for metric, value in sorted(r["metrics"].items())])  # fmt: skip
 
 
 def _name(r: dict) -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from helpers.hub import StandInHub, folder_files
+from helpers.parity import import_parity_extra
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 DATA = Path(__file__).resolve().parent / "data"
@@ -161,6 +162,9 @@ EXEMPT = {
     'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest': (
         "installs from the package index, and runs this very suite (.ci/run runs the command)"
     ),
+    'pip install -e ".[eval]"': (
+        "installs from the package index; .ci/run installs the eval extra before the suite"
+    ),
     "python scripts/bench.py all": (
         "the benchmarks: minutes to an hour on 2 cores, and it rewrites BENCHMARKS.md; "
         "tests/cli/test_bench.py runs its sections at --quick sizes"
@@ -181,6 +185,7 @@ class Recipe:
 
     files: dict[str, str]
     hub: dict[str, str] = field(default_factory=dict)
+    needs: tuple[str, ...] = ()  # modules of an extra (skipped without them, except under CI)
     replace: dict[str, str] = field(default_factory=dict)
     expect: tuple[str, ...] = ()
     stdin: str = ""
@@ -240,8 +245,21 @@ RECIPES = {
         expect=("rwkv7-g1a-0.1b/config.json",),
     ),
     "evaluate": Recipe(
-        files={"lora": "lora", "chats": "chats", "lambada_test.jsonl": "lambada"},
+        files={
+            "lora": "lora",
+            "chats": "chats",
+            "lambada_test.jsonl": "lambada",
+            "tasks": "lm-eval-tasks",
+        },
         hub={"fla-hub/rwkv7-1.5B-world": "rwkv7-hf"},
+        # lm-eval's own tasks download their data sets: two tasks of the same kinds over
+        # local data stand in for them
+        replace={
+            "--tasks hellaswag,arc_easy --num-shots 0 --limit 200": (
+                "--tasks tiny_choice,tiny_qa --include-path tasks --num-shots 0 --limit 3"
+            )
+        },
+        needs=("lm_eval",),
     ),
     "merge-adapters-from-two-macs": Recipe(
         files={
@@ -430,6 +448,28 @@ class Fixtures:
         path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
         return path
 
+    def _lm_eval_tasks(self, path: Path) -> Path:
+        """Two lm-eval tasks (multiple choice, generation) over local JSONL files."""
+        path.mkdir()
+        choice = [{"q": "The sky is", "choices": [" blue", " green"], "a": 0},
+                  {"q": "Cats say", "choices": [" moo", " meow"], "a": 1}]  # fmt: skip
+        qa = [{"q": "Say yes:", "a": " yes"}, {"q": "Say no:", "a": " no"}]
+        for name, docs in (("choice", choice), ("qa", qa)):
+            (self.root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+        head = (
+            "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n"
+        )
+        (path / "tiny_choice.yaml").write_text(
+            "task: tiny_choice\n" + head.format(self.root / "choice.jsonl")
+            + "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
+            "doc_to_target: '{{a}}'\nmetric_list:\n  - metric: acc\n")  # fmt: skip
+        (path / "tiny_qa.yaml").write_text(
+            "task: tiny_qa\n" + head.format(self.root / "qa.jsonl")
+            + "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+            "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 4\n"
+            "metric_list:\n  - metric: exact_match\n")  # fmt: skip
+        return path
+
     def _corpus(self, path: Path) -> Path:
         path.mkdir()
         texts = [f"{a} plus {b} is {a + b}. " * 3 for a in range(8) for b in range(5)]
@@ -497,6 +537,8 @@ def test_readme_bash_commands_are_run_or_exempt():
 )
 def test_readme_bash_block_runs(block, fixtures, tmp_path):
     recipe = RECIPES[block]
+    if recipe.needs:
+        import_parity_extra(recipe.needs, extra="eval")
     text = dict(blocks("bash"))[block]
     for name, kind in recipe.files.items():
         fixtures.place(kind, tmp_path / name)

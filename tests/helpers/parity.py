@@ -18,17 +18,18 @@ JIT_DEPRECATED = "`torch.jit.script"
 RANKS = {"w": 16, "a": 8, "v": 12, "g": 24}
 
 
-def import_parity_extra(names: tuple[str, ...]) -> list:
-    """The parity extra's modules. Without them: one skip line, or under CI a failure."""
+def import_parity_extra(names: tuple[str, ...], extra: str = "parity") -> list:
+    """The modules of an extra (``parity``, ``eval``). Without them: one skip line, or under
+    CI a failure."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", JIT_DEPRECATED, DeprecationWarning)
             return [importlib.import_module(name) for name in names]
     except ImportError as e:
-        missing = f"the parity extra is not installed ({e})"
+        missing = f"the {extra} extra is not installed ({e})"
     if os.environ.get(CI_FLAG) == "1":
         pytest.fail(f"{CI_FLAG}=1 but {missing}: .ci/run installs it first", pytrace=False)
-    pytest.skip(f"{missing}: pip install -e '.[parity]'", allow_module_level=True)
+    pytest.skip(f"{missing}: pip install -e '.[{extra}]'", allow_module_level=True)
 
 
 def blinkdl_state(

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from benchmarks import blas, generate, loss, moba, models, parallel, train, train_int8, wkv7
+from benchmarks import (
+    blas,
+    evaluate,
+    generate,
+    loss,
+    moba,
+    models,
+    parallel,
+    train,
+    train_int8,
+    wkv7,
+)
 from benchmarks.common import Section
 
 SECTIONS: dict[str, Section] = {
@@ -13,6 +24,7 @@ SECTIONS: dict[str, Section] = {
     "loss": loss.SECTION,
     "train": train.SECTION,
     "generate": generate.SECTION,
+    "evaluate": evaluate.SECTION,
     "parallel": parallel.SECTION,
     "train-int8": train_int8.SECTION,
 }

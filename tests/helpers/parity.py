@@ -90,3 +90,26 @@ def blinkdl_state(
     layer_norm("ln_out")
     s["head.weight"] = proj(vocab, C)
     return s
+
+
+def logprob_errors(model, tokens: list[int], reference_logits) -> tuple[float, float]:
+    """(relative error of our per-token log-probabilities of ``tokens[1:]`` against the
+    log-softmax of a reference's logits ``[T, vocab]`` of the same tokens, relative error of
+    the perplexity): ours through evaluate's two paths, the continuation scores (LAMBADA,
+    lm-eval) and the fused loss on a data set (``dataset_loss``)."""
+    from mlx_rwkvx.evaluation.likelihood import continuation_scores
+    from mlx_rwkvx.tuner.data import Example
+    from mlx_rwkvx.tuner.losses import dataset_loss
+
+    ref = np.asarray(reference_logits, dtype=np.float64)[: len(tokens) - 1]
+    top = ref.max(-1, keepdims=True)
+    ref_logp = ref - top - np.log(np.exp(ref - top).sum(-1, keepdims=True))
+    expected = ref_logp[np.arange(len(tokens) - 1), tokens[1:]]
+    (score,) = continuation_scores(model, [(tokens[:1], tokens[1:])])
+    ours = np.array(score.token_logprobs)
+    trained = np.ones(len(tokens), dtype=bool)
+    trained[0] = False
+    loss = dataset_loss(model, [Example(np.array(tokens, np.int32), trained)], batch_size=1)
+    logp_err = float(np.linalg.norm(ours - expected) / np.linalg.norm(expected))
+    ppl = np.exp(-expected.mean())
+    return logp_err, abs(loss.perplexity - ppl) / ppl

@@ -28,7 +28,7 @@ from mlx_rwkvx.io.tokenizers import WorldTokenizer
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers.parity import JIT_DEPRECATED, blinkdl_state, import_parity_extra
+from helpers.parity import JIT_DEPRECATED, blinkdl_state, import_parity_extra, logprob_errors
 from oracle.common import rel_err
 
 TOL = 1e-5
@@ -96,6 +96,15 @@ def test_rwkv7_pth_matches_blinkdl_rwkv(blinkdl, length):
     _check(_ours(model, tokens), blinkdl.logits(tokens), f"{blinkdl.pth}, T={length}")
 
 
+def test_rwkv7_logprobs_match_blinkdl_rwkv(blinkdl):
+    """evaluate's per-token log-probabilities and perplexity (both its paths) against the
+    log-softmax of the rwkv package's logits on the same tokens."""
+    model, _ = mlx_rwkvx.load(blinkdl.pth)
+    tokens = _tokens(V, 100)
+    logp_err, ppl_err = logprob_errors(model, tokens, blinkdl.logits(tokens))
+    assert logp_err <= TOL and ppl_err <= TOL, (logp_err, ppl_err)
+
+
 def test_rwkv7_hf_folder_matches_mlx_lm(blinkdl, tmp_path):
     """The .pth converted by our CLI to a Hugging Face folder: mlx-lm's rwkv7 reads it with its
     own code and agrees with us reading the same folder, and with the rwkv package on the .pth."""
@@ -112,6 +121,9 @@ def test_rwkv7_hf_folder_matches_mlx_lm(blinkdl, tmp_path):
         lm = _ours(theirs, tokens)
         _check(_ours(ours, tokens), lm, f"ours vs mlx-lm on {hf}, T={length}")
         _check(lm, blinkdl.logits(tokens), f"mlx-lm on {hf} vs rwkv on the .pth, T={length}")
+    tokens = _tokens(V, 100)  # evaluate's log-probabilities against mlx-lm's logits
+    logp_err, ppl_err = logprob_errors(ours, tokens, _ours(theirs, tokens))
+    assert logp_err <= TOL and ppl_err <= TOL, (logp_err, ppl_err)
 
 
 # Qwen2: GQA (4 query heads, 2 KV heads of 16), a RoPE base far from the 10000 default.
@@ -191,6 +203,14 @@ def test_qwen2_matches_transformers(qwen2, layout, length):
     tokens = _tokens(QWEN2["vocab_size"], length)
     what = f"{folders[layout]} ({layout} config), T={length}"
     _check(_ours(ours, tokens), _qwen2_logits(hf_model, tokens), what)
+
+
+def test_qwen2_logprobs_match_transformers(qwen2):
+    hf_model, folders = qwen2
+    ours, _ = mlx_rwkvx.load(str(folders["v5"]))
+    tokens = _tokens(QWEN2["vocab_size"], 100)
+    logp_err, ppl_err = logprob_errors(ours, tokens, _qwen2_logits(hf_model, tokens))
+    assert logp_err <= TOL and ppl_err <= TOL, (logp_err, ppl_err)
 
 
 def test_qwen2_reference_sees_the_rope_base():

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import run_module
-from helpers.parity import blinkdl_state, import_parity_extra
+from helpers.parity import blinkdl_state, import_parity_extra, logprob_errors
 from oracle.common import rel_err
 
 os.environ["RWKV_CUDA_ON"] = "0"  # read when rwkv_x.model is imported: its CPU path
@@ -94,6 +94,15 @@ def test_prefill_matches_the_authors_rwkv_x(reference, length):
     ids = tokens(length)
     ours = np.array(model(mx.array([ids]))[0])
     check(ours, reference.logits(ids), f"{reference.pth}, T={length}")
+
+
+def test_logprobs_match_the_authors_rwkv_x(reference):
+    """evaluate's per-token log-probabilities and perplexity against the log-softmax of their
+    prefill's logits."""
+    model, _ = mlx_rwkvx.load(reference.pth)
+    ids = tokens(100)
+    logp_err, ppl_err = logprob_errors(model, ids, reference.logits(ids))
+    assert logp_err <= TOL and ppl_err <= TOL, (logp_err, ppl_err)
 
 
 def test_a_file_we_write_loads_in_theirs(reference, tmp_path):

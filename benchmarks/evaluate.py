@@ -10,6 +10,7 @@ from benchmarks.common import (
     Rendered,
     Section,
     VerificationFailed,
+    rel_err,
     sizes,
     time_and_peak,
     with_goals,
@@ -85,7 +86,7 @@ def measure(quick: bool = False) -> dict:
 
     ours = dataset_loss(model, examples, cfg["batch"])
     reference = float(bare().item())
-    err = abs(ours.loss - reference) / abs(reference)
+    err = rel_err(np.array([ours.loss]), np.array([reference]))
     if not err <= 1e-5:
         raise VerificationFailed(f"dataset_loss {ours.loss} vs the bare forward {reference}")
     t_bare = best_time(bare, repeats=cfg["repeats"], warmup=0)

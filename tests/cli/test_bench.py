@@ -96,6 +96,13 @@ EXPECTED = {
         r"^\| 1 \| [\d.]+ s \| \d+ \| [\d.]+ ms \| [\d.]+% \| [\d.]+ MB \|$",
         r"^- --parallel 4 tokens/s vs one shard: [\d.]+ \(goal >= 2.5\)",
     ],
+    "evaluate": [
+        r"^Verified first: the evaluation's summed loss equals the bare forward's to [\d.e+-]+\.$",
+        r"^\| bare forward \+ fused loss \| \d+ \| \d+% \|$",
+        r"^\| evaluate \| \d+ \| \d+% \|$",
+        r"^- evaluate tokens/s, of the bare forward with the fused loss: [\d.]+ \(goal >= 0.9\)",
+        r"^- evaluation peak memory, 10x the data / 1x: [\d.]+ \(goal <= 1.1\)",
+    ],
     "loss": [
         r"^Verified first: fused vs dense loss [\d.e+-]+, dh [\d.e+-]+, dW [\d.e+-]+\.$",
         r"^\| fused \| [\d.]+ s \| \d+ MiB \|$",
@@ -111,6 +118,7 @@ GOAL_COUNTS = {
     "train": 2,
     "train-int8": 2,
     "generate": 4,
+    "evaluate": 2,
     "parallel": 1,
 }
 

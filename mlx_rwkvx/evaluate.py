@@ -21,7 +21,7 @@ import mlx_rwkvx
 from mlx_rwkvx import cli, settings
 from mlx_rwkvx.errors import AdapterError, Interrupted, UsageError
 from mlx_rwkvx.evaluation import Row, default_seq_len, eval_examples, evaluate_loss
-from mlx_rwkvx.evaluation.harness import make_lm, require_lm_eval, run_tasks
+from mlx_rwkvx.evaluation.harness import make_lm, run_tasks, task_manager
 from mlx_rwkvx.evaluation.lambada import TASK as LAMBADA
 from mlx_rwkvx.evaluation.lambada import lambada, read_lambada
 from mlx_rwkvx.generation.stream import default_max_cache
@@ -94,6 +94,10 @@ def _check(cfg: EvaluateConfig) -> None:
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if cfg.num_shots is not None and cfg.num_shots < 0:
+        raise UsageError(f"--num-shots must not be negative, got {cfg.num_shots}")
+    if cfg.limit is not None and cfg.limit <= 0:
+        raise UsageError(f"--limit must be positive, got {cfg.limit}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
 def _main(cfg: EvaluateConfig) -> None:
     _check(cfg)
     tasks = _tasks(cfg)
+    harness = [t for t in tasks if t != LAMBADA]
+    manager = task_manager(harness, cfg.include_path) if harness else None  # names checked
     mlx_rwkvx.configure()
     prepare(dtypes=(mx.float32, mx.bfloat16))
     jobs = _jobs(cfg)  # every adapter matched to its model before any work
@@ -120,9 +126,9 @@ def _main(cfg: EvaluateConfig) -> None:
                 rows.append({**_perplexity(cfg, path, model, tokenizer, read), **head})
             if LAMBADA in tasks:
                 rows.append({**_lambada(cfg, path, model, tokenizer, lambada_docs), **head})
-            harness = [t for t in tasks if t != LAMBADA]
             if harness:
-                rows += [{**r, **head} for r in _harness(cfg, path, model, tokenizer, harness)]
+                found = _harness(cfg, path, model, tokenizer, harness, manager)
+                rows += [{**r, **head} for r in found]
             if rows and not rows[-1].get("complete", True):
                 raise Interrupted(kept="the result so far is above")
     except KeyboardInterrupt:
@@ -135,8 +141,6 @@ def _main(cfg: EvaluateConfig) -> None:
 def _tasks(cfg: EvaluateConfig) -> list[str]:
     tasks = [t.strip() for spec in cfg.tasks or [] for t in spec.split(",") if t.strip()]
     harness = [t for t in tasks if t != LAMBADA]
-    if harness:
-        require_lm_eval(harness)  # before any model loads
     if LAMBADA in tasks and not cfg.data:
         raise UsageError(f"--tasks {LAMBADA} reads --data, a LAMBADA JSONL (lines {{\"text\": "
                          "...}}, e.g. RWKV-LM's lambada_test.jsonl)")  # fmt: skip
@@ -150,11 +154,12 @@ def _tasks(cfg: EvaluateConfig) -> list[str]:
     return list(dict.fromkeys(tasks))
 
 
-def _harness(cfg: EvaluateConfig, path: str, model, tokenizer, tasks: list[str]) -> list[dict]:
+def _harness(cfg: EvaluateConfig, path: str, model, tokenizer, tasks: list[str],
+             manager) -> list[dict]:  # fmt: skip
     lm = make_lm(model, tokenizer, name=path, batch_size=cfg.batch_size,
                  chat_template=cfg.apply_chat_template)  # fmt: skip
-    results = run_tasks(lm, tasks, num_fewshot=cfg.num_shots, limit=cfg.limit,
-                        include_path=cfg.include_path, seed=cfg.seed)  # fmt: skip
+    results = run_tasks(lm, tasks, num_fewshot=cfg.num_shots, limit=cfg.limit, seed=cfg.seed,
+                        manager=manager)  # fmt: skip
     rows = []
     for task, metrics in results.items():
         values = {k.removesuffix(",none"): v for k, v in metrics.items()

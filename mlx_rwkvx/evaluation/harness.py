@@ -119,13 +119,12 @@ def _lm_class():
     return _CLASS
 
 
-def run_tasks(lm, tasks: Sequence[str], *, num_fewshot: int | None = None,
-              limit: float | None = None, include_path: str | None = None,
-              include_defaults: bool = True, seed: int = 0) -> dict:  # fmt: skip
-    """lm-eval's ``simple_evaluate`` of ``tasks`` with ``lm``: its results by task (each a dict
-    of metrics). ``include_path``: a folder of the user's own task YAMLs, beside lm-eval's own
-    unless ``include_defaults=False``. An unknown task is one UsageError naming it."""
-    lm_eval = require_lm_eval(tasks)
+def task_manager(tasks: Sequence[str], include_path: str | None = None,
+                 include_defaults: bool = True):  # fmt: skip
+    """lm-eval's ``TaskManager`` over its own tasks (unless ``include_defaults=False``) and the
+    task YAMLs of ``include_path``, every one of ``tasks`` checked to be among them (one
+    UsageError naming the first that is not)."""
+    require_lm_eval(tasks)
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not os.path.isdir(include_path):
@@ -135,6 +134,18 @@ def run_tasks(lm, tasks: Sequence[str], *, num_fewshot: int | None = None,
     if unknown:
         raise UsageError(f"--tasks: unknown task {unknown[0]!r} (not built in, and not among "
                          "lm-evaluation-harness's tasks or --include-path's)")  # fmt: skip
+    return manager
+
+
+def run_tasks(lm, tasks: Sequence[str], *, num_fewshot: int | None = None,
+              limit: float | None = None, include_path: str | None = None,
+              include_defaults: bool = True, seed: int = 0, manager=None) -> dict:  # fmt: skip
+    """lm-eval's ``simple_evaluate`` of ``tasks`` with ``lm``: its results by task (each a dict
+    of metrics). ``manager``: a ``task_manager`` already made (else one is, from
+    ``include_path`` and ``include_defaults``)."""
+    lm_eval = require_lm_eval(tasks)
+    if manager is None:
+        manager = task_manager(tasks, include_path, include_defaults)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results = lm_eval.simple_evaluate(
         model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,

@@ -43,6 +43,8 @@ class EvaluateConfig:
                         "adapter_path")  # fmt: skip
     data: str = opt("the data set: a file or folder the trainer reads, or a plain text file")
     split: str = opt("a data folder's split (default: test, else valid)")
+    sql: str = opt("--data is a SQLite database: the query returning (conversation, role, "
+                   "content) rows, as train takes it")  # fmt: skip
     quantize: str = opt("quantize the weights as they load (bare: int8)",
                         choices=("int8", "int4"), const="int8")  # fmt: skip
     dtype: str = opt("cast the float weights: float32, bfloat16, float16 (default: as stored)",
@@ -174,7 +176,7 @@ def _perplexity(cfg: EvaluateConfig, path: str, model, tokenizer, read: dict) ->
     if key not in read:
         read[key] = eval_examples(cfg.data, tokenizer, model.config.vocab_size,
                                   max_seq_len=seq_len, carry_state=cfg.carry_state,
-                                  split=cfg.split)  # fmt: skip
+                                  split=cfg.split, sql=cfg.sql)  # fmt: skip
     found, file = read[key]
     total = sum(int(e.trained.sum()) for e in found)
     with _bar(total, "tok", path) as bar:

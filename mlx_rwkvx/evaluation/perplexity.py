@@ -45,9 +45,11 @@ def pick_split(path: str, split: str | None) -> str:
 
 
 def eval_examples(path: str, tokenizer, vocab: int, *, max_seq_len: int, carry_state: bool,
-                  split: str | None = None) -> tuple[list[data.Example], str]:  # fmt: skip
-    """(the examples of the data set at ``path``, the file they came from); DataError naming
-    the file and the problem (none, empty, a text shorter than two tokens)."""
+                  split: str | None = None,
+                  sql: str | None = None) -> tuple[list[data.Example], str]:  # fmt: skip
+    """(the examples of the data set at ``path``, the file they came from; ``sql``: the query
+    of a SQLite database); DataError naming the file and the problem (none, empty, a text
+    shorter than two tokens)."""
     file = pick_split(path, split)
     cut = None if carry_state else max_seq_len
     if os.path.isfile(file) and file.endswith(PLAIN_TEXT):
@@ -66,8 +68,8 @@ def eval_examples(path: str, tokenizer, vocab: int, *, max_seq_len: int, carry_s
         trained = np.ones(len(ids), dtype=bool)
         trained[0] = False
         return [data.Example(ids, trained, source=file)], file
-    examples, _ = data.load_examples(file, tokenizer, split=split or "test", max_seq_len=cut,
-                                     vocab_size=vocab)  # fmt: skip
+    examples, _ = data.load_examples(file, tokenizer, split=split or "test", sql=sql,
+                                     max_seq_len=cut, vocab_size=vocab)  # fmt: skip
     if not any(e.trained.any() for e in examples):
         raise DataError(f"{file}: no token to predict (every text is shorter than two tokens)")
     return examples, file

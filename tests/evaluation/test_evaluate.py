@@ -168,3 +168,37 @@ def test_ctrl_c_prints_the_result_so_far(tmp_path):
     record = json.loads(out.stdout)["results"][0]
     assert record["complete"] is False and record["tokens"] > 0
     assert out.stderr.strip().endswith("interrupted (the result so far is above)")
+
+
+def test_chat_jsonl_and_sqlite_give_the_same_loss_on_the_assistant_turns(tmp_path):
+    """The same conversations as chat JSONL and as a SQLite database (--sql, as train takes
+    it): one loss, over the assistant turns only, its bytes those turns' text."""
+    import sqlite3
+
+    mlx_rwkvx.save(Model(rwkv7_cfg(hidden_size=64), seed=3), tmp_path / "m")
+    talks = {"a": [("user", "Hi there"), ("assistant", "Hello, héllo")],
+             "b": [("user", "2+2?"), ("assistant", "4"), ("user", "and 3+3?"),
+                   ("assistant", "6, of course")]}  # fmt: skip
+    records = [{"messages": [{"role": r, "content": c} for r, c in turns]}
+               for turns in talks.values()]  # fmt: skip
+    write_jsonl(tmp_path / "chats.jsonl", records)
+    con = sqlite3.connect(tmp_path / "chats.db")
+    con.execute("CREATE TABLE m (id INTEGER, conv TEXT, role TEXT, content TEXT)")
+    rows = [(i, conv, r, c) for i, (conv, r, c) in enumerate(
+        (conv, r, c) for conv, turns in talks.items() for r, c in turns)]  # fmt: skip
+    con.executemany("INSERT INTO m VALUES (?, ?, ?, ?)", rows)
+    con.commit()
+    con.close()
+    results = []
+    for flags in (["--data", tmp_path / "chats.jsonl"],
+                  ["--data", tmp_path / "chats.db", "--sql",
+                   "SELECT conv, role, content FROM m ORDER BY id"]):  # fmt: skip
+        out = run_module("evaluate", "--model", tmp_path / "m", *flags, "--json")
+        assert out.returncode == 0, out.stderr
+        results.append(json.loads(out.stdout)["results"][0])
+    a, b = results
+    assert (a["tokens"], a["bytes"]) == (b["tokens"], b["bytes"])
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    # the targets: each assistant turn's text after "Assistant:" and its "\n\n" (RWKV's format)
+    answers = [c for turns in talks.values() for r, c in turns if r == "assistant"]
+    assert a["bytes"] == sum(len((" " + c + "\n\n").encode()) for c in answers)

@@ -10,6 +10,7 @@ import math
 import signal
 
 import mlx_rwkvx
+import mlx_rwkvx.evaluate as evaluate_cli
 from mlx_rwkvx.evaluation import eval_examples, evaluate_loss
 from mlx_rwkvx.io.tokenizers import ByteTokenizer
 from mlx_rwkvx.models import Model
@@ -17,7 +18,7 @@ from mlx_rwkvx.models import Model
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import run_module, rwkv7_cfg, tiny_model
+from helpers import CliError, cli, run_module, rwkv7_cfg, tiny_model
 
 TEXTS = [
     "The cat sat on the mat. " * 6,
@@ -153,10 +154,9 @@ def test_models_and_adapters_side_by_side(tmp_path):
 )
 def test_bad_data_is_one_line(tmp_path, make, message):
     mlx_rwkvx.save(Model(rwkv7_cfg(hidden_size=64), seed=1), tmp_path / "m")
-    out = run_module("evaluate", "--model", tmp_path / "m", "--data", make(tmp_path))
-    errors = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(errors) == 1 and out.stdout == "", out.stderr
-    assert errors[0].startswith("mlx_rwkvx.evaluate: error: ") and message in errors[0]
+    with pytest.raises(CliError) as e:  # in this process: one line, exit 2, nothing printed
+        cli(evaluate_cli.main, "--model", tmp_path / "m", "--data", make(tmp_path))
+    assert str(e.value).startswith("mlx_rwkvx.evaluate: error: ") and message in str(e.value)
 
 
 def test_ctrl_c_prints_the_result_so_far(tmp_path):

@@ -217,21 +217,49 @@ REFUSALS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "where", "message"), REFUSALS, ids=[r[0] for r in REFUSALS])
-def test_refusals_are_one_line(tmp_path, repos, name, where, message):
-    """One line naming the repository and what to do, exit 2, nothing written; a later try
-    (the repository fixed, or online) is not in the way of anything left behind."""
+# each refusal in one process: the message of CheckpointError (a UserError: one line, exit 2)
+REFUSING = """
+import json, sys
+import mlx_rwkvx
+from mlx_rwkvx.errors import UserError
+out = {}
+for name in sys.argv[1:]:
+    try:
+        mlx_rwkvx.load(name)
+        out[name] = None
+    except UserError as e:
+        out[name] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_refusals_name_the_repository_and_what_to_do(tmp_path, repos):
+    """Each refusal is a UserError (one line, exit 2 in a command) whose message names the
+    repository and what to do; a later try is not in the way of anything left behind."""
     import re
 
     home = tmp_path / "hf"
     with StandInHub(repos, gated=["meta/gated"]) as hub:
-        env = online(hub, home) if where else offline(home)
+        names = [name for name, where, _ in REFUSALS if where]
+        out = run_module_code(REFUSING, *names, env=online(hub, home))
+    assert out.returncode == 0, out.stderr
+    said = json.loads(out.stdout.splitlines()[-1])
+    cached = run_module_code(REFUSING, "pre-smal/model", env=offline(home))
+    offline_said = json.loads(cached.stdout.splitlines()[-1])
+    for name, _, message in REFUSALS:
+        text = {**said, **offline_said}[name]
+        assert text is not None and "\n" not in text and re.search(message, text), (name, text)
+        assert text.startswith(name.split("@")[0].split("/")[0]), (name, text)
+
+
+@pytest.mark.parametrize("name", ["pre-smal/model", "meta/gated"])
+def test_a_command_shows_a_refusal_as_one_line(tmp_path, repos, name):
+    with StandInHub(repos, gated=["meta/gated"]) as hub:
+        env = online(hub, tmp_path / "hf") if name == "meta/gated" else offline(tmp_path / "hf")
         out = run_module("generate", "--model", name, "--prompt", "hi", env=env)
     errors = [line for line in out.stderr.splitlines() if "error" in line]
-    assert out.returncode == 2 and len(errors) == 1, out.stderr
-    assert "Traceback" not in out.stderr
-    assert re.search(message, errors[0]), errors[0]
-    assert errors[0].startswith(f"mlx_rwkvx.generate: error: {name.split('@')[0].split('/')[0]}")
+    assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr
+    assert errors[0].startswith(f"mlx_rwkvx.generate: error: {name.split('/')[0]}")
 
 
 def test_an_interrupted_download_is_not_in_the_way(tmp_path, repos):

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 
 import mlx_rwkvx
 from mlx_rwkvx import cli, settings
-from mlx_rwkvx.errors import AdapterError, Interrupted, UsageError
+from mlx_rwkvx.errors import AdapterError, Interrupted, UsageError, signal_of
 from mlx_rwkvx.evaluation import Row, default_seq_len, eval_examples, evaluate_loss
 from mlx_rwkvx.evaluation.harness import make_lm, run_tasks, task_manager
 from mlx_rwkvx.evaluation.lambada import TASK as LAMBADA
 from mlx_rwkvx.evaluation.lambada import lambada, read_lambada
 from mlx_rwkvx.generation.stream import default_max_cache
 from mlx_rwkvx.io.load import load
+from mlx_rwkvx.io.tokenizers import token_byte_lengths
 from mlx_rwkvx.ops import prepare
 from mlx_rwkvx.settings import opt
 from mlx_rwkvx.tuner.adapters import apply_adapter, fingerprint, read_adapter
@@ -125,14 +126,15 @@ def _main(cfg: EvaluateConfig) -> None:
                 model = apply_adapter(model, adapter)
             head = {"model": path, "adapter": adapter}
             if not tasks:
-                rows.append({**_perplexity(cfg, path, model, tokenizer, read), **head})
+                row, stopped = _perplexity(cfg, path, model, tokenizer, read)
+                rows.append({**row, **head})
+                if stopped is not None:  # Ctrl-C or SIGTERM: as it came, after the table
+                    raise Interrupted(signal_of(stopped), kept="the result so far is above")
             if LAMBADA in tasks:
                 rows.append({**_lambada(cfg, path, model, tokenizer, lambada_docs), **head})
             if harness:
                 found = _harness(cfg, path, model, tokenizer, harness, manager)
                 rows += [{**r, **head} for r in found]
-            if rows and not rows[-1].get("complete", True):
-                raise Interrupted(kept="the result so far is above")
     except KeyboardInterrupt:
         if rows:  # what was measured before Ctrl-C, marked
             _report(cfg, rows)
@@ -170,22 +172,29 @@ def _harness(cfg: EvaluateConfig, path: str, model, tokenizer, tasks: list[str],
     return rows
 
 
-def _perplexity(cfg: EvaluateConfig, path: str, model, tokenizer, read: dict) -> dict:
+def _perplexity(cfg: EvaluateConfig, path: str, model, tokenizer, read: dict):
+    """(the row of ``model`` on --data, the Ctrl-C or SIGTERM that cut it short or None). The
+    data set and its tokens' byte lengths are made once per model file (its tokenizer) and
+    window, for the model and each of its adapters."""
     seq_len = cfg.max_seq_len or default_seq_len(model)
     key = (path, model.config.vocab_size, seq_len)
     if key not in read:
-        read[key] = eval_examples(cfg.data, tokenizer, model.config.vocab_size,
-                                  max_seq_len=seq_len, carry_state=cfg.carry_state,
-                                  split=cfg.split, sql=cfg.sql)  # fmt: skip
-    found, file = read[key]
+        found, file = eval_examples(cfg.data, tokenizer, model.config.vocab_size,
+                                    max_seq_len=seq_len, carry_state=cfg.carry_state,
+                                    split=cfg.split, sql=cfg.sql)  # fmt: skip
+        lengths = token_byte_lengths(tokenizer, model.config.vocab_size) if tokenizer else None
+        read[key] = found, file, lengths
+    found, file, lengths = read[key]
     total = sum(int(e.trained.sum()) for e in found)
     with _bar(total, "tok", path) as bar:
         result, seconds = evaluate_loss(
             model, tokenizer, found, batch_size=cfg.batch_size, max_seq_len=seq_len,
             carry_state=cfg.carry_state, max_cache=cfg.max_cache or default_max_cache(model),
             max_batches=cfg.max_batches, on_batch=lambda _, n: bar.update(n),
+            byte_lengths=lengths,
         )  # fmt: skip
-    return {"data": file, **Row(path, None, result, seconds).record(), "task": None}
+    row = {"data": file, **Row(path, None, result, seconds).record(), "task": None}
+    return row, result.stopped
 
 
 def _lambada(cfg: EvaluateConfig, path: str, model, tokenizer, docs) -> dict:

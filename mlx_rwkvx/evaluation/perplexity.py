@@ -110,11 +110,13 @@ def evaluate_loss(
     max_cache: int | None = None,
     max_batches: int | None = None,
     on_batch=None,
+    byte_lengths=None,
 ) -> tuple[LossSum, float]:
     """(the summed loss of ``model`` on ``examples``, seconds). ``on_batch(sum, tokens)`` after
-    each batch (a progress bar); Ctrl-C returns the sum so far, marked incomplete."""
-    lengths = None
-    if tokenizer is not None:
+    each batch (a progress bar); Ctrl-C returns the sum so far, the interruption in its
+    ``stopped``. ``byte_lengths``: the tokenizer's ``token_byte_lengths`` when already made."""
+    lengths = byte_lengths
+    if lengths is None and tokenizer is not None:
         lengths = token_byte_lengths(tokenizer, model.config.vocab_size)
     start = time.perf_counter()
     result = dataset_loss(model, examples, batch_size, max_batches,

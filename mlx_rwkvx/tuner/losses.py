@@ -67,14 +67,19 @@ def segments(inputs, targets, length: int | None):
 @dataclass
 class LossSum:
     """The summed token loss of a data set (nats), the tokens it is over and the UTF-8 bytes
-    those tokens spell (0 unless byte lengths were given); ``complete``: every batch asked for
-    was evaluated (False after an interruption)."""
+    those tokens spell (0 unless byte lengths were given); ``stopped``: the Ctrl-C or SIGTERM
+    that ended it early (None: every batch asked for was evaluated), for the caller to raise
+    again once it has used the sum so far."""
 
     loss: float = 0.0
     tokens: int = 0
     bytes: int = 0
     batches: int = 0
-    complete: bool = True
+    stopped: KeyboardInterrupt | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.stopped is None
 
     @property
     def mean(self) -> float:
@@ -104,8 +109,8 @@ def dataset_loss(
     order) with dropout off. ``segment``: long texts a segment of that many tokens at a time,
     the state carried (its KV caches cut to ``max_cache`` tokens), as --carry-state trains.
     ``byte_lengths[id]``: the UTF-8 bytes each token spells (for bits per byte).
-    ``on_batch(sum so far, tokens of the batch)`` after each batch. Ctrl-C returns the sum so
-    far, marked incomplete."""
+    ``on_batch(sum so far, tokens of the batch)`` after each batch. Ctrl-C (or SIGTERM) returns
+    the sum so far with the interruption in ``stopped``."""
     result = LossSum()
     was_training = model.training
     model.eval()
@@ -128,8 +133,8 @@ def dataset_loss(
             crash_point("eval", result.batches)
             if on_batch is not None:
                 on_batch(result, result.tokens - done)
-    except KeyboardInterrupt:
-        result.complete = False
+    except KeyboardInterrupt as e:
+        result.stopped = e
     finally:
         model.train(was_training)
     return result

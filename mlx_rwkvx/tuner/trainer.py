@@ -186,8 +186,8 @@ def evaluate(model: Model, examples, batch_size: int, max_batches: int | None = 
     """The mean token loss over ``examples`` (``losses.dataset_loss``, the one definition the
     ``evaluate`` command shares)."""
     result = dataset_loss(model, examples, batch_size, max_batches, segment, max_cache)
-    if not result.complete:
-        raise KeyboardInterrupt  # the trainer's own Ctrl-C handling takes it from here
+    if result.stopped is not None:
+        raise result.stopped  # the trainer's own Ctrl-C / SIGTERM handling takes it from here
     return result.mean
 
 

@@ -159,12 +159,14 @@ def test_bad_data_is_one_line(tmp_path, make, message):
     assert str(e.value).startswith("mlx_rwkvx.evaluate: error: ") and message in str(e.value)
 
 
-def test_ctrl_c_prints_the_result_so_far(tmp_path):
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+def test_ctrl_c_prints_the_result_so_far(tmp_path, sig):
+    """Ctrl-C or SIGTERM mid-evaluation: the result so far, then the signal's exit code."""
     mlx_rwkvx.save(Model(rwkv7_cfg(hidden_size=64), seed=1), tmp_path / "m")
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS * 5])
     out = run_module("evaluate", "--model", tmp_path / "m", "--data", data, "--json",
-                     env={"MLX_RWKVX_CRASH_AT": "eval:3:INT"})  # fmt: skip
-    assert out.returncode == 128 + signal.SIGINT
+                     env={"MLX_RWKVX_CRASH_AT": f"eval:3:{sig}"})  # fmt: skip
+    assert out.returncode == 128 + getattr(signal, f"SIG{sig}"), out.stderr
     record = json.loads(out.stdout)["results"][0]
     assert record["complete"] is False and record["tokens"] > 0
     assert out.stderr.strip().endswith("interrupted (the result so far is above)")

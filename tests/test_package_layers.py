@@ -22,7 +22,8 @@ LAYERS = [
     ("evaluation", ["mlx_rwkvx.evaluation"]),
     ("commands", ["mlx_rwkvx.api", "mlx_rwkvx.cli", "mlx_rwkvx.info", "mlx_rwkvx.convert",
                   "mlx_rwkvx.train", "mlx_rwkvx.generate", "mlx_rwkvx.merge",
-                  "mlx_rwkvx.pretokenize", "mlx_rwkvx.demo", "mlx_rwkvx.evaluate"]),
+                  "mlx_rwkvx.pretokenize", "mlx_rwkvx.demo", "mlx_rwkvx.evaluate",
+                  "mlx_rwkvx.server"]),
 ]  # fmt: skip
 LAZY = {"load": "mlx_rwkvx.api", "load_model": "mlx_rwkvx.api", "save": "mlx_rwkvx.api",
         "configure": "mlx_rwkvx._runtime", "generate": "mlx_rwkvx.generation",

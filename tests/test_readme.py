@@ -165,6 +165,17 @@ EXEMPT = {
     'pip install -e ".[eval]"': (
         "installs from the package index; .ci/run installs the eval extra before the suite"
     ),
+    'pip install -e ".[server]"': (
+        "installs from the package index; .ci/run installs the server extra before the suite"
+    ),
+    "python -m mlx_rwkvx.server --model fla-hub/rwkv7-1.5B-world --adapter tuned=lora/ --port "
+    "8080": (
+        "serves until it is stopped; tests/server/ start the server as this command does and "
+        "talk to it over HTTP, also as the curl below does"
+    ),
+    'curl -s localhost:8080/v1/chat/completions -H "Content-Type: application/json" -d '
+    '\'{"model": "tuned", "messages": [{"role": "user", "content": "Hello"}], '
+    '"max_tokens": 64}\'': ("needs the server above running; tests/server/ send the same request"),
     "python scripts/bench.py all": (
         "the benchmarks: minutes to an hour on 2 cores, and it rewrites BENCHMARKS.md; "
         "tests/cli/test_bench.py runs its sections at --quick sizes"

@@ -42,29 +42,46 @@ RWKV_STOP = "\n\n"  # an RWKV World chat turn ends with a blank line, not with t
 @dataclass
 class ChatFormat:
     """How a conversation becomes text: ``render(messages, add_generation_prompt)``, the stop
-    strings that end an answer, and a name (for saved conversations)."""
+    strings that end an answer, a name (for saved conversations), and ``tools``: whether the
+    template writes a list of tools (``render(..., tools=[...])``, OpenAI's function
+    schemas) into the prompt."""
 
     name: str
-    render: Callable[[list[dict], bool], str]
+    render: Callable[..., str]
     stops: list[str] = field(default_factory=list)
+    tools: bool = False
 
-    def apply(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
         """``render``, with a template's own refusal of the messages (Jinja's
-        ``raise_exception``) as a GenerationError."""
+        ``raise_exception``) as a GenerationError; ``tools`` for a template that takes them
+        (GenerationError for one that does not)."""
         from jinja2 import TemplateError
 
+        if tools and not self.tools:
+            raise GenerationError(f"chat template {self.name}: it takes no tools")
         try:
+            if tools:
+                return self.render(messages, add_generation_prompt, tools=tools)
             return self.render(messages, add_generation_prompt)
         except TemplateError as e:
             raise GenerationError(f"chat template {self.name}: {e}") from e
 
 
-def _jinja(template: str) -> Callable[[list[dict], bool], str]:
+def _takes_tools(template: str | None) -> bool:
+    return "tools" in (template or "")  # a template that never names them cannot write them
+
+
+def _jinja(template: str) -> Callable[..., str]:
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    def render(messages, add_generation_prompt):
+    def render(messages, add_generation_prompt, tools=None):
         rendered, _ = render_jinja_template(
-            [messages], chat_template=template, add_generation_prompt=add_generation_prompt
+            [messages],
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
         )
         return rendered[0]
 
@@ -80,12 +97,13 @@ def chat_format(tokenizer, template: str | None = None) -> ChatFormat:
     if template is None:
         if getattr(tokenizer, "chat_template", None):
 
-            def render(messages, add_generation_prompt):
+            def render(messages, add_generation_prompt, **kw):
                 return tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                    messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw
                 )
 
-            return ChatFormat("tokenizer", render, _im_end_stop(tokenizer, tokenizer.chat_template))
+            own = tokenizer.chat_template
+            return ChatFormat("tokenizer", render, _im_end_stop(tokenizer, own), _takes_tools(own))
         template = "rwkv"
     if template == "rwkv":
         return ChatFormat("rwkv", rwkv_chat_text, [RWKV_STOP])
@@ -111,7 +129,9 @@ def chat_format(tokenizer, template: str | None = None) -> ChatFormat:
             f"chat template {template}: does not render the messages (their text is not in "
             "what it writes): not a chat template?"
         )
-    return ChatFormat(os.path.abspath(template), render, _im_end_stop(tokenizer, text))
+    return ChatFormat(
+        os.path.abspath(template), render, _im_end_stop(tokenizer, text), _takes_tools(text)
+    )
 
 
 def _im_end_stop(tokenizer, template: str | None = None, force: bool = False) -> list[str]:
@@ -123,6 +143,16 @@ def _im_end_stop(tokenizer, template: str | None = None, force: bool = False) ->
     ids = tokenizer.encode("<|im_end|>") if tokenizer is not None else []
     eos = getattr(tokenizer, "eos_token_ids", set()) or set()
     return [] if len(ids) == 1 and ids[0] in eos else ["<|im_end|>"]
+
+
+def model_identity(model: Model) -> str:
+    """What a model's states are valid for: the base's fingerprint and a hash of any adapter
+    tensors (LoRA, DoRA, a state-tuned initial state)."""
+    h = hashlib.sha256()
+    for name, x in sorted(adapter_tensors(model).items()):
+        h.update(name.encode())
+        h.update(memoryview(x.astype(mx.float32)))
+    return f"{fingerprint(model)}-{h.hexdigest()[:16]}"
 
 
 # ----- the chat --------------------------------------------------------------------------------
@@ -239,13 +269,8 @@ class Chat:
     # ----- saving and loading a conversation ---------------------------------------------------
 
     def identity(self) -> str:
-        """The model a saved conversation belongs to: the base's fingerprint and a hash of any
-        adapter tensors."""
-        h = hashlib.sha256()
-        for name, x in sorted(adapter_tensors(self.model).items()):
-            h.update(name.encode())
-            h.update(memoryview(x.astype(mx.float32)))
-        return f"{fingerprint(self.model)}-{h.hexdigest()[:16]}"
+        """The model a saved conversation belongs to (``model_identity``)."""
+        return model_identity(self.model)
 
     def save(self, path: str) -> None:
         """The whole conversation in one safetensors file, written atomically: messages,

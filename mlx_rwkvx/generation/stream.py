@@ -66,7 +66,9 @@ class Session:
 
     ``feed(ids)`` prefills ids and returns the next-token logits; ``step(token, state)`` is
     the one-token step (``compile_step``: under ``mx.compile``). ``state`` is a plain pytree of
-    immutable arrays: keeping a reference to it is a free snapshot."""
+    immutable arrays: keeping a reference to it is a free snapshot. ``logits``: the next-token
+    logits after ``tokens`` where known (after ``feed``, or restored with a snapshot), so that
+    ``feed([])`` can start an answer with no token to feed."""
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class Session:
         self.attention = _has_attention(model)
         self.tokens: list[int] = []
         self.state: list | None = None
+        self.logits: mx.array | None = None
         # the one-token step, eager unless asked (BENCHMARKS.md, generate section, times both)
         self._step = mx.compile(self._forward) if compile_step else self._forward
 
@@ -95,13 +98,14 @@ class Session:
         return self.model.head(h[:, -1]).astype(mx.float32), state  # [1, vocab]
 
     def reset(self) -> None:
-        self.tokens, self.state = [], None
+        self.tokens, self.state, self.logits = [], None, None
 
     def snapshot(self) -> tuple[list[int], list | None]:
         return list(self.tokens), self.state
 
-    def restore(self, snap: tuple[list[int], list | None]) -> None:
-        self.tokens, self.state = list(snap[0]), snap[1]
+    def restore(self, snap: tuple[list[int], list | None], logits: mx.array | None = None) -> None:
+        """Continue from a snapshot (``logits``: the next-token logits after it, if known)."""
+        self.tokens, self.state, self.logits = list(snap[0]), snap[1], logits
 
     @property
     def cache_full(self) -> bool:
@@ -119,11 +123,13 @@ class Session:
         return state
 
     def feed(self, ids: Sequence[int]) -> mx.array:
-        """Prefill ``ids`` (at least one) after the tokens so far: logits ``[1, vocab]``
-        (float32) of the token after them. Raises GenerationError for an id outside the
-        vocabulary and, without the window, for ids that do not fit in the cache; the session
-        is unchanged then."""
+        """Prefill ``ids`` after the tokens so far: logits ``[1, vocab]`` (float32) of the
+        token after them (``ids`` may be empty when ``logits`` holds them). Raises
+        GenerationError for an id outside the vocabulary and, without the window, for ids that
+        do not fit in the cache; the session is unchanged then."""
         ids = [int(i) for i in ids]
+        if not ids and self.logits is not None:  # the logits after the tokens so far
+            return self.logits
         if not ids:
             raise GenerationError("generate: nothing to feed (an empty prompt)")
         model = self.model
@@ -150,7 +156,8 @@ class Session:
                 mx.eval(logits, state)
             else:
                 mx.eval(state)
-        self.tokens, self.state = self.tokens + ids, state  # one assignment: Ctrl-C safe
+        # one assignment: Ctrl-C safe
+        self.tokens, self.state, self.logits = self.tokens + ids, state, logits
         return logits
 
     def step(self, tokens: mx.array, state: list | None) -> tuple[mx.array, list]:
@@ -465,7 +472,8 @@ def _generate(model, session, ids, history, sampler, processors, detok, stops, e
                 fed = token
                 token, logprobs = next(steps)
                 # the session holds every token but the one just sampled: one assignment
-                session.tokens, session.state = session.tokens + [fed], stepper.states[n]
+                session.tokens, session.state, session.logits = (
+                    session.tokens + [fed], stepper.states[n], None)  # fmt: skip
         finally:
             if steps is not None:
                 steps.close()

@@ -1,0 +1,241 @@
+"""``python -m mlx_rwkvx.server``: serve a model, and its adapters, over OpenAI's API.
+
+``--model M`` is served under its own name (as given), each ``--adapter NAME=PATH`` as NAME
+(a bare path: its file or folder name). Settings: ``ServerConfig`` below (flags, a YAML
+``--config``). ``build(cfg)`` makes the engine and the application without serving them (the
+tests serve them in-process); ``main(argv)`` serves until Ctrl-C or SIGTERM, which stop taking
+requests, let those in flight finish for ``--shutdown-timeout`` seconds, cancel the rest and
+leave ``--cache-dir`` complete (each state is written, atomically, as it is stored).
+
+Exit codes: 0 after Ctrl-C or SIGTERM; 2 a problem with what was given (one line).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import mlx_rwkvx
+from mlx_rwkvx import cli, settings
+from mlx_rwkvx.errors import UsageError
+from mlx_rwkvx.generation import chat_format
+from mlx_rwkvx.generation.prefix_cache import PrefixCache
+from mlx_rwkvx.generation.stream import DEFAULT_PREFILL_STEP, default_max_cache
+from mlx_rwkvx.io.hub import resolve_model
+from mlx_rwkvx.io.load import load
+from mlx_rwkvx.ops import prepare
+from mlx_rwkvx.server.engine import Engine, Served, share_weights, state_key
+from mlx_rwkvx.server.tools import ToolCalls
+from mlx_rwkvx.settings import opt
+from mlx_rwkvx.tuner.adapters import apply_adapter
+
+import mlx.core as mx
+
+PROG = "mlx_rwkvx.server"
+DEFAULT_MAX_PROMPT_TOKENS = 32768
+DEFAULT_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class ServerConfig:
+    model: str = opt("a checkpoint or Hugging Face name (any format mlx_rwkvx.load reads)")
+    adapter: list = opt("NAME=PATH: serve the model with this adapter as the model NAME "
+                        "(repeatable; a bare PATH is named after its file)",
+                        "adapter_path")  # fmt: skip
+    host: str = opt("the address to listen on (others than 127.0.0.1 reach it only if it is "
+                    "not a loopback address)", default="127.0.0.1")  # fmt: skip
+    port: int = opt("the port to listen on", default=8080)
+    api_key: str = opt("answer only requests that carry 'Authorization: Bearer KEY' (default: "
+                       "$MLX_RWKVX_API_KEY, else none)")  # fmt: skip
+    quantize: str = opt("quantize the weights as they load (bare: int8)",
+                        choices=("int8", "int4"), const="int8")  # fmt: skip
+    dtype: str = opt("cast the float weights: float32, bfloat16, float16 (default: as stored)",
+                     choices=("float32", "bfloat16", "float16"))  # fmt: skip
+    chat_template: str = opt("rwkv, chatml, or a Jinja template file (default: the "
+                             "tokenizer's own, else rwkv)")  # fmt: skip
+    max_tokens: int = opt("the most tokens of an answer that does not say", default=512)
+    temp: float = opt("sampling temperature of a request that does not say (0: greedy)",
+                      "temperature", default=0.0)  # fmt: skip
+    top_p: float = opt("nucleus sampling of a request that does not say (0 or 1: off)",
+                       default=0.0)  # fmt: skip
+    top_k: int = opt("top-k sampling of a request that does not say (0: off)", default=0)
+    min_p: float = opt("min-p sampling of a request that does not say (0: off)", default=0.0)
+    max_prompt_tokens: int = opt("refuse (400) a prompt of more tokens than this",
+                                 default=DEFAULT_MAX_PROMPT_TOKENS)  # fmt: skip
+    max_n: int = opt("the most answers one request may ask for (n)", default=8)
+    max_queue: int = opt("requests that may wait while one runs; more are refused (429)",
+                         default=64)  # fmt: skip
+    cache_bytes: int = opt("bytes of saved conversation states per served model (base and "
+                           "each adapter; least recently used go first; 0: none)",
+                           default=DEFAULT_CACHE_BYTES)  # fmt: skip
+    cache_dir: str = opt("also keep the saved states in this folder, so that a restart "
+                         "resumes every conversation")  # fmt: skip
+    max_cache: int = opt("tokens the attention blocks' KV caches hold (default: the model's "
+                         "own, else 2048)", "max_kv_size")  # fmt: skip
+    embedding_pooling: str = opt("how /v1/embeddings pools the final hidden states: mean of "
+                                 "every token's, or the last token's", default="mean",
+                                 choices=("mean", "last"))  # fmt: skip
+    shutdown_timeout: float = opt("seconds requests in flight may take to finish after "
+                                  "Ctrl-C or SIGTERM", default=10.0)  # fmt: skip
+    log_level: str = opt("the server's log level", default="info",
+                         choices=("debug", "info", "warning", "error"))  # fmt: skip
+
+
+def parser():
+    return settings.make_parser(
+        ServerConfig,
+        PROG,
+        "Serve an RWKV-7, RWKV-X or RFA model, and its adapters, over OpenAI's API "
+        "(/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models). Flags beat a "
+        "--config file; the file beats the defaults.",
+    )
+
+
+def config_from(argv) -> ServerConfig:
+    args, found = settings.parse(parser(), argv, settings.plain_yaml(ServerConfig))
+    found.update(args)
+    cfg = ServerConfig(**found)
+    if not cfg.model:
+        parser().error("--model is required (on the command line or in --config)")
+    if cfg.api_key is None:
+        cfg.api_key = os.environ.get("MLX_RWKVX_API_KEY") or None
+    return cfg
+
+
+def _check(cfg: ServerConfig) -> None:
+    try:
+        settings.check_types(cfg)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    for name in ("max_tokens", "max_prompt_tokens", "max_n", "max_queue", "max_cache"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("temp", "top_p", "top_k", "min_p", "cache_bytes", "shutdown_timeout"):
+        if getattr(cfg, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must not be negative")
+    if cfg.top_p > 1 or cfg.min_p > 1:
+        raise UsageError("--top-p and --min-p must be at most 1")
+    if not 0 <= cfg.port < 65536:
+        raise UsageError(f"--port must be in 0 .. 65535, got {cfg.port}")
+
+
+def adapters(cfg: ServerConfig) -> list[tuple[str, str]]:
+    """(name, path) of each ``--adapter``, checked: the path exists, the names are unique and
+    none is the base's."""
+    out: list[tuple[str, str]] = []
+    for spec in cfg.adapter or []:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            path = spec
+            name = os.path.splitext(os.path.basename(os.path.normpath(spec)))[0]
+        if not name or not path:
+            raise UsageError(f"--adapter {spec!r}: give NAME=PATH (or a PATH)")
+        if not os.path.exists(path):
+            raise UsageError(f"--adapter {spec}: {path}: no such file or folder")
+        if name == cfg.model or name in (n for n, _ in out):
+            raise UsageError(f"--adapter {spec}: the name {name!r} is taken")
+        out.append((name, path))
+    return out
+
+
+def build(cfg: ServerConfig, *, log=print) -> Engine:
+    """Load the model and its adapters and make the engine (not started)."""
+    _check(cfg)
+    pairs = adapters(cfg)
+    path = resolve_model(cfg.model)
+    if not os.path.exists(path):
+        raise UsageError(f"--model {cfg.model}: no such file or folder")
+    model, tokenizer = load(path, quantize=cfg.quantize, dtype=cfg.dtype)
+    if tokenizer is None:
+        raise UsageError(f"--model {cfg.model}: no tokenizer found beside it")
+    fmt = chat_format(tokenizer, cfg.chat_template)
+    tools = ToolCalls.of(tokenizer) if fmt.name == "tokenizer" else None
+    max_cache = cfg.max_cache or default_max_cache(model)
+    served: dict[str, Served] = {}
+    for name, adapter in [(cfg.model, None), *pairs]:
+        m = model if adapter is None else apply_adapter(share_weights(model), adapter)
+        key = state_key(m, dtype=cfg.dtype, quantize=cfg.quantize, max_cache=max_cache)
+        folder = None
+        if cfg.cache_dir:  # one folder per key: a restart reads only its own states
+            folder = os.path.join(cfg.cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16])
+            os.makedirs(folder, exist_ok=True)
+        cache = PrefixCache(cfg.cache_bytes, folder, key)
+        loaded = cache.load()
+        if loaded:
+            log(f"{name}: {loaded} saved states loaded from {folder}")
+        served[name] = Served(name, m, tokenizer, fmt, cache, adapter, tools)
+    return Engine(served, max_queue=cfg.max_queue, max_cache=max_cache,
+                  prefill_step=DEFAULT_PREFILL_STEP, pooling=cfg.embedding_pooling)  # fmt: skip
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = config_from(argv)
+    cli.run(PROG, lambda: _main(cfg), kept="saved states are in --cache-dir, if given")
+
+
+def _main(cfg: ServerConfig) -> None:
+    from mlx_rwkvx.server.app import create_app
+
+    import uvicorn
+
+    mlx_rwkvx.configure()
+    prepare(dtypes=(mx.float32, mx.bfloat16))
+    engine = build(cfg, log=lambda line: print(line, file=sys.stderr))
+    if not _loopback(cfg.host) and not cfg.api_key:
+        print(f"{PROG}: warning: listening on {cfg.host} with no --api-key: anyone who reaches "
+              "it can use it", file=sys.stderr)  # fmt: skip
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s: %(message)s")
+    config = uvicorn.Config(create_app(engine, cfg), host=cfg.host, port=cfg.port,
+                            log_level=cfg.log_level,
+                            timeout_graceful_shutdown=cfg.shutdown_timeout)  # fmt: skip
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # the main thread's handlers below
+    http = threading.Thread(target=server.run, name="http", daemon=True)
+    stop = threading.Event()
+    deadline = threading.Timer(cfg.shutdown_timeout, engine.cancel_all)
+
+    def on_signal(signum, frame):
+        """Ctrl-C or SIGTERM: refuse new requests and let the HTTP server close once those in
+        flight finished, which the engine goes on serving for ``--shutdown-timeout`` seconds
+        (a second signal: at once); then whatever still runs or waits is cancelled."""
+        if stop.is_set():
+            engine.cancel_all()
+            return
+        stop.set()
+        engine.closing = True
+        server.should_exit = True
+        deadline.start()
+
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        while not (server.started or not http.is_alive()):
+            time.sleep(0.01)
+        if not server.started:
+            raise UsageError(f"cannot listen on {cfg.host}:{cfg.port} (in use, or not an "
+                             "address of this machine)")  # fmt: skip
+        print(f"{PROG}: serving {', '.join(engine.served)} at http://{cfg.host}:{cfg.port}/v1",
+              file=sys.stderr, flush=True)  # fmt: skip
+        engine.run(until=lambda: not http.is_alive())  # it ends after a signal
+    finally:
+        deadline.cancel()
+        engine.cancel_all()
+        for s, old in handlers.items():
+            signal.signal(s, old)
+        http.join(timeout=5)
+    print(f"{PROG}: stopped", file=sys.stderr)

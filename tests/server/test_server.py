@@ -1,0 +1,356 @@
+"""``python -m mlx_rwkvx.server`` through the official ``openai`` client, on a free localhost
+port, for RWKV-7, RWKV-X and RFA: chat and text completions (streamed and not) equal to the
+generation layer's own greedy answer, log-probabilities equal to the model's, embeddings equal
+to the pooled ``model.hidden``, the state cache (``cached_tokens``, a restart with
+``--cache-dir``, another adapter never served a stale state), adapters as models, every bad
+request a 4xx with OpenAI's error JSON, a full queue, a client that hangs up, SIGTERM, and a
+short load test (the long one is the benchmarks')."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import mlx_rwkvx
+from mlx_rwkvx.generation import chat_format, stream_generate
+from mlx_rwkvx.tuner.adapters import (
+    adapter_config,
+    apply_adapter,
+    apply_lora,
+    default_targets,
+    fingerprint,
+    save_adapter,
+    target_paths,
+)
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import CHAT, chatml_tokenizer, tiny_model
+from helpers.parity import import_parity_extra
+from helpers.serving import Server, serving
+
+import_parity_extra(("fastapi", "uvicorn"), extra="server")
+openai = pytest.importorskip("openai")
+
+FAMILIES = ["rwkv7", "rwkv-x", "rfa"]
+USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    tok = chatml_tokenizer(root / "tok")
+    for i, family in enumerate(FAMILIES):
+        mlx_rwkvx.save(tiny_model(family, seed=20 + i, vocab_size=512), root / family,
+                       tokenizer=tok)  # fmt: skip
+    base = tiny_model("rwkv7", seed=20, vocab_size=512)
+    paths = target_paths(base, default_targets(base))
+    apply_lora(base, paths, rank=2, alpha=4.0)
+    for _, m in base.named_modules():
+        if "lora_b" in m:
+            m["lora_b"] = 0.5 * mx.random.normal(m["lora_b"].shape, key=mx.random.key(3))
+    config = adapter_config(base, fine_tune_type="lora", paths=paths, rank=2, alpha=4.0,
+                            base_fingerprint=fingerprint(tiny_model("rwkv7", seed=20,
+                                                                    vocab_size=512)))  # fmt: skip
+    save_adapter(root / "lora.safetensors", base, config)
+    return root
+
+
+def client(server: Server, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key=kw.pop("api_key", "none"), max_retries=0,
+                         timeout=60, **kw)  # fmt: skip
+
+
+def greedy(path, messages, max_tokens, adapter=None):
+    """The generation layer's own greedy answer to ``messages`` (tokens and text)."""
+    model, tok = mlx_rwkvx.load(path)
+    if adapter is not None:
+        apply_adapter(model, adapter)
+    fmt = chat_format(tok)
+    rs = list(stream_generate(model, tok, fmt.apply(messages), max_tokens=max_tokens,
+                              stop=fmt.stops))  # fmt: skip
+    return [r.token for r in rs], "".join(r.text for r in rs), rs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_completions_and_embeddings_of_each_family(models, family):
+    path = str(models / family)
+    tokens, text, responses = greedy(path, USER, 12)
+    with serving("--model", path) as server:
+        c = client(server)
+        assert [m.id for m in c.models.list().data] == [path]
+        r = c.chat.completions.create(model=path, messages=USER, max_tokens=12, logprobs=True,
+                                      top_logprobs=3)  # fmt: skip
+        choice = r.choices[0]
+        assert choice.message.content == text and choice.message.role == "assistant"
+        assert choice.finish_reason == ("length" if len(tokens) == 12 else "stop")
+        assert r.usage.completion_tokens == len(tokens)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        # log-probabilities: the model's own (the generation layer's), top ones sorted
+        for entry, resp in zip(choice.logprobs.content, responses, strict=True):
+            assert math.isclose(entry.logprob, resp.logprobs[resp.token].item(), abs_tol=1e-4)
+            tops = [t.logprob for t in entry.top_logprobs]
+            assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+            assert math.isclose(tops[0], resp.logprobs.max().item(), abs_tol=1e-4)
+        prompt = r.usage.prompt_tokens
+
+        # the same conversation streamed, its usage at the end: the whole prompt was cached
+        chunks = list(c.chat.completions.create(
+            model=path, messages=USER, max_tokens=12, stream=True,
+            stream_options={"include_usage": True}))  # fmt: skip
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == prompt
+
+        # a second turn resumes from a stored state: at least the first turn's prompt
+        turn2 = USER + [{"role": "assistant", "content": text}, CHAT[3]]
+        r2 = c.chat.completions.create(model=path, messages=turn2, max_tokens=5)
+        assert r2.usage.prompt_tokens > prompt
+        assert r2.usage.prompt_tokens_details.cached_tokens >= prompt
+        assert r2.choices[0].message.content == greedy(path, turn2, 5)[1]
+
+        # text completions, with log-probabilities in their own layout
+        model, tok = mlx_rwkvx.load(path)
+        want = list(stream_generate(model, tok, "The quick brown fox", max_tokens=6))
+        t = c.completions.create(model=path, prompt="The quick brown fox", max_tokens=6,
+                                 logprobs=2)  # fmt: skip
+        assert t.choices[0].text == "".join(w.text for w in want)
+        assert len(t.choices[0].logprobs.token_logprobs) == 6
+        streamed = c.completions.create(model=path, prompt="The quick brown fox", max_tokens=6,
+                                        stream=True)  # fmt: skip
+        assert "".join(ch.choices[0].text for ch in streamed) == t.choices[0].text
+
+        # embeddings: the final hidden states' mean, unit length (base64 by default)
+        e = c.embeddings.create(model=path, input=["Hello, world!", "The fox?"])
+        for item, words in zip(e.data, ["Hello, world!", "The fox?"], strict=True):
+            h, _ = model.hidden(mx.array([tok.encode(words)]))
+            want = np.array(h[0].mean(axis=0))
+            want /= np.linalg.norm(want)
+            np.testing.assert_allclose(item.embedding, want, atol=1e-5)
+        assert e.usage.prompt_tokens == sum(len(tok.encode(w)) for w in ["Hello, world!",
+                                                                          "The fox?"])  # fmt: skip
+
+
+def test_cache_dir_restart_and_adapters(models, tmp_path):
+    path, lora = str(models / "rwkv7"), str(models / "lora.safetensors")
+    cache = tmp_path / "states"
+    args = ("--model", path, "--adapter", f"tuned={lora}", "--cache-dir", cache)
+    with serving(*args) as server:
+        c = client(server)
+        assert [m.id for m in c.models.list().data] == [path, "tuned"]
+        base = c.chat.completions.create(model=path, messages=USER, max_tokens=8)
+        tuned = c.chat.completions.create(model="tuned", messages=USER, max_tokens=8)
+        # the adapter's model is the base with the adapter; the base stays the base
+        assert tuned.choices[0].message.content == greedy(path, USER, 8, adapter=lora)[1]
+        assert base.choices[0].message.content == greedy(path, USER, 8)[1]
+        assert base.choices[0].message.content != tuned.choices[0].message.content
+        assert tuned.usage.prompt_tokens_details.cached_tokens == 0  # not the base's state
+        prompt = base.usage.prompt_tokens
+        # the README's curl: plain JSON in, OpenAI's chat.completion out
+        reply = _raw(server, "POST", "/v1/chat/completions", json={
+            "model": "tuned", "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 64}).json()  # fmt: skip
+        assert reply["object"] == "chat.completion" and reply["model"] == "tuned"
+        assert isinstance(reply["choices"][0]["message"]["content"], str)
+    files = [f for _, _, fs in os.walk(cache) for f in fs if f.endswith(".safetensors")]
+    assert len(files) >= 4  # after each prompt and each answer, for each model
+    (cache / "junk.safetensors").write_bytes(b"not a state")
+    folder = next(p for p in cache.iterdir() if p.is_dir())
+    (folder / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")  # cut short
+    with serving(*args) as server:  # a restart: every conversation resumes
+        c = client(server)
+        again = c.chat.completions.create(model=path, messages=USER, max_tokens=8)
+        assert again.usage.prompt_tokens_details.cached_tokens == prompt
+        assert again.choices[0].message.content == base.choices[0].message.content
+        tuned2 = c.chat.completions.create(model="tuned", messages=USER, max_tokens=8)
+        assert tuned2.usage.prompt_tokens_details.cached_tokens == prompt
+        assert tuned2.choices[0].message.content == tuned.choices[0].message.content
+    out = server.stop()
+    assert "skipped" in out  # the damaged file: one warning, no crash
+    # another adapter on the same folder: no state of the first is served
+    with serving("--model", path, "--adapter", f"tuned={lora}", "--cache-dir", cache,
+                 "--max-cache", "4096") as server:  # fmt: skip
+        r = client(server).chat.completions.create(model=path, messages=USER, max_tokens=2)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+class _Reply:
+    def __init__(self, status: int, text: str):
+        self.status_code, self.text = status, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def _raw(server, method, route, *, headers=None, json=None, content=None) -> _Reply:
+    """A request as it comes, bad ones too (the openai client would refuse to send some)."""
+    data = content if json is None else globals()["json"].dumps(json).encode()
+    request = urllib.request.Request(server.url.removesuffix("/v1") + route, data=data,
+                                     method=method, headers={"Content-Type": "application/json",
+                                                             **(headers or {})})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return _Reply(r.status, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return _Reply(e.code, e.read().decode())
+
+
+def test_bad_requests_are_4xx_with_openai_errors(models):
+    path = str(models / "rfa")
+    with serving("--model", path, "--api-key", "sesame", "--max-prompt-tokens", "40") as server:
+        c = client(server, api_key="sesame")
+        with pytest.raises(openai.AuthenticationError):
+            client(server, api_key="wrong").models.list()
+        assert _raw(server, "GET", "/health").status_code == 200  # no key needed
+        auth = {"Authorization": "Bearer sesame"}
+        cases = [
+            (dict(content=b"{not json"), 400, "JSON"),
+            (dict(json={"model": path, "messages": "hi"}), 400, "messages"),
+            (dict(json={"model": path, "messages": []}), 400, "messages"),
+            (dict(json={"model": path, "messages": USER, "max_tokens": "many"}), 400,
+             "max_tokens"),
+            (dict(json={"model": path, "messages": USER, "max_tokens": 0}), 400, "max_tokens"),
+            (dict(json={"model": path, "messages": USER, "temperature": 3}), 400, "temperature"),
+            (dict(json={"model": "nope", "messages": USER}), 404, "does not exist"),
+            (dict(json={"model": path, "messages": USER * 10}), 400, "--max-prompt-tokens"),
+            (dict(json={"model": path, "messages": USER, "n": 99}), 400, "n must be"),
+            (dict(json={"model": path, "messages": USER, "logit_bias": {"x": 1}}), 400,
+             "logit_bias"),
+            (dict(json={"model": path, "messages": USER, "logit_bias": {"9999": 1}}), 400,
+             "logit_bias"),
+            (dict(json={"model": path, "messages": USER, "tools": [{"type": "function",
+             "function": {"name": "f"}}]}), 400, "takes no tools"),
+            (dict(json={"model": path, "messages": [{"role": "robot", "content": "x"}]}), 400,
+             "role"),
+            (dict(json={"model": path, "messages": USER, "top_logprobs": 2}), 400,
+             "top_logprobs"),
+        ]  # fmt: skip
+        for kw, status, words in cases:
+            r = _raw(server, "POST", "/v1/chat/completions", headers=auth, **kw)
+            assert r.status_code == status, (kw, r.text)
+            body = r.json()["error"]
+            assert words in body["message"] and "Traceback" not in r.text, (kw, body)
+            assert set(body) == {"message", "type", "param", "code"}
+        r = _raw(server, "POST", "/v1/completions", headers=auth,
+                 json={"model": path, "prompt": [1, 2, 99999]})  # fmt: skip
+        assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+        r = _raw(server, "GET", "/v1/nothing", headers=auth)
+        assert r.status_code == 404 and "error" in r.json()
+        with pytest.raises(openai.BadRequestError, match="max-prompt-tokens"):
+            c.completions.create(model=path, prompt="x " * 100, max_tokens=2)
+        # still answering
+        assert c.chat.completions.create(model=path, messages=USER, max_tokens=2).choices
+
+
+def test_a_full_queue_a_hang_up_and_sigterm(models, tmp_path):
+    path = str(models / "rwkv-x")
+    server = Server(["--model", path, "--max-queue", "1", "--cache-dir", tmp_path / "s",
+                     "--shutdown-timeout", "5"])  # fmt: skip
+    try:
+        c = client(server)
+        long = dict(model=path, messages=USER, max_tokens=100000, stream=True)
+        first = c.chat.completions.create(**long)
+        next(iter(first))  # running
+        results = {}
+
+        def waiting():
+            try:
+                results["w"] = c.chat.completions.create(model=path, messages=USER, max_tokens=3)
+            except Exception as e:  # noqa: BLE001
+                results["w"] = e
+
+        t = threading.Thread(target=waiting)
+        t.start()
+        deadline = time.monotonic() + 10
+        while _raw(server, "GET", "/health").json()["waiting"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(openai.RateLimitError, match="--max-queue"):
+            c.chat.completions.create(model=path, messages=USER, max_tokens=3)
+        first.close()  # the client hangs up: its slot is freed, the waiting one runs
+        t.join(timeout=30)
+        assert not isinstance(results["w"], Exception), results["w"]
+        assert results["w"].choices[0].finish_reason in ("stop", "length")
+
+        # SIGTERM during a streamed answer: it ends within the timeout, the states are written
+        stream = c.chat.completions.create(**{**long, "max_tokens": 100000})
+        next(iter(stream))
+        tic = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(Exception):  # noqa: B017 (the connection ends, however the client says it)
+            for _ in stream:
+                pass
+        server.proc.wait(timeout=30)
+        assert time.monotonic() - tic < 20
+        assert server.proc.returncode == 0
+    finally:
+        out = server.stop()
+    assert "stopped" in out and "Traceback" not in out, out
+    assert any(f.endswith(".safetensors") for _, _, fs in os.walk(tmp_path / "s") for f in fs)
+
+
+def test_short_load_test(models):
+    """16 clients, 64 requests: streamed, not, and hanging up half way; no 5xx, the server
+    still answering, memory within its budget."""
+    path = str(models / "rwkv7")
+    with serving("--model", path, "--cache-bytes", str(8 << 20)) as server:
+        c = client(server)
+        statuses, lock = [], threading.Lock()
+
+        def one(i):
+            messages = [{"role": "user", "content": f"Hello {i % 5}, world!"}]
+            try:
+                if i % 3 == 0:
+                    s = c.chat.completions.create(model=path, messages=messages, max_tokens=20,
+                                                  stream=True)  # fmt: skip
+                    for k, _ in enumerate(s):
+                        if i % 2 and k == 3:
+                            s.close()  # hangs up
+                            break
+                    code = 200
+                else:
+                    c.chat.completions.create(model=path, messages=messages, max_tokens=10)
+                    code = 200
+            except openai.APIStatusError as e:
+                code = e.status_code
+            with lock:
+                statuses.append(code)
+
+        threads = [threading.Thread(target=lambda k=k: [one(k * 4 + j) for j in range(4)])
+                   for k in range(16)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert len(statuses) == 64 and all(s < 500 for s in statuses), statuses
+        health = _raw(server, "GET", "/health").json()
+        assert health["status"] == "ok"
+        assert c.chat.completions.create(model=path, messages=USER, max_tokens=2).choices
+
+
+def test_tool_calls_are_parsed_from_the_templates_format():
+    from mlx_rwkvx.server.tools import ToolCalls
+
+    qwen = ToolCalls("json_tools")
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>'
+    )
+    content, calls = qwen.split(text, None)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["weather", "time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    # a call cut off by max_tokens stays text; text that may begin a call is held back
+    with pytest.warns(UserWarning, match="does not parse"):
+        assert qwen.split('<tool_call>\n{"name": "wea', None) == ('<tool_call>\n{"name": "wea', [])
+    assert qwen.held("It is <tool") == len("It is ")
+    assert qwen.held("It is <tool_call>{") == len("It is ")
+    assert qwen.held("a < b") == len("a < b")
+    assert qwen.split("no calls", None) == ("no calls", [])

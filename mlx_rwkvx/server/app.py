@@ -37,6 +37,7 @@ from mlx_rwkvx.server.protocol import (
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger("mlx_rwkvx.server")
@@ -75,6 +76,7 @@ def create_app(engine: Engine, settings) -> FastAPI:
         if body.top_logprobs and not body.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
         tools = _tools(body, served)
+        params.grammar = await _grammar(body.response_format, served)
         ids = _chat_ids(served, body.messages, tools)
         _check_prompt(ids, settings)
         return await _answer(request, engine, served, body, [ids] * body.n, params,
@@ -85,6 +87,7 @@ def create_app(engine: Engine, settings) -> FastAPI:
         served = engine.model(body.model)
         params = _params(body, settings, served, body.max_tokens)
         params.logprobs = body.logprobs
+        params.grammar = await _grammar(body.response_format, served)
         for name in ("echo", "suffix"):
             if getattr(body, name):
                 raise bad(f"{name} is not supported by this server", name)
@@ -195,9 +198,6 @@ def _params(body: Sampling, settings, served: Served, max_tokens: int | None) ->
 
 
 def _tools(body: ChatRequest, served: Served) -> list | None:
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad("response_format: structured output is not available yet (only text)",
-                  "response_format")  # fmt: skip
     choice = body.tool_choice
     if not body.tools or choice == "none":
         return None
@@ -207,6 +207,16 @@ def _tools(body: ChatRequest, served: Served) -> list | None:
     if not served.format.tools or served.tool_calls is None:
         raise bad(f"tools: the chat template of {served.name} takes no tools", "tools")
     return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+async def _grammar(response_format, served: Served) -> str | None:
+    """The grammar of a ``response_format`` (made off the event loop: a schema may take a
+    while to compile, and the token table once per model a second)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    from mlx_rwkvx.server.schema import grammar_of
+
+    return await run_in_threadpool(lambda: grammar_of(response_format, served.token_table()))
 
 
 def _text(message: Message) -> str:

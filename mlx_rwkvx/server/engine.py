@@ -76,6 +76,14 @@ class Served:
     tool_calls: ToolCalls | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
+    def token_table(self):
+        """llguidance's view of the tokenizer (``schema.token_table``), made on first use."""
+        if getattr(self, "_table", None) is None:
+            from mlx_rwkvx.server.schema import token_table
+
+            self._table = token_table(self.tokenizer, self.model.config.vocab_size)
+        return self._table
+
     def token_bytes(self, token: int) -> bytes:
         tok = self.tokenizer
         if hasattr(tok, "decode_bytes"):
@@ -99,6 +107,7 @@ class Params:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: none; k: the chosen token's and the top k
+    grammar: str | None = None  # llguidance's grammar the answer keeps to (response_format)
 
 
 class Job:
@@ -206,13 +215,20 @@ class Engine:
 # ----- the work --------------------------------------------------------------------------------
 
 
-def processors(params: Params) -> list:
-    return make_logits_processors(
+def processors(params: Params, served: Served) -> list:
+    """mlx-lm's logits processors of the request, and its grammar's mask last."""
+    out = make_logits_processors(
         logit_bias=params.logit_bias or None,
         repetition_penalty=params.repetition_penalty,
         presence_penalty=params.presence_penalty or None,
         frequency_penalty=params.frequency_penalty or None,
     )
+    if params.grammar is not None:
+        from mlx_rwkvx.server.schema import GrammarProcessor
+
+        vocab = served.model.config.vocab_size
+        out.append(GrammarProcessor(served.token_table(), params.grammar, vocab))
+    return out
 
 
 def _top(logprobs: mx.array, k: int) -> list[tuple[int, float]]:
@@ -245,7 +261,7 @@ def generate(engine: Engine, served: Served, job: Job, ids: list[int], params: P
         sampler=make_sampler(
             temp=params.temp, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
         ),  # fmt: skip
-        logits_processors=processors(params),
+        logits_processors=processors(params, served),
         stop=params.stop,
         session=session,
     )

@@ -14,6 +14,7 @@ import json
 import logging
 import struct
 from collections.abc import AsyncIterator
+from importlib import resources
 
 from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.generation.stream import _encode
@@ -36,11 +37,12 @@ from mlx_rwkvx.server.protocol import (
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger("mlx_rwkvx.server")
+_PAGE = resources.files("mlx_rwkvx.server").joinpath("static", "chat.html")
 
 
 def create_app(engine: Engine, settings) -> FastAPI:
@@ -55,6 +57,11 @@ def create_app(engine: Engine, settings) -> FastAPI:
                            code="invalid_api_key")  # fmt: skip
 
     guard = [Depends(authorised)]
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        """The chat page (``static/chat.html``); it asks for the API key itself."""
+        return HTMLResponse(_PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
     async def health():

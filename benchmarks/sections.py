@@ -10,6 +10,7 @@ from benchmarks import (
     moba,
     models,
     parallel,
+    serve,
     train,
     train_int8,
     wkv7,
@@ -25,6 +26,7 @@ SECTIONS: dict[str, Section] = {
     "train": train.SECTION,
     "generate": generate.SECTION,
     "evaluate": evaluate.SECTION,
+    "serve": serve.SECTION,
     "parallel": parallel.SECTION,
     "train-int8": train_int8.SECTION,
 }

@@ -28,10 +28,17 @@ class _ByteVocabulary:
 
     def __init__(self, tokenizer, vocab_size: int):
         self._tokenizer = tokenizer
-        self.tokens = [tokenizer.decode_bytes([i]) if i else b"" for i in range(vocab_size)]
+        known = min(getattr(tokenizer, "vocab_size", vocab_size), vocab_size)
+        self.tokens = [self._bytes(i) for i in range(known)]  # the head's padded rows: none
         self.eos_token_id = min(getattr(tokenizer, "eos_token_ids", None) or {0})
         self.bos_token_id = None
         self.special_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or {0})
+
+    def _bytes(self, i: int) -> bytes:
+        try:
+            return self._tokenizer.decode_bytes([i]) if i else b""
+        except ValueError:  # a hole in the vocabulary
+            return b""
 
     def __call__(self, text) -> list[int]:
         if isinstance(text, bytes):

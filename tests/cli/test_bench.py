@@ -103,6 +103,18 @@ EXPECTED = {
         r"^- evaluate tokens/s, of the bare forward with the fused loss: [\d.]+ \(goal >= 0.9\)",
         r"^- evaluation peak memory, 10x the data / 1x: [\d.]+ \(goal <= 1.1\)",
     ],
+    "serve": [
+        r"^Verified first: each served first answer's log-probabilities against the generation ",
+        r"^\| model \| where \| prompt \| cached \| first token \| prefill here \| ratio \|",
+        r"^\| RWKV-X \| after a restart \| \d+ \| \d+ \| \d+ ms \| \d+ ms \| [\d.]+ \|",
+        r"^\| 2 \| \d+ \| [\d.]+ s \| [\d.]+ \| [\d.]+ \|$",
+        r"^Decode holding the answer to a JSON schema ",
+        r"^Load test: \d+ requests from \d+ clients in \d+ s .*: 0 answered 5xx",
+        r"^- second turn's first token / its new tokens on the restored state, RFA, after a "
+        r"restart: [\d.]+ \(goal <= 1.1\)",
+        r"^- decode tokens/s with a JSON schema / without: [\d.]+ \(goal >= 0.7\)",
+        r"^- load test 5xx answers: 0.00 \(goal <= 0\): met$",
+    ],
     "loss": [
         r"^Verified first: fused vs dense loss [\d.e+-]+, dh [\d.e+-]+, dW [\d.e+-]+\.$",
         r"^\| fused \| [\d.]+ s \| \d+ MiB \|$",
@@ -119,6 +131,7 @@ GOAL_COUNTS = {
     "train-int8": 2,
     "generate": 4,
     "evaluate": 2,
+    "serve": 12,
     "parallel": 1,
 }
 

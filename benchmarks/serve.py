@@ -1,0 +1,424 @@
+"""The serve section: ``python -m mlx_rwkvx.server`` as a client sees it, over HTTP on
+localhost. The second turn of a long conversation (time to its first streamed token) against
+prefilling its new tokens on the restored state in this process (the server's overhead), in
+one process and after a restart with ``--cache-dir``, for RWKV-7, RWKV-X and RFA; aggregate
+tokens/s of 1, 2, 4 and 8 concurrent streams; decode with a JSON schema against without; and
+the long load test (16 clients, streamed, not, and hanging up): no 5xx, memory."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from benchmarks.common import (
+    Goal,
+    Rendered,
+    Section,
+    VerificationFailed,
+    rel_err,
+    sizes,
+    with_goals,
+)
+from mlx_rwkvx.generation import Session, chat_format, stream_generate
+from mlx_rwkvx.io.load import load
+from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config, rwkv_x_block_types
+
+import mlx.core as mx
+import numpy as np
+
+SERVE = {
+    "full": dict(width=768, layers=12, history=1500, new=48, answer=8, variants=3,
+                 stream_tokens=48, streams=(1, 2, 4, 8), schema_tokens=96,
+                 load=dict(requests=320, clients=16, cache_bytes=256 << 20)),
+    "quick": dict(width=64, layers=2, history=40, new=8, answer=4, variants=1,
+                  stream_tokens=4, streams=(1, 2), schema_tokens=8,
+                  load=dict(requests=12, clients=4, cache_bytes=16 << 20)),
+}  # fmt: skip
+VOCAB = 65536  # RWKV World's: the tokenizer the models load with, and the schema's vocabulary
+SCHEMA = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "maxItems": 1000}
+
+
+def _configs(width: int, layers: int) -> dict[str, ModelConfig]:
+    heads = dict(head_size=64) if width % 64 == 0 else dict(head_size=width // 2)
+    if width == 768 and layers == 12:
+        rwkv7 = preset("rwkv7-0.1b")
+    else:
+        rwkv7 = ModelConfig(vocab_size=VOCAB, hidden_size=width, block_types=["rwkv7"] * layers,
+                            **heads)  # fmt: skip
+    n_attn = max(1, layers // 4)
+    rwkv_x = ModelConfig(vocab_size=VOCAB, hidden_size=width, moba_chunk_size=64, moba_top_k=3,
+                         block_types=rwkv_x_block_types(layers - n_attn, n_attn),
+                         **heads)  # fmt: skip
+    kinds = ["qwen2" if (i + 1) % 4 == 0 else "rwkv7" for i in range(layers)] if layers >= 4 \
+        else ["rwkv7", "qwen2"]  # fmt: skip
+    rfa = rfa_config(vocab_size=VOCAB, hidden_size=width, block_types=kinds,
+                     n_q_heads=max(2, width // 64), n_kv_heads=max(1, width // 256),
+                     intermediate_size=width * 3, **heads)  # fmt: skip
+    return {"rwkv7": rwkv7, "rwkv-x": rwkv_x, "rfa": rfa}
+
+
+# ----- a server and a client --------------------------------------------------------------------
+
+
+class _Server:
+    def __init__(self, *args: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_rwkvx.server", *args, "--port", str(self.port),
+             "--log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                self.get("/health")
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise VerificationFailed("the server did not start") from None
+                time.sleep(0.05)
+
+    def _conn(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+
+    def get(self, route: str) -> dict:
+        conn = self._conn()
+        try:
+            conn.request("GET", route)
+            return json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
+
+    def post(self, route: str, body: dict) -> tuple[int, dict]:
+        conn = self._conn()
+        try:
+            conn.request("POST", route, json.dumps(body), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+        finally:
+            conn.close()
+
+    def stream(self, route: str, body: dict, hang_up_after: int | None = None) -> dict:
+        """A streamed request: status, seconds to the first token, tokens, usage."""
+        conn = self._conn()
+        tic = time.perf_counter()
+        first, chunks, usage, status = None, 0, None, None
+        try:
+            conn.request("POST", route, json.dumps({**body, "stream": True,
+                         "stream_options": {"include_usage": True}}),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            r = conn.getresponse()
+            status = r.status
+            if status != 200:
+                r.read()
+                return {"status": status}
+            for line in r:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    usage = event["usage"]
+                if event.get("choices"):
+                    if first is None:
+                        first = time.perf_counter() - tic
+                    chunks += 1
+                    if hang_up_after is not None and chunks >= hang_up_after:
+                        break
+        finally:
+            conn.close()
+        return {"status": status, "first": first, "chunks": chunks, "usage": usage,
+                "time": time.perf_counter() - tic}  # fmt: skip
+
+    def peak_rss(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ----- the measurements --------------------------------------------------------------------------
+
+
+def _words(rng, n: int) -> str:
+    pool = (
+        "time year people way day man thing woman life child world school state family "
+        "student group country problem hand part place case week company system program "
+        "question work government number night point home water room mother area money "
+        "story fact month lot right study book eye job word business issue side kind"
+    ).split()
+    return " ".join(rng.choice(pool, n))  # about a token a word in RWKV World's vocabulary
+
+
+def _second_turns(path: str, cache_dir: str, c: dict, rng, args=(), then=None) -> dict:
+    """Turn 1 of ``history`` words, then ``variants`` second turns of ``new`` words each, in
+    one server, then as many again after a restart: each second turn's time to its first
+    token, its cached tokens, and the same tokens prefilled here on the restored state.
+    ``then(server)``: more measurements on the restarted server (its results kept)."""
+    model, tok = load(path)
+    fmt = chat_format(tok)
+    first = [{"role": "user", "content": _words(rng, c["history"])}]
+    body = dict(model=path, max_tokens=c["answer"], temperature=0)
+    out = {"server": [], "restart": []}
+    server = _Server("--model", path, "--cache-dir", cache_dir, *args)
+    try:
+        status, r = server.post("/v1/chat/completions", {**body, "messages": first,
+                                                         "logprobs": True})  # fmt: skip
+        if status != 200:
+            raise VerificationFailed(f"turn 1: {status} {r}")
+        # verified first: the served answer's log-probabilities are the generation layer's
+        theirs = [e["logprob"] for e in r["choices"][0]["logprobs"]["content"]]
+        ours = [x.logprobs[x.token].item() for x in stream_generate(
+            model, tok, fmt.apply(first), max_tokens=c["answer"], stop=fmt.stops)]  # fmt: skip
+        err = rel_err(np.array(theirs), np.array(ours)) if len(ours) == len(theirs) else 1.0
+        out["verify"] = err
+        if not err <= 1e-4:
+            raise VerificationFailed(f"the served answer's log-probabilities vs the generation "
+                                     f"layer's: {err:.1e}")  # fmt: skip
+        history = first + [{"role": "assistant", "content": r["choices"][0]["message"]["content"]}]
+        for phase in ("server", "restart"):
+            if phase == "restart":
+                server.stop()
+                server = _Server("--model", path, "--cache-dir", cache_dir, *args)
+                server.post("/v1/completions", dict(model=path, prompt="warm up", max_tokens=1))
+            for _ in range(c["variants"]):
+                messages = history + [{"role": "user", "content": _words(rng, c["new"])}]
+                s = server.stream("/v1/chat/completions", {**body, "messages": messages})
+                cached = s["usage"]["prompt_tokens_details"]["cached_tokens"]
+                out[phase].append({"first": s["first"], "cached": cached,
+                                   "prompt": s["usage"]["prompt_tokens"],
+                                   "here": _prefill_here(model, tok, fmt, messages, cached),
+                                   "alone": _prefill_here(model, tok, fmt, messages, cached,
+                                                          alone=True)})  # fmt: skip
+        if then is not None:
+            out["then"] = then(server)
+    finally:
+        server.stop()
+    return out
+
+
+def _prefill_here(model, tok, fmt, messages, cached: int, alone: bool = False) -> float:
+    """Seconds to the first token of ``messages``' prompt past its first ``cached`` tokens,
+    on the state after them (``alone``: on a fresh state), through the generation layer."""
+    ids = tok.encode(fmt.apply(messages))
+    session = Session(model)
+    if cached and not alone:
+        session.feed(ids[:cached])
+    tic = time.perf_counter()
+    next(stream_generate(model, tok, ids[cached:], max_tokens=1, session=session,
+                         stop=fmt.stops))  # fmt: skip
+    return time.perf_counter() - tic
+
+
+def _streams(server: _Server, path: str, c: dict) -> dict:
+    """Aggregate tokens/s of n concurrent streams of ``stream_tokens`` each."""
+    out = {}
+    for n in c["streams"]:
+        results: list = [None] * n
+
+        def one(i, n=n, results=results):
+            results[i] = server.stream("/v1/completions", dict(
+                model=path, prompt=f"Stream {i} of {n}:", max_tokens=c["stream_tokens"],
+                temperature=0))  # fmt: skip
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        tic = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - tic
+        tokens = sum(r["usage"]["completion_tokens"] for r in results)
+        out[str(n)] = {"tokens": tokens, "wall": wall}
+    return out
+
+
+def _schema_overhead(path: str, c: dict) -> dict:
+    """Decode tokens/s holding the answer to a JSON schema against without, in process."""
+    from mlx_rwkvx.server.protocol import ResponseFormat
+    from mlx_rwkvx.server.schema import GrammarProcessor, grammar_of, token_table
+
+    model, tok = load(path)
+    table = token_table(tok, model.config.vocab_size)
+    fmt = ResponseFormat(type="json_schema", json_schema={"name": "s", "schema": SCHEMA})
+    grammar = grammar_of(fmt, table)
+    n = c["schema_tokens"]
+    rates = {}
+    for name in ("free", "schema", "free", "schema"):  # each twice: the second counts
+        procs = [GrammarProcessor(table, grammar, model.config.vocab_size)] if (
+            name == "schema") else []  # fmt: skip
+        last, text = None, []
+        for last in stream_generate(model, tok, "A list:", max_tokens=n, temp=1.0, seed=0,
+                                    logits_processors=procs):  # fmt: skip
+            text.append(last.text)
+        if name == "schema" and last.finish_reason == "stop":
+            json.loads("".join(text))  # it closed: it parses
+        rates[name] = {"tokens": last.generation_tokens, "tps": last.generation_tps}
+    return rates
+
+
+def _load_test(server: _Server, path: str, c: dict) -> dict:
+    """``requests`` requests from ``clients`` threads: a third streamed, a sixth of all
+    hanging up after three tokens, the rest not streamed; statuses, the server's peak RSS."""
+    spec = c["load"]
+    statuses, lock = [], threading.Lock()
+    base_rss = server.peak_rss()
+    per = spec["requests"] // spec["clients"]
+
+    def client(k):
+        rng = np.random.default_rng(k)
+        for j in range(per):
+            i = k * per + j
+            messages = [{"role": "user", "content": _words(rng, 8 + i % 40)}]
+            body = dict(model=path, messages=messages, max_tokens=16, temperature=0.7)
+            if i % 3 == 0:
+                s = server.stream("/v1/chat/completions", body,
+                                  hang_up_after=3 if i % 2 else None)["status"]  # fmt: skip
+            else:
+                s = server.post("/v1/chat/completions", body)[0]
+            with lock:
+                statuses.append(s)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(spec["clients"])]
+    tic = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    alive = server.get("/health").get("status") == "ok"
+    peak = server.peak_rss()
+    return {"requests": len(statuses), "clients": spec["clients"], "wall": wall,
+            "5xx": sum(s >= 500 for s in statuses), "4xx": sum(400 <= s < 500 for s in statuses),
+            "alive": alive, "rss_before": base_rss, "rss_peak": peak,
+            "cache_bytes": spec["cache_bytes"]}  # fmt: skip
+
+
+def measure(quick: bool = False) -> dict:
+    c = sizes(SERVE, quick)
+    rng = np.random.default_rng(0)
+    out: dict = {"sizes": {k: c[k] for k in ("width", "layers", "history", "new", "answer")},
+                 "turns": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        from mlx_rwkvx.io.load import save
+
+        paths = {}
+        for name, cfg in _configs(c["width"], c["layers"]).items():
+            model = Model(cfg, seed=1)
+            mx.eval(model.parameters())
+            paths[name] = os.path.join(tmp, name)
+            save(model, paths[name])
+            del model
+        load = c["load"]
+        for name, path in paths.items():
+            extra, then = (), None
+            if name == "rwkv7":  # its restarted server goes on with the streams and the load
+                extra = ("--cache-bytes", str(load["cache_bytes"]),
+                         "--max-queue", str(load["clients"] * 2))  # fmt: skip
+
+                def then(server, path=path):
+                    return {"streams": _streams(server, path, c),
+                            "load": _load_test(server, path, c)}  # fmt: skip
+
+            turns = _second_turns(path, os.path.join(tmp, name + ".states"), c, rng, extra, then)
+            out.update(turns.pop("then", {}))
+            out["turns"][name] = turns
+        out["schema"] = _schema_overhead(paths["rwkv7"], c)
+    return out
+
+
+def render(r: dict) -> Rendered:
+    s = r["sizes"]
+    names = {"rwkv7": "RWKV-7", "rwkv-x": "RWKV-X", "rfa": "RFA"}
+    worst = max(p["verify"] for p in r["turns"].values())
+    lines = [
+        f"Verified first: each served first answer's log-probabilities against the generation "
+        f"layer's own, {worst:.1e}.",
+        "",
+        f"Models of width {s['width']} and {s['layers']} blocks (RWKV-7: the 0.1B shape at "
+        f"full size; RWKV-X: a quarter MoBA blocks; RFA: every fourth block Qwen2), RWKV "
+        f"World's vocabulary, random weights, float32, served over HTTP on localhost. A "
+        f"conversation's first turn of {s['history']} words (about a token each), an answer "
+        f"of {s['answer']} tokens, then second turns of {s['new']} words: the time to the first "
+        "streamed token, against prefilling the tokens the server did not hold (its "
+        "`cached_tokens`) on the state after those it held, in this process through the "
+        "generation layer (the server's overhead), and against prefilling them on a fresh "
+        "state (what they cost alone). Best of the second turns.",
+        "",
+        "| model | where | prompt | cached | first token | prefill here | ratio | new tokens "
+        "alone | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    goals = []
+    for key, phases in r["turns"].items():
+        for phase, label in (("server", "one process"), ("restart", "after a restart")):
+            runs = phases[phase]
+            best = min(x["first"] for x in runs)
+            here = min(x["here"] for x in runs)
+            alone = min(x["alone"] for x in runs)
+            x = runs[0]
+            lines.append(f"| {names[key]} | {label} | {x['prompt']} | {x['cached']} | "
+                         f"{best * 1e3:.0f} ms | {here * 1e3:.0f} ms | {best / here:.2f} | "
+                         f"{alone * 1e3:.0f} ms | {best / alone:.2f} |")  # fmt: skip
+            name = "second turn's first token / its new tokens on the restored state, "
+            goals.append(Goal(f"{name}{names[key]}, {label}", best / here, 1.1, False))
+            if key == "rwkv7":
+                goals.append(Goal(f"second turn's first token / its new tokens alone, RWKV-7, "
+                                  f"{label}", best / alone, 1.1, False))  # fmt: skip
+    one = r["streams"]["1"]["tokens"] / r["streams"]["1"]["wall"]
+    lines += ["", "Concurrent streams (text completions of the same length, RWKV-7):", "",
+              "| streams | tokens | wall | aggregate tokens/s | vs one stream |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for n, x in r["streams"].items():
+        rate = x["tokens"] / x["wall"]
+        lines.append(f"| {n} | {x['tokens']} | {x['wall']:.1f} s | {rate:.1f} | "
+                     f"{rate / one:.2f} |")  # fmt: skip
+    top = max(r["streams"], key=int)
+    goals.append(Goal(f"{top} concurrent streams' tokens/s / one stream's",
+                      r["streams"][top]["tokens"] / r["streams"][top]["wall"] / one,
+                      4.0, True))  # fmt: skip
+    sch = r["schema"]
+    lines += ["", f"Decode holding the answer to a JSON schema (an array of enums, through "
+              f"llguidance, RWKV World's 65,536 tokens): {sch['schema']['tps']:.1f} tokens/s "
+              f"over {sch['schema']['tokens']} tokens, against {sch['free']['tps']:.1f} without "
+              f"({sch['free']['tokens']} tokens)."]  # fmt: skip
+    goals.append(Goal("decode tokens/s with a JSON schema / without",
+                      sch["schema"]["tps"] / sch["free"]["tps"], 0.7, True))  # fmt: skip
+    ld = r["load"]
+    growth = (ld["rss_peak"] - ld["rss_before"]) / 2**20
+    lines += ["", f"Load test: {ld['requests']} requests from {ld['clients']} clients in "
+              f"{ld['wall']:.0f} s (a third streamed, a sixth hanging up after three tokens): "
+              f"{ld['5xx']} answered 5xx, {ld['4xx']} 4xx (a full queue), the server "
+              f"{'still answering' if ld['alive'] else 'NOT answering'} after; its peak RSS "
+              f"grew {growth:.0f} MiB under a state cache of "
+              f"{ld['cache_bytes'] / 2**20:.0f} MiB."]  # fmt: skip
+    goals.append(Goal("load test 5xx answers", ld["5xx"] + (0 if ld["alive"] else 1), 0, False))
+    goals.append(Goal("load test peak RSS growth / --cache-bytes",
+                      growth * 2**20 / ld["cache_bytes"], 1.5, False))  # fmt: skip
+    return with_goals(lines, goals)
+
+
+SECTION = Section(
+    measure,
+    render,
+    "the server: a second turn's first token with its state cache, after a restart, "
+    "concurrent streams, JSON schema overhead, a load test",
+)

@@ -24,6 +24,7 @@ from mlx_rwkvx.tuner.adapters import (
     apply_adapter,
     apply_lora,
     default_targets,
+    enable_state_tuning,
     fingerprint,
     save_adapter,
     target_paths,
@@ -60,6 +61,14 @@ def models(tmp_path_factory):
                             base_fingerprint=fingerprint(tiny_model("rwkv7", seed=20,
                                                                     vocab_size=512)))  # fmt: skip
     save_adapter(root / "lora.safetensors", base, config)
+    state = tiny_model("rwkv7", seed=20, vocab_size=512)  # a state-tuned initial state
+    paths = enable_state_tuning(state)
+    for _, m in state.named_modules():
+        if "state0" in m:
+            m["state0"] = mx.random.normal(m["state0"].shape, key=mx.random.key(4))
+    config = adapter_config(state, fine_tune_type="state", paths=paths,
+                            base_fingerprint=config["base_fingerprint"])  # fmt: skip
+    save_adapter(root / "state.safetensors", state, config)
     return root
 
 
@@ -140,10 +149,14 @@ def test_chat_completions_and_embeddings_of_each_family(models, family):
 def test_cache_dir_restart_and_adapters(models, tmp_path):
     path, lora = str(models / "rwkv7"), str(models / "lora.safetensors")
     cache = tmp_path / "states"
-    args = ("--model", path, "--adapter", f"tuned={lora}", "--cache-dir", cache)
+    state = str(models / "state.safetensors")
+    args = ("--model", path, "--adapter", f"tuned={lora}", "--adapter", state, "--cache-dir",
+            cache)  # fmt: skip
     with serving(*args) as server:
         c = client(server)
-        assert [m.id for m in c.models.list().data] == [path, "tuned"]
+        assert [m.id for m in c.models.list().data] == [path, "tuned", "state"]
+        stated = c.chat.completions.create(model="state", messages=USER, max_tokens=8)
+        assert stated.choices[0].message.content == greedy(path, USER, 8, adapter=state)[1]
         base = c.chat.completions.create(model=path, messages=USER, max_tokens=8)
         tuned = c.chat.completions.create(model="tuned", messages=USER, max_tokens=8)
         # the adapter's model is the base with the adapter; the base stays the base

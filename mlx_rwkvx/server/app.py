@@ -403,10 +403,11 @@ async def _answer(request: Request, engine: Engine, served: Served, body, batch,
     choices = [_Choice(served, kind, tools) for _ in batch]
     head = {"id": new_id("chatcmpl" if kind == "chat" else "cmpl"), "created": now(),
             "model": served.name}  # fmt: skip
-    prompt_tokens = sum(len(ids) for ids in batch)
+    n = body.n  # the batch: each prompt n times
+    prompt_tokens = sum(len(ids) for ids in batch[::n])
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _stream(job, choices, head, kind, prompt_tokens, include)
+        stream = _stream(job, choices, head, kind, prompt_tokens, include, n)
         first = await _first_event(job, stream)  # an error before the first token: a 4xx
         return StreamingResponse(first, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
@@ -426,11 +427,14 @@ async def _answer(request: Request, engine: Engine, served: Served, body, batch,
             entry["text"] = content
         out.append(entry)
     return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "choices": out, "usage": _usage(choices, prompt_tokens)}  # fmt: skip
+            "choices": out, "usage": _usage(choices, prompt_tokens, n)}  # fmt: skip
 
 
-def _usage(choices: list[_Choice], prompt_tokens: int) -> dict:
-    return usage(prompt_tokens, sum(c.tokens for c in choices), sum(c.cached for c in choices))
+def _usage(choices: list[_Choice], prompt_tokens: int, n: int) -> dict:
+    """OpenAI's usage: each prompt counted once (its first answer's cached tokens), every
+    answer's tokens."""
+    cached = sum(c.cached for c in choices[::n])
+    return usage(prompt_tokens, sum(c.tokens for c in choices), cached)
 
 
 def _apply(choices: list[_Choice], event: tuple) -> _Choice:
@@ -469,7 +473,7 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(job: Job, choices, head, kind, prompt_tokens, include_usage):
+async def _stream(job: Job, choices, head, kind, prompt_tokens, include_usage, n):
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     started = False
     while True:
@@ -516,5 +520,5 @@ async def _stream(job: Job, choices, head, kind, prompt_tokens, include_usage):
         yield _sse({**head, "object": obj, "choices": [choice]})
     if include_usage:
         yield _sse({**head, "object": obj, "choices": [],
-                    "usage": _usage(choices, prompt_tokens)})  # fmt: skip
+                    "usage": _usage(choices, prompt_tokens, n)})  # fmt: skip
     yield "data: [DONE]\n\n"

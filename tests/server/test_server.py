@@ -117,6 +117,11 @@ def test_chat_completions_and_embeddings_of_each_family(models, family):
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens == prompt
 
+        # n answers: each its own choice, the prompt counted once
+        two = c.chat.completions.create(model=path, messages=USER, max_tokens=4, n=2,
+                                        temperature=1.0, seed=3)  # fmt: skip
+        assert [x.index for x in two.choices] == [0, 1] and two.usage.prompt_tokens == prompt
+
         # a second turn resumes from a stored state: at least the first turn's prompt
         turn2 = USER + [{"role": "assistant", "content": text}, CHAT[3]]
         r2 = c.chat.completions.create(model=path, messages=turn2, max_tokens=5)

@@ -194,6 +194,9 @@ class Engine:
                                        type="server_error"))  # fmt: skip
         finally:
             self._current = None
+            # a request's freed buffers go back, not into MLX's pool: the process holds the
+            # model, the states under --cache-bytes and what the running request needs
+            mx.clear_cache()
             job.emit("end", None)
 
     def cancel_all(self) -> None:

@@ -372,3 +372,63 @@ def test_tool_calls_are_parsed_from_the_templates_format():
     assert qwen.held("It is <tool_call>{") == len("It is ")
     assert qwen.held("a < b") == len("a < b")
     assert qwen.split("no calls", None) == ("no calls", [])
+
+
+QWEN_TOOLS = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}"
+    '{% endfor %}</tools>\nFor each call, return <tool_call>{"name": ..., "arguments": ...}'
+    "</tool_call> (as tool_call.name and tool_call.arguments)<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_go_into_the_template_and_calls_come_out(tmp_path):
+    """A Qwen2-style template: the tools are written into the prompt; an answer's calls,
+    streamed or not, become ``tool_calls`` (canned answers through the answer assembly)."""
+    from mlx_rwkvx.generation import chat_format
+    from mlx_rwkvx.server.app import _Choice
+    from mlx_rwkvx.server.engine import Served
+    from mlx_rwkvx.server.tools import ToolCalls
+
+    tok = chatml_tokenizer(tmp_path / "tok", template=QWEN_TOOLS)
+    path = str(tmp_path / "m")
+    mlx_rwkvx.save(tiny_model("rfa", seed=44, vocab_size=512), path, tokenizer=tok)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    with serving("--model", path) as server:
+        c = client(server)
+        plain = c.chat.completions.create(model=path, messages=USER, max_tokens=2)
+        with_tools = c.chat.completions.create(model=path, messages=USER, max_tokens=2,
+                                               tools=tools)  # fmt: skip
+        assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 10
+        none = c.chat.completions.create(model=path, messages=USER, max_tokens=2, tools=tools,
+                                         tool_choice="none")  # fmt: skip
+        assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            c.chat.completions.create(model=path, messages=USER, tools=tools,
+                                      tool_choice="required")  # fmt: skip
+        # an assistant turn with calls and a tool's answer render (arguments as JSON text)
+        history = USER + [
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1",
+             "type": "function", "function": {"name": "weather",
+             "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]  # fmt: skip
+        assert c.chat.completions.create(model=path, messages=history, max_tokens=2,
+                                         tools=tools).choices  # fmt: skip
+    model, tok = mlx_rwkvx.load(path)
+    fmt = chat_format(tok)
+    calls = ToolCalls.of(tok)
+    assert calls is not None and calls.kind == "json_tools" and fmt.tools
+    served = Served("m", model, tok, fmt, None, tool_calls=calls)
+    pieces = ["Let me ", "check.\n<to", "ol_call>\n{\"name\": \"weather\", ",
+              "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"]  # fmt: skip
+    choice, shown = _Choice(served, "chat", tools), []
+    for i, piece in enumerate(pieces):
+        choice.add(1, piece, None, None)
+        shown.append(choice.visible(final=i == len(pieces) - 1))
+    assert "".join(shown) == "Let me check.\n"  # the call never shows as text
+    content, found, finish = choice.final()
+    assert finish == "tool_calls" and content == "Let me check."
+    assert found[0]["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}

@@ -2,7 +2,7 @@
 localhost port, and HTTP requests to it, streamed or not, with nothing but the standard
 library), ``words`` (text of about a token a word in RWKV World's vocabulary), and the two
 measurements that only need a running server: ``streams`` (concurrent streams' aggregate
-tokens/s) and ``load_test`` (many clients, streamed, not, hanging up)."""
+tokens/s) and ``load_test`` (many clients, streamed, not, hanging up), both ``concurrently``."""
 
 from __future__ import annotations
 
@@ -120,6 +120,17 @@ def words(rng, n: int) -> str:
     return " ".join(rng.choice(pool, n))  # about a token a word in RWKV World's vocabulary
 
 
+def concurrently(work, n: int) -> float:
+    """``work(0)`` .. ``work(n - 1)`` on threads of their own, together: the seconds they took."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    tic = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - tic
+
+
 def streams(server: Server, path: str, c: dict) -> dict:
     """Aggregate tokens/s of n concurrent streams of ``stream_tokens`` each."""
     out = {}
@@ -131,13 +142,7 @@ def streams(server: Server, path: str, c: dict) -> dict:
                 model=path, prompt=f"Stream {i} of {n}:", max_tokens=c["stream_tokens"],
                 temperature=0))  # fmt: skip
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        tic = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - tic
+        wall = concurrently(one, n)
         tokens = sum(r["usage"]["completion_tokens"] for r in results)
         out[str(n)] = {"tokens": tokens, "wall": wall}
     return out
@@ -170,13 +175,7 @@ def load_test(server: Server, path: str, c: dict) -> dict:
             with lock:
                 statuses.append(s)
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(spec["clients"])]
-    tic = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - tic
+    wall = concurrently(client, spec["clients"])
     alive = server.get("/health").get("status") == "ok"
     after = server.rss()
     return {"requests": len(statuses), "clients": spec["clients"], "wall": wall,

@@ -85,10 +85,14 @@ class Served:
         return self._table
 
     def token_bytes(self, token: int) -> bytes:
+        """A token's bytes (none for a padded row of the head: no text)."""
         tok = self.tokenizer
-        if hasattr(tok, "decode_bytes"):
-            return tok.decode_bytes([token])
-        return tok.decode([token]).encode("utf-8")
+        try:
+            if hasattr(tok, "decode_bytes"):
+                return tok.decode_bytes([token])
+            return tok.decode([token]).encode("utf-8")
+        except ValueError:
+            return b""
 
 
 @dataclass
@@ -111,7 +115,7 @@ class Params:
 
 
 class Job:
-    """Work for the engine's thread: ``run(job)`` calls ``job.emit(event)`` as it goes and
+    """Work for the engine's loop: ``run(job)`` calls ``job.emit(event)`` as it goes and
     checks ``job.cancelled``; the events arrive in ``job.events`` on the event loop, the last
     one ``("end", None)``."""
 

@@ -305,6 +305,7 @@ class _Choice:
         self.served, self.kind, self.tools = served, kind, tools
         self.text, self.shown, self.tokens = "", 0, 0
         self.cached, self.finish = 0, None
+        self._final: tuple | None = None  # final(): computed once
         self.logprobs: list[tuple] = []  # (token, text piece's bytes, logprob, top)
         self.sent_logprobs = 0
         self.strip = kind == "chat" and served.format.name == "rwkv"  # "Assistant: " + answer
@@ -322,21 +323,19 @@ class _Choice:
         end = len(self.text)
         if self.tools and not final:
             end = self.served.tool_calls.held(self.text)
-        elif self.tools and self._calls():
+        elif self.tools and self.final()[1]:
             end = self.shown
         piece = self.text[self.shown : end] if end > self.shown else ""
         self.shown = max(self.shown, end)
         return piece
 
-    def _calls(self) -> list[dict]:
-        return self.served.tool_calls.split(self.text, self.tools)[1] if self.tools else []
-
     def final(self) -> tuple[str, list[dict], str]:
-        """(text, tool calls, finish reason)."""
-        content, calls = (self.served.tool_calls.split(self.text, self.tools) if self.tools
-                          else (self.text, []))  # fmt: skip
-        finish = "tool_calls" if calls else self.finish
-        return content, calls, finish
+        """(text, tool calls, finish reason), once the answer is complete (split once)."""
+        if self._final is None:
+            content, calls = (self.served.tool_calls.split(self.text, self.tools)
+                              if self.tools else (self.text, []))  # fmt: skip
+            self._final = content, calls, "tool_calls" if calls else self.finish
+        return self._final
 
     def entry(self, token: int, logprob: float, top) -> dict:
         out = token_entry(*self._token(token), logprob)

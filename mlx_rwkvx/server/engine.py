@@ -168,10 +168,6 @@ class Engine:
     def waiting(self) -> int:
         return self._queue.qsize()
 
-    @property
-    def busy(self) -> bool:
-        return self._current is not None or not self._queue.empty()
-
     def run(self, until: Callable[[], bool]) -> None:
         """Run jobs as they come until ``until()`` is true and none waits."""
         while True:

@@ -123,6 +123,13 @@ def _check(cfg: ServerConfig) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")
     if cfg.top_p > 1 or cfg.min_p > 1:
         raise UsageError("--top-p and --min-p must be at most 1")
+    if (
+        cfg.cache_dir is not None
+        and os.path.exists(cfg.cache_dir)
+        and (not os.path.isdir(cfg.cache_dir))
+    ):
+        raise UsageError(f"--cache-dir {cfg.cache_dir}: not a folder (the states go in folders "
+                         "of their own inside it; nothing else there is touched)")  # fmt: skip
     if not 0 <= cfg.port < 65536:
         raise UsageError(f"--port must be in 0 .. 65535, got {cfg.port}")
 

@@ -115,7 +115,3 @@ class GrammarProcessor:
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
         return mx.where(mx.array(allowed), logits, -mx.inf)
-
-    @property
-    def complete(self) -> bool:
-        return self.matcher.is_accepting()

@@ -432,3 +432,21 @@ def test_tools_go_into_the_template_and_calls_come_out(tmp_path):
     content, found, finish = choice.final()
     assert finish == "tool_calls" and content == "Let me check."
     assert found[0]["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_command_line_mistakes_are_one_line(models, tmp_path):
+    from mlx_rwkvx.server.main import main
+
+    from helpers import CliError, cli
+
+    path = str(models / "rwkv7")
+    (tmp_path / "notes.txt").write_text("mine")
+    for args, words in [
+        (["--model", "nowhere"], "--model nowhere: no such file"),
+        (["--model", path, "--adapter", "x=nope"], "nope: no such file"),
+        (["--model", path, "--max-queue", "0"], "--max-queue must be at least 1"),
+        (["--model", path, "--cache-dir", tmp_path / "notes.txt"], "not a folder"),
+    ]:
+        with pytest.raises(CliError, match=words):
+            cli(main, *args)
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -225,7 +225,7 @@ class _TextOnly:
         return self.tokenizer.decode(ids)
 
 
-def _detokenizer(tokenizer) -> StreamingDetokenizer:
+def detokenizer(tokenizer) -> StreamingDetokenizer:
     if hasattr(tokenizer, "decode_bytes"):
         return _ByteDetokenizer(tokenizer)
     own = getattr(tokenizer, "detokenizer", None)  # mlx-lm's TokenizerWrapper: a fresh one
@@ -234,7 +234,7 @@ def _detokenizer(tokenizer) -> StreamingDetokenizer:
     return NaiveStreamingDetokenizer(_TextOnly(tokenizer))
 
 
-class _StopStrings:
+class StopStrings:
     """The stop strings, over mlx-lm's ``TextStateMachine``: text that may be the start of a
     stop string (split across tokens) is held back, and the text ends before the first stop
     string completed."""
@@ -296,7 +296,7 @@ def _number(value) -> bool:
             and math.isfinite(value))  # fmt: skip
 
 
-def _vocab_mask(known: int, vocab: int):
+def vocab_mask(known: int, vocab: int):
     mask = mx.where(mx.arange(vocab) < known, 0.0, -mx.inf)
 
     def processor(tokens, logits):
@@ -406,12 +406,12 @@ def stream_generate(
         )
     ids = _prompt_ids(tokenizer, prompt)
     eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
-    detok, stops = _detokenizer(tokenizer), _StopStrings(stop)
+    detok, stops = detokenizer(tokenizer), StopStrings(stop)
     history = mx.array(session.tokens + ids, dtype=mx.int32)  # what the processors look back on
     known = getattr(tokenizer, "vocab_size", None)
     if known is not None and known < model.config.vocab_size:
         # a head wider than the tokenizer (padded rows): never sample an id it cannot decode
-        processors.insert(0, _vocab_mask(known, model.config.vocab_size))
+        processors.insert(0, vocab_mask(known, model.config.vocab_size))
     yield from _generate(model, session, ids, history, sampler, processors, detok, stops,
                          eos, max_tokens)  # fmt: skip
 

@@ -9,12 +9,62 @@ from __future__ import annotations
 
 import math
 
+from mlx_rwkvx.models.cache import TIME_ARRAYS
 from mlx_rwkvx.models.config import ModelConfig
 from mlx_rwkvx.models.rwkv7 import ChannelMix, SwiGLU, state_problem
 from mlx_rwkvx.ops.moba import append_kv, empty_kv, moba_attention, moba_decode, time_major
 
 import mlx.core as mx
 import mlx.nn as nn
+
+
+class KVRows:
+    """A batch of rows with KV caches of their own lengths: the rows' state, right-padded to
+    the longest, with ``"lengths"`` (a list, one per row) when they differ."""
+
+    chunk_size = 1  # how many tokens fill one entry of "key_sums" (MoBA's chunk size)
+
+    def state_length(self, state: dict) -> int:
+        return state["keys"].shape[2]
+
+    def row_state(self, state: dict, b: int, n: int) -> dict:
+        """Row ``b``'s own state, of its ``n`` tokens."""
+        row = {}
+        for name, a in state.items():
+            if name == "lengths":
+                continue
+            a = a[b : b + 1]
+            if name == "key_sums":
+                a = a[:, :, : -(-n // self.chunk_size)]
+            elif name in TIME_ARRAYS:
+                a = a[:, :, :n]
+            row[name] = a
+        return row
+
+    def stack_rows(self, rows: list[dict]) -> dict:
+        """The rows' states stacked, the time arrays right-padded with zeros."""
+        out = {}
+        for name in rows[0]:
+            arrays = [r[name] for r in rows]
+            if name in TIME_ARRAYS:
+                S = max(a.shape[2] for a in arrays)
+                arrays = [mx.pad(a, [(0, 0), (0, 0), (0, S - a.shape[2]), (0, 0)])
+                          if a.shape[2] < S else a for a in arrays]  # fmt: skip
+            out[name] = mx.concatenate(arrays, axis=0)
+        return out
+
+    def lengths_problem(self, state, batch: int) -> tuple[dict, str | None]:
+        """``state`` without its row lengths, and what is wrong with them (None: nothing)."""
+        if not isinstance(state, dict) or "lengths" not in state:
+            return state, None
+        lengths = state["lengths"]
+        state = {k: v for k, v in state.items() if k != "lengths"}
+        keys = state.get("keys")
+        S = keys.shape[2] if isinstance(keys, mx.array) and keys.ndim == 4 else 0
+        if (not isinstance(lengths, list) or len(lengths) != batch
+                or any(not 0 <= n <= S for n in lengths)):  # fmt: skip
+            return state, f"lengths must be {batch} row lengths of at most {S}, got {lengths!r}"
+        return state, None
 
 
 class MobaAttention(nn.Module):
@@ -49,13 +99,14 @@ class MobaAttention(nn.Module):
         return self.o_proj(out.astype(x.dtype).reshape(B, T, C)), cache
 
 
-class MobaBlock(nn.Module):
+class MobaBlock(KVRows, nn.Module):
     """RWKV-X attention block: ``h += o(MoBA(ln1 h)); h += ChannelMix(ln2 h)`` (LayerNorms)."""
 
     kind = "moba"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.chunk_size = cfg.moba_chunk_size
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = MobaAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -70,6 +121,9 @@ class MobaBlock(nn.Module):
         return {"keys": keys, "values": values, "key_sums": key_sums, "ffn_shift": shift}
 
     def state_problem(self, state, batch: int) -> str | None:
+        state, problem = self.lengths_problem(state, batch)
+        if problem:
+            return problem
         H, D, cs = self.attn.n_heads, self.attn.head_dim, self.attn.chunk_size
         keys = state.get("keys") if isinstance(state, dict) else None
         S = keys.shape[2] if isinstance(keys, mx.array) and keys.ndim == 4 else 0
@@ -150,7 +204,7 @@ def _causal_mask(T: int, S: int):
     return mx.arange(S)[None, :] <= mx.arange(S - T, S)[:, None]
 
 
-class Qwen2Block(nn.Module):
+class Qwen2Block(KVRows, nn.Module):
     """``h += Attn(RMSNorm h); h += SwiGLU(RMSNorm h)``, Hugging Face Qwen2 names."""
 
     kind = "qwen2"
@@ -170,6 +224,9 @@ class Qwen2Block(nn.Module):
         return {"keys": mx.zeros(shape, dtype=dtype), "values": mx.zeros(shape, dtype=dtype)}
 
     def state_problem(self, state, batch: int) -> str | None:
+        state, problem = self.lengths_problem(state, batch)
+        if problem:
+            return problem
         attn = self.self_attn
         keys = state.get("keys") if isinstance(state, dict) else None
         S = keys.shape[2] if isinstance(keys, mx.array) and keys.ndim == 4 else 0

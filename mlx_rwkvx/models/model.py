@@ -14,7 +14,7 @@ import copy
 import functools
 
 from mlx_rwkvx.models.attention import MobaBlock, Qwen2Block
-from mlx_rwkvx.models.cache import make_caches, read_caches, write_caches
+from mlx_rwkvx.models.cache import Rows, make_caches, read_caches, write_caches
 from mlx_rwkvx.models.config import ModelConfig
 from mlx_rwkvx.models.init import initialise
 from mlx_rwkvx.models.quantize import GROUP_SIZE, quantize_bits, quantize_model
@@ -36,6 +36,31 @@ def _run_block(block, params, h, v_first, state):
     # the trainable parameters come in as arguments so that mx.checkpoint differentiates them
     block.update(params)
     return block(h, v_first, state)
+
+
+def _batched_block(layer, h, v_first, state, rows: Rows):
+    """One block over a batch whose rows differ (``mlx_rwkvx.models.cache``): an RWKV block
+    masks the padded positions (its state stays as it was there); an attention block runs
+    each row on its own span of tokens against its own cache, and the rows' caches are
+    stacked again, right-padded, with their lengths."""
+    if layer.kind == "rwkv7":
+        return layer(h, v_first, state, valid=rows.valid)
+    lengths = state.get("lengths") or [layer.state_length(state)] * h.shape[0]
+    outs, states, new_lengths = [], [], []
+    for b, (start, end) in enumerate(rows.spans):
+        row = layer.row_state(state, b, lengths[b])
+        if end > start:
+            out, _, row = layer(h[b : b + 1, start:end], None, row)
+            out = mx.concatenate([h[b : b + 1, :start], out, h[b : b + 1, end:]], axis=1)
+        else:
+            out = h[b : b + 1]
+        outs.append(out)
+        states.append(row)
+        new_lengths.append(lengths[b] + end - start)
+    new = layer.stack_rows(states)
+    if len(set(new_lengths)) > 1:
+        new["lengths"] = new_lengths
+    return mx.concatenate(outs, axis=0), v_first, new
 
 
 class Model(nn.Module):
@@ -181,7 +206,7 @@ class Model(nn.Module):
         return self._hidden(tokens, state, checkpoint)
 
     def _hidden(
-        self, tokens: mx.array, state: list | None, checkpoint: bool = False
+        self, tokens: mx.array, state: list | None, checkpoint: bool = False, rows: Rows = None
     ) -> tuple[mx.array, list]:
         B = tokens.shape[0]
         if state is None:
@@ -194,7 +219,9 @@ class Model(nn.Module):
         v_first = None
         new_state = []
         for layer, s in zip(self.layers, state, strict=True):
-            if checkpoint:
+            if rows is not None:
+                h, v_first, s = _batched_block(layer, h, v_first, s, rows)
+            elif checkpoint:
                 run = mx.checkpoint(functools.partial(_run_block, layer))
                 h, v_first, s = run(layer.trainable_parameters(), h, v_first, s)
             else:
@@ -220,6 +247,8 @@ class Model(nn.Module):
                 f"model: the cache has {n} entries for {len(self.layers)} layers "
                 "(use model.make_cache())"
             )
-        h, state = self._hidden(tokens, read_caches(self.layers, cache, tokens.shape[0]))
-        write_caches(self.layers, cache, state)
+        B, T = tokens.shape
+        state, rows = read_caches(self.layers, cache, B, T)
+        h, state = self._hidden(tokens, state, rows=rows)
+        write_caches(self.layers, cache, state, T)
         return self.head(h)

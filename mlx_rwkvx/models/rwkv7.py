@@ -60,10 +60,26 @@ class HeadNorm(nn.Module):
         return y * self.weight + self.bias
 
 
-def token_shift(x: mx.array, previous: mx.array) -> mx.array:
+def token_shift(x: mx.array, previous: mx.array, valid: mx.array | None = None) -> mx.array:
     """The previous token's x for every position of ``x [B, T, C]``: ``previous [B, 1, C]``
-    (zeros at the start of a text) first."""
-    return mx.concatenate([previous.astype(x.dtype), x[:, :-1]], axis=1)
+    (zeros at the start of a text) first. ``valid [B, T]`` (a padded batch): a position after
+    a padded one gets ``previous`` (left padding: a row's first token)."""
+    shifted = mx.concatenate([previous.astype(x.dtype), x[:, :-1]], axis=1)
+    if valid is None:
+        return shifted
+    after_token = mx.concatenate([mx.ones_like(valid[:, :1]), valid[:, :-1]], axis=1)
+    return mx.where(after_token[..., None], shifted, previous.astype(x.dtype))
+
+
+def last_token(x: mx.array, previous: mx.array, valid: mx.array | None = None) -> mx.array:
+    """The new token shift after ``x [B, T, C]``: its last position's x (``valid``: each row's
+    last real one, or ``previous`` for a row with none), in ``previous``'s dtype."""
+    if valid is None:
+        return x[:, -1:].astype(previous.dtype)
+    T = x.shape[1]
+    last = T - 1 - mx.argmax(valid[:, ::-1].astype(mx.int32), axis=1)  # [B]
+    picked = mx.take_along_axis(x, last[:, None, None], axis=1).astype(previous.dtype)
+    return mx.where(mx.any(valid, axis=1)[:, None, None], picked, previous)
 
 
 class TimeMix(nn.Module):
@@ -109,13 +125,14 @@ class TimeMix(nn.Module):
             return mx.zeros((batch, H, N, N), dtype=mx.float32)
         return mx.broadcast_to(self.state0.astype(mx.float32), (batch, H, N, N))
 
-    def __call__(self, x, v_first, shift, state):
+    def __call__(self, x, v_first, shift, state, valid=None):
         """x ``[B, T, C]`` (already normalised); ``shift [B, 1, C]`` the previous token's x;
-        ``state [B, H, N, N]`` float32. Returns (out, v_first, new shift, new state); the state
-        keeps its dtypes, whatever x's."""
+        ``state [B, H, N, N]`` float32; ``valid [B, T]`` (a padded batch, else None): the
+        state is left as it was at the other positions. Returns (out, v_first, new shift, new
+        state); the state keeps its dtypes, whatever x's."""
         B, T, C = x.shape
         H, N = self.n_heads, self.head_size
-        xx = token_shift(x, shift) - x  # [B, T, C]
+        xx = token_shift(x, shift, valid) - x  # [B, T, C]
         r = self.receptance(x + xx * self.x_r).reshape(B, T, H, N)
         k = self.key(x + xx * self.x_k).reshape(B, T, H, N)
         v = self.value(x + xx * self.x_v).reshape(B, T, H, N)
@@ -136,13 +153,18 @@ class TimeMix(nn.Module):
         else:
             mix = mx.sigmoid(self.value_mix(x + xx * self.x_v)).reshape(B, T, H, N)
             v = v + (v_first - v) * mix
-        y, state = wkv7(r, log_w, k, v, -kk, kk * a, state)  # y [B, T, H, N]
+        a_in, b_in, k_in = -kk, kk * a, k
+        if valid is not None:  # a padded position: decay 1, nothing written, nothing removed
+            keep = valid[:, :, None, None]
+            log_w = mx.where(keep, log_w, mx.zeros_like(log_w))
+            a_in, b_in, k_in = (mx.where(keep, t, mx.zeros_like(t)) for t in (a_in, b_in, k))
+        y, state = wkv7(r, log_w, k_in, v, a_in, b_in, state)  # y [B, T, H, N]
         o = self.ln_x(y) if self.use_ln_x else y.reshape(B, T, C)
         bonus = (r * k * self.r_k).sum(axis=-1, keepdims=True) * v  # [B, T, H, N]
         o = o + bonus.reshape(B, T, C)
         if self.use_gate:
             o = o * self.gate(x + xx * self.x_g)
-        return self.output(o), v_first, x[:, -1:].astype(shift.dtype), state
+        return self.output(o), v_first, last_token(x, shift, valid), state
 
 
 class ChannelMix(nn.Module):
@@ -155,12 +177,12 @@ class ChannelMix(nn.Module):
         self.key = nn.Linear(C, F, bias=False)
         self.value = nn.Linear(F, C, bias=False)
 
-    def __call__(self, x, shift):
-        """x ``[B, T, C]``, ``shift [B, 1, C]`` the previous token's x. Returns (out, new
-        shift); the state keeps its dtype, whatever x's."""
-        xx = token_shift(x, shift) - x
+    def __call__(self, x, shift, valid=None):
+        """x ``[B, T, C]``, ``shift [B, 1, C]`` the previous token's x (``valid``: as the
+        time-mix's). Returns (out, new shift); the state keeps its dtype, whatever x's."""
+        xx = token_shift(x, shift, valid) - x
         k = mx.square(nn.relu(self.key(x + xx * self.x_k)))  # [B, T, F]
-        return self.value(k), x[:, -1:].astype(shift.dtype)
+        return self.value(k), last_token(x, shift, valid)
 
 
 class SwiGLU(nn.Module):
@@ -239,15 +261,16 @@ class RWKV7Block(nn.Module):
         """The state as it is: an RWKV block's is the same size after any number of tokens."""
         return state
 
-    def __call__(self, h, v_first, state):
-        """h ``[B, T, C]`` -> (h, v_first, new state)."""
+    def __call__(self, h, v_first, state, valid=None):
+        """h ``[B, T, C]`` -> (h, v_first, new state). ``valid [B, T]``: a padded batch's real
+        positions (the state is unchanged by the others), or None."""
         dh, v_first, tmix_shift, wkv = self.tmix(
-            self.ln1(h), v_first, state["tmix_shift"], state["wkv"]
+            self.ln1(h), v_first, state["tmix_shift"], state["wkv"], valid
         )
         h = h + dh
         new = {"tmix_shift": tmix_shift, "wkv": wkv}
         if "ffn_shift" in state:
-            dh, new["ffn_shift"] = self.ffn(self.ln2(h), state["ffn_shift"])
+            dh, new["ffn_shift"] = self.ffn(self.ln2(h), state["ffn_shift"], valid)
         else:
             dh = self.ffn(self.ln2(h))
         return h + dh, v_first, new

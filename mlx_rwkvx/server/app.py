@@ -65,7 +65,12 @@ def create_app(engine: Engine, settings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "models": list(engine.served), "waiting": engine.waiting}
+        return {
+            "status": "ok",
+            "models": list(engine.served),
+            "waiting": engine.waiting,
+            "decoding": engine.decoding,
+        }
 
     @app.get("/v1/models", dependencies=guard)
     async def models():
@@ -382,22 +387,20 @@ async def _events_until_end(job: Job, request: Request) -> list[tuple]:
         events.append(event)
 
 
-def _runner(engine: Engine, served: Served, batch: list[list[int]], params: Params):
-    def run(job: Job) -> None:
-        for index, ids in enumerate(batch):
-            if job.cancelled.is_set():
-                return
-            one = params
-            if params.seed is not None and index:
-                one = Params(**{**params.__dict__, "seed": params.seed + index})
-            eng.generate(engine, served, job, ids, one, index)
-
-    return run
+def _answers(served: Served, batch: list[list[int]], params: Params) -> list:
+    """Each answer's (served, ids, params): the n answers of one prompt seeded apart."""
+    out = []
+    for index, ids in enumerate(batch):
+        one = params
+        if params.seed is not None and index:
+            one = Params(**{**params.__dict__, "seed": params.seed + index})
+        out.append((served, ids, one))
+    return out
 
 
 async def _answer(request: Request, engine: Engine, served: Served, body, batch, params,
                   *, kind: str, tools=None):  # fmt: skip
-    job = Job(_runner(engine, served, batch, params))
+    job = Job(answers=_answers(served, batch, params))
     engine.submit(job)  # a full queue: 429 before anything is sent
     choices = [_Choice(served, kind, tools) for _ in batch]
     head = {"id": new_id("chatcmpl" if kind == "chat" else "cmpl"), "created": now(),

@@ -3,13 +3,19 @@
 ``Served``: a model under one name (the base, or the base with one adapter: the adapter's
 model shares the base's weight arrays, so each adapter costs only its own tensors), its
 tokenizer, chat format, tool-call format and its ``PrefixCache`` of states, keyed by what makes
-a state valid (``state_key``). ``Engine``: a queue of ``Job``s and the loop that runs them one
-at a time on the main thread (every MLX call of the server happens there; the HTTP server runs
-on a thread of its own); a job's events go back to the event loop that waits on them.
-``generate`` runs one answer: it resumes from the longest stored prefix of the prompt's tokens,
-stores the state after the prompt (with its next-token logits, so that the same prompt again
-feeds nothing) as soon as the first token is out, and the state after the answer when it ends
-(also when it was cancelled).
+a state valid (``state_key``). ``Engine``: a queue of ``Job``s and the loop that runs them on
+the main thread (every MLX call of the server happens there; the HTTP server runs on a thread
+of its own); a job's events go back to the event loop that waits on them.
+
+Answers are decoded in batches (continuous batching, through mlx-lm's ``BatchGenerator``): an
+answer that arrives while others decode joins them at the next step, one that ends or whose
+client went leaves at once. One batch per set of weights: the base and its state-tuned states
+share one (a state-tuned state is only where a row starts), each LoRA or DoRA adapter has its
+own, and the batches take turns. An answer starts from the longest stored prefix of its
+prompt's tokens; the state after the prompt (all but its last token) and the state after the
+answer are stored as they are reached. An answer the attention blocks' KV window cannot hold
+whole (prompt and ``max_tokens`` over ``--max-cache``) runs alone through the generation
+layer, whose window slides (``generate``).
 """
 
 from __future__ import annotations
@@ -27,13 +33,23 @@ from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.generation import ChatFormat, Session, stream_generate
 from mlx_rwkvx.generation.chat import model_identity
 from mlx_rwkvx.generation.prefix_cache import PrefixCache
+from mlx_rwkvx.generation.stream import StopStrings, detokenizer, vocab_mask
+from mlx_rwkvx.models.cache import read_caches, write_caches
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.server.protocol import ApiError
 from mlx_rwkvx.server.tools import ToolCalls
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx.utils import tree_flatten
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+    make_sampler,
+)
 
 log = logging.getLogger("mlx_rwkvx.server")
 
@@ -115,15 +131,19 @@ class Params:
 
 
 class Job:
-    """Work for the engine's loop: ``run(job)`` calls ``job.emit(event)`` as it goes and
-    checks ``job.cancelled``; the events arrive in ``job.events`` on the event loop, the last
-    one ``("end", None)``."""
+    """Work for the engine's loop, either ``run(job)`` (called once; it calls ``job.emit(event)``
+    as it goes and checks ``job.cancelled``) or ``answers``, ``(served, ids, params)`` for
+    each answer to decode in the batch. The events arrive in ``job.events`` on the event loop,
+    the last one ``("end", None)``."""
 
-    def __init__(self, run: Callable[[Job], None]):
-        self.run = run
+    def __init__(self, run: Callable[[Job], None] | None = None,
+                 answers: list[tuple[Served, list[int], Params]] | None = None):  # fmt: skip
+        self.run, self.answers = run, answers or []
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.open = 0  # answers not yet done
+        self.ended = False
 
     def emit(self, *event) -> None:
         try:
@@ -131,20 +151,81 @@ class Job:
         except RuntimeError:  # the loop is closed: nobody waits any more
             self.cancelled.set()
 
+    def fail(self, error: ApiError) -> None:
+        """End the job with ``error`` (once; its other answers are dropped by the engine)."""
+        if not self.ended:
+            self.ended = True
+            self.cancelled.set()
+            self.emit("error", error)
+            self.emit("end", None)
+
+    def answered(self) -> None:
+        """One answer done; the job ends with its last."""
+        self.open -= 1
+        if self.open <= 0 and not self.ended:
+            self.ended = True
+            self.emit("end", None)
+
+
+@dataclass
+class Row:
+    """One answer in a batch: its job, model, prompt, settings and text so far."""
+
+    job: Job
+    served: Served
+    ids: list[int]
+    params: Params
+    index: int
+    cached: int
+    detok: object
+    stops: StopStrings
+    n: int = 0
+    started: bool = False
+
+
+class Batch:
+    """mlx-lm's ``BatchGenerator`` over one set of weights, and its rows by uid."""
+
+    def __init__(self, model: Model, eos: list[int], prefill_step: int, decode: int,
+                 prompt: int):  # fmt: skip
+        self.model = model
+        self.gen = BatchGenerator(model, max_tokens=1, stop_tokens=[[e] for e in eos],
+                                  prefill_step_size=prefill_step, completion_batch_size=decode,
+                                  prefill_batch_size=prompt)  # fmt: skip
+        self.rows: dict[int, Row] = {}
+
+
+def _weights(model: Model) -> tuple:
+    """What a batch is shared by: the identities of every weight array but a state-tuned
+    initial state's."""
+    return tuple(id(a) for k, a in tree_flatten(model.parameters()) if not k.endswith("state0"))
+
+
+def _without_state0(model: Model) -> Model:
+    stripped = share_weights(model)
+    for _, module in stripped.named_modules():
+        if "state0" in module:
+            module.pop("state0")
+    return stripped
+
 
 class Engine:
-    """The served models by name, and the loop that runs jobs one at a time in order of
-    arrival, on the thread that calls ``run`` (the main one: MLX's thread-local streams are
-    not safe to leave behind on a thread that ends). ``submit`` (from any thread) refuses a
-    job (429) when ``max_queue`` jobs already wait, and (503) once the engine is closing."""
+    """The served models by name, and the loop that runs jobs in order of arrival on the
+    thread that calls ``run`` (the main one: MLX's thread-local streams are not safe to leave
+    behind on a thread that ends). ``submit`` (from any thread) refuses a job (429) when
+    ``max_queue`` jobs already wait, and (503) once the engine is closing."""
 
     def __init__(self, served: dict[str, Served], *, max_queue: int, max_cache: int,
-                 prefill_step: int, pooling: str = "mean"):  # fmt: skip
+                 prefill_step: int, pooling: str = "mean", decode_concurrency: int = 32,
+                 prompt_concurrency: int = 8):  # fmt: skip
         self.served, self.max_cache = served, max_cache
         self.prefill_step, self.pooling = prefill_step, pooling
+        self.decode_concurrency, self.prompt_concurrency = decode_concurrency, prompt_concurrency
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.closing = False
         self._current: Job | None = None
+        self._batches: dict[tuple, Batch] = {}
+        self._weights = {name: _weights(s.model) for name, s in served.items()}
 
     def model(self, name: str) -> Served:
         served = self.served.get(name)
@@ -168,51 +249,229 @@ class Engine:
     def waiting(self) -> int:
         return self._queue.qsize()
 
-    def run(self, until: Callable[[], bool]) -> None:
-        """Run jobs as they come until ``until()`` is true and none waits."""
-        while True:
-            try:
-                job = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                if until():
-                    return
-                continue
-            self._run(job)
+    @property
+    def decoding(self) -> int:
+        """Answers in the batches now."""
+        return sum(len(b.rows) for b in self._batches.values())
 
-    def _run(self, job: Job) -> None:
-        self._current = job
-        try:
-            if not job.cancelled.is_set():
+    def run(self, until: Callable[[], bool]) -> None:
+        """Run jobs as they come until ``until()`` is true and none waits or runs."""
+        while True:
+            busy = self.decoding > 0
+            try:
+                job = self._queue.get_nowait() if busy else self._queue.get(timeout=0.05)
+            except queue.Empty:
+                job = None
+            if job is not None:
+                self._start(job)
+            elif busy:
+                self._step()
+                if not self.decoding:
+                    mx.clear_cache()  # idle: freed buffers go back, not into MLX's pool
+            elif until():
+                return
+
+    def _start(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            job.fail(ApiError(503, "the request was cancelled", type="server_error"))
+            return
+        if job.run is not None:
+            self._current = job
+            with _failures(job):
                 job.run(job)
-        except ApiError as e:
-            job.emit("error", e)
-        except UserError as e:  # a request the model cannot take (an id, a template)
-            job.emit("error", ApiError(400, str(e)))
-        except Exception:  # a bug: its traceback in the log, never in a response
-            log.exception("a request failed")
-            job.emit("error", ApiError(500, "internal error (see the server's log)",
-                                       type="server_error"))  # fmt: skip
-        finally:
             self._current = None
-            # a request's freed buffers go back, not into MLX's pool: the process holds the
-            # model, the states under --cache-bytes and what the running request needs
             mx.clear_cache()
-            job.emit("end", None)
+            if not job.ended:
+                job.ended = True
+                job.emit("end", None)
+            return
+        job.open = len(job.answers)
+        for index, (served, ids, params) in enumerate(job.answers):
+            if job.ended:
+                return
+            with _failures(job):
+                if _fits(served.model, len(ids) + params.max_tokens, self.max_cache):
+                    self._join(job, served, ids, params, index)
+                else:  # the KV window slides: alone, through the generation layer
+                    self._current = job
+                    generate(self, served, job, ids, params, index)
+                    self._current = None
+                    job.answered()
+
+    def _batch(self, served: Served) -> Batch:
+        key = self._weights[served.name]
+        batch = self._batches.get(key)
+        if batch is None:
+            model = served.model
+            if len(key) != len(tree_flatten(model.parameters())):  # a state-tuned state
+                model = _without_state0(model)
+            eos = sorted(getattr(served.tokenizer, "eos_token_ids", ()) or ())
+            batch = Batch(model, eos, self.prefill_step, self.decode_concurrency,
+                          self.prompt_concurrency)  # fmt: skip
+            self._batches[key] = batch
+        return batch
+
+    def _join(self, job: Job, served: Served, ids: list[int], params: Params, index: int):
+        """The answer joins its batch, from the longest stored prefix of the prompt (at least
+        its last token is fed)."""
+        cached, entry = served.cache.get(ids[:-1])
+        state = entry["state"] if entry is not None else served.model.init_state(1)
+        batch = self._batch(served)
+        caches = batch.model.make_cache()
+        write_caches(batch.model.layers, caches, state)
+        procs = processors(params, served)
+        known = getattr(served.tokenizer, "vocab_size", None)
+        vocab = served.model.config.vocab_size
+        if known is not None and known < vocab:  # never sample an id the tokenizer lacks
+            procs.insert(0, vocab_mask(known, vocab))
+        (uid,) = batch.gen.insert(
+            [ids[cached:]],
+            max_tokens=[params.max_tokens],
+            caches=[caches],
+            all_tokens=[ids[:cached]],
+            samplers=[sampler(params)],
+            logits_processors=[procs],
+        )
+        tok = served.tokenizer
+        batch.rows[uid] = Row(job, served, ids, params, index, cached, detokenizer(tok),
+                              StopStrings(params.stop))  # fmt: skip
+
+    def _step(self) -> None:
+        """One step of every batch with rows: prompts a piece further, answers a token
+        further."""
+        for batch in list(self._batches.values()):
+            for uid, row in list(batch.rows.items()):
+                if row.job.cancelled.is_set():
+                    self._finish(batch, uid, None, "cancelled")
+            if not batch.rows:
+                continue
+            try:
+                prompts, tokens = batch.gen.next()
+                for r in prompts:  # the state after the prompt but its last token, and after
+                    if r.end_of_segment:  # the whole prompt (it is fed, the first token not)
+                        self._store(batch, r.uid)
+                for r in tokens:
+                    self._token(batch, r)
+            except Exception:  # a bug: every row of the batch fails, the batch starts over
+                log.exception("a batch failed")
+                for row in batch.rows.values():
+                    row.job.fail(ApiError(500, "internal error (see the server's log)",
+                                          type="server_error"))  # fmt: skip
+                self._batches = {k: b for k, b in self._batches.items() if b is not batch}
+
+    def _store(self, batch: Batch, uid: int) -> None:
+        """A row's state now (its tokens so far), into its model's cache of states: after the
+        prompt but its last token, after the prompt, or before an answer's last token."""
+        row = batch.rows.get(uid)
+        if row is None:
+            return
+        ((cache, tokens),) = batch.gen.extract_cache([uid]).values()
+        if len(tokens) <= row.cached:  # the prompt's state, stored already
+            return
+        state, _ = read_caches(batch.model.layers, cache, 1)
+        row.served.cache.put(list(tokens), {"state": state})
+
+    def _token(self, batch: Batch, r) -> None:
+        row = batch.rows.get(r.uid)
+        if row is None:
+            return
+        job, token, params = row.job, r.token, row.params
+        if not row.started:
+            job.emit("prefilled", row.index, row.cached)
+            row.started = True
+        row.n += 1
+        finish = r.finish_reason
+        eos = getattr(row.served.tokenizer, "eos_token_ids", ()) or ()
+        if token in eos:
+            row.detok.finalize()
+            text, finish = row.stops.flush() + row.detok.last_segment, "stop"
+        else:
+            row.detok.add_token(token)
+            text, stopped = row.stops.add(row.detok.last_segment)
+            if stopped:
+                finish = "stop"
+            elif finish is not None:
+                row.detok.finalize()
+                text += row.stops.add(row.detok.last_segment)[0] + row.stops.flush()
+        logprob = top = None
+        if params.logprobs is not None:
+            logprob = r.logprobs[token].item()
+            top = _top(r.logprobs, params.logprobs)
+        job.emit("token", row.index, token, text, logprob, top)
+        if finish is None and job.cancelled.is_set():
+            finish = "cancelled"
+        if finish is None and row.n == params.max_tokens - 1:
+            # the state before the last token too: a text cut at max_tokens is sent back in
+            # the next turn's prompt, where its last token may merge with what follows
+            self._store(batch, r.uid)
+        if finish is not None:
+            done = (r.prompt_cache, r.all_tokens) if r.finish_reason is not None else None
+            self._finish(batch, r.uid, done, finish)
+
+    def _finish(self, batch: Batch, uid: int, done, finish: str) -> None:
+        """A row leaves its batch: the state after its answer is stored, its job told."""
+        row = batch.rows.pop(uid)
+        if done is None:  # still in the batch: taken out now
+            done = batch.gen.remove([uid], return_prompt_caches=True).get(uid)
+        if done is not None and len(done[1]) > len(row.ids):
+            state, _ = read_caches(batch.model.layers, done[0], 1)
+            row.served.cache.put(list(done[1]), {"state": state})
+        if row.job.ended:
+            return
+        if finish == "cancelled":  # its client went (nobody reads this), or the server stops
+            row.job.fail(ApiError(503, "the answer was stopped: the server is shutting down",
+                                  type="server_error"))  # fmt: skip
+            return
+        row.job.emit("done", row.index, finish, row.n)
+        row.job.answered()
 
     def cancel_all(self) -> None:
-        """Cancel the running job and every waiting one (their handlers answer them)."""
+        """Cancel the running jobs and every waiting one (their handlers answer them)."""
         self.closing = True
         current = self._current
         if current is not None:
             current.cancelled.set()
+        for batch in self._batches.values():
+            for row in batch.rows.values():
+                row.job.cancelled.set()
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
-            job.cancelled.set()
-            job.emit("error", ApiError(503, "the server is shutting down", type="server_error"))
-            job.emit("end", None)
+            job.fail(ApiError(503, "the server is shutting down", type="server_error"))
+
+
+class _failures:
+    """A job's errors as its response: an ``ApiError`` as it is, a ``UserError`` as a 400, a
+    bug as a 500 (its traceback in the log, never in a response)."""
+
+    def __init__(self, job: Job):
+        self.job = job
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if e is None:
+            return False
+        if isinstance(e, ApiError):
+            self.job.fail(e)
+        elif isinstance(e, UserError):  # a request the model cannot take (an id, a template)
+            self.job.fail(ApiError(400, str(e)))
+        elif isinstance(e, Exception):
+            log.exception("a request failed")
+            self.job.fail(ApiError(500, "internal error (see the server's log)",
+                                   type="server_error"))  # fmt: skip
+        else:
+            return False
+        return True
+
+
+def _fits(model: Model, tokens: int, max_cache: int) -> bool:
+    """Whether an answer of ``tokens`` in all fits the attention blocks' KV window (an RWKV-7
+    model has none)."""
+    return all(layer.kind == "rwkv7" for layer in model.layers) or tokens <= max_cache
 
 
 # ----- the work --------------------------------------------------------------------------------
@@ -232,6 +491,28 @@ def processors(params: Params, served: Served) -> list:
         vocab = served.model.config.vocab_size
         out.append(GrammarProcessor(served.token_table(), params.grammar, vocab))
     return out
+
+
+def sampler(params: Params):
+    """mlx-lm's sampler of the request; with a seed, one that draws from its own key, so that
+    the answer is the same whatever shares its batch."""
+    if params.seed is None or params.temp == 0:
+        return make_sampler(temp=params.temp, top_p=params.top_p, min_p=params.min_p,
+                            top_k=params.top_k)  # fmt: skip
+    key = mx.random.key(params.seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, draw = mx.random.split(key)
+        if 0 < params.top_p < 1:
+            logprobs = apply_top_p(logprobs, params.top_p)
+        if params.min_p:
+            logprobs = apply_min_p(logprobs, params.min_p, 1)
+        if params.top_k > 0:
+            logprobs = apply_top_k(logprobs, params.top_k)
+        return mx.random.categorical(logprobs * (1 / params.temp), key=draw)
+
+    return sample
 
 
 def _top(logprobs: mx.array, k: int) -> list[tuple[int, float]]:
@@ -254,16 +535,12 @@ def generate(engine: Engine, served: Served, job: Job, ids: list[int], params: P
         cached, entry = served.cache.get(ids[:-1])  # the last token fed again, for its logits
     if entry is not None:
         session.restore((ids[:cached], entry["state"]), entry.get("logits"))
-    if params.seed is not None:
-        mx.random.seed(params.seed)
     responses = stream_generate(
         served.model,
         served.tokenizer,
         ids[cached:],
         max_tokens=params.max_tokens,
-        sampler=make_sampler(
-            temp=params.temp, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
-        ),  # fmt: skip
+        sampler=sampler(params),
         logits_processors=processors(params, served),
         stop=params.stop,
         session=session,

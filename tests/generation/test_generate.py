@@ -14,7 +14,7 @@ import sys
 import mlx_rwkvx
 from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.generation import Chat, GenerationError, Session, stream_generate
-from mlx_rwkvx.generation.stream import _detokenizer, _StopStrings, _TextOnly
+from mlx_rwkvx.generation.stream import StopStrings, _TextOnly, detokenizer
 from mlx_rwkvx.io.tokenizers import ByteTokenizer
 
 import mlx.core as mx
@@ -149,7 +149,7 @@ def test_detokenizers_stream_whole_characters():
         encode, decode = tok.encode, tok.decode
 
     for t in (tok, TextOnly()):
-        detok = _detokenizer(t)
+        detok = detokenizer(t)
         pieces = []
         for i in ids:
             detok.add_token(i)
@@ -158,7 +158,7 @@ def test_detokenizers_stream_whole_characters():
         pieces.append(detok.last_segment)
         assert "".join(pieces) == text + "\ufffda", type(t).__name__
         assert all("\ufffd" not in p for p in pieces[:-3]), pieces
-    assert type(_detokenizer(TextOnly())._tokenizer) is _TextOnly
+    assert type(detokenizer(TextOnly())._tokenizer) is _TextOnly
 
 
 def test_user_errors_are_user_errors(tmp_path):
@@ -290,11 +290,11 @@ def test_adapter_equals_fused():
 
 
 def test_stop_strings_split_across_tokens():
-    s = _StopStrings(["\n\n", "END"])
+    s = StopStrings(["\n\n", "END"])
     shown = [s.add(piece) for piece in ("Hel", "lo E", "N", "D more")]
     assert "".join(t for t, _ in shown) == "Hello "
     assert [stop for _, stop in shown] == [False, False, False, True]
-    s = _StopStrings(["\n\n"])
+    s = StopStrings(["\n\n"])
     assert s.add("a\n") == ("a", False) and s.add("b") == ("\nb", False)
     # end to end: a stop string made of two byte tokens the model generates
     model, tok = tiny_model("rwkv7", seed=7), ByteTokenizer()

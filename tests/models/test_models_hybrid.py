@@ -232,7 +232,7 @@ def test_prefill_equals_decode(name):
     assert rel_err(prefill, full) <= CACHE_TOL
     assert rel_err(decode, full) <= CACHE_TOL
     # the attention blocks' caches hold every token's key, no more
-    for layer, s in zip(model.layers, read_caches(model.layers, cache, B), strict=True):
+    for layer, s in zip(model.layers, read_caches(model.layers, cache, B)[0], strict=True):
         if layer.kind != "rwkv7":
             assert s["keys"].shape[2] == T
 
@@ -255,7 +255,7 @@ def test_bf16_prefill_equals_decode_and_rows_are_independent(name):
     cache = model.make_cache()
     decode = mx.concatenate([model(tokens[:, t : t + 1], cache) for t in range(T)], axis=1)
     assert decode.dtype == mx.bfloat16
-    states = list(zip(model.layers, read_caches(model.layers, cache, B), strict=True))
+    states = list(zip(model.layers, read_caches(model.layers, cache, B)[0], strict=True))
     rwkv = [s for layer, s in states if layer.kind == "rwkv7"]
     assert rwkv and all(s["wkv"].dtype == mx.float32 for s in rwkv)
     moba = [s for layer, s in states if layer.kind == "moba"]

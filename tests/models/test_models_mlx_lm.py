@@ -229,7 +229,8 @@ def test_stream_generate_with_our_tokenizer(name):
 
 
 def test_caches_are_mlx_lms_own(tmp_path):
-    """``make_cache`` gives mlx-lm's ``ArraysCache`` (one per block, RFA's ARWKV blocks with two
+    """``make_cache`` gives mlx-lm's ``ArraysCache`` (our ``RowsCache`` of it, which batches rows
+    of different lengths, saved under mlx-lm's name; one per block, RFA's ARWKV blocks with two
     arrays, Qwen2's with two); making models and caches and running them writes nothing into
     mlx-lm's cache module; a prompt cache saved by mlx-lm loads in a process that imports mlx-lm
     alone, and here it continues as the cache it was saved from."""
@@ -241,7 +242,8 @@ def test_caches_are_mlx_lms_own(tmp_path):
     before = dict(vars(lm_cache))
     model = Model(GENERATE["rfa"](), seed=2)
     cache = model.make_cache()
-    assert all(type(c) is lm_cache.ArraysCache and c.empty() for c in cache)
+    assert all(isinstance(c, lm_cache.ArraysCache) and c.empty() for c in cache)
+    assert {type(c).__name__ for c in cache} == {"ArraysCache"}
     model(mx.array([[1, 2, 3, 4]]), cache)
     assert [len(c.cache) for c in cache] == [2, 2, 2, 2]
     assert dict(vars(lm_cache)) == before

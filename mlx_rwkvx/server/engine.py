@@ -257,9 +257,11 @@ class Engine:
     def run(self, until: Callable[[], bool]) -> None:
         """Run jobs as they come until ``until()`` is true and none waits or runs."""
         while True:
-            busy = self.decoding > 0
+            rows = self.decoding
+            busy, full = rows > 0, rows >= self.decode_concurrency  # full: the rest wait
             try:
-                job = self._queue.get_nowait() if busy else self._queue.get(timeout=0.05)
+                job = None if full else (
+                    self._queue.get_nowait() if busy else self._queue.get(timeout=0.05))
             except queue.Empty:
                 job = None
             if job is not None:

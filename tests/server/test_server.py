@@ -314,6 +314,55 @@ def test_a_full_queue_a_hang_up_and_sigterm(models, tmp_path):
     assert any(f.endswith(".safetensors") for _, _, fs in os.walk(tmp_path / "s") for f in fs)
 
 
+@pytest.mark.parametrize("family", ["rwkv7", "rwkv-x"])
+def test_concurrent_answers_are_each_the_answer_alone(models, family):
+    """Streams that overlap decode in one batch (state-tuned rows beside the base's), a client
+    that hangs up leaves the others as they were, and each answer is the one it gets alone."""
+    path = str(models / family)
+    args = ["--model", path]
+    if family == "rwkv7":
+        args += ["--adapter", f"tuned={models / 'state.safetensors'}"]
+    with serving(*args) as server:
+        c = client(server)
+        asks = [(f"Question {i}: what is {i} + {i}?", 10 + 3 * i) for i in range(5)]
+        names = [path, "tuned", path, "tuned", path] if family == "rwkv7" else [path] * 5
+        got, spans = {}, {}
+
+        def one(i):
+            messages = [{"role": "user", "content": asks[i][0]}]
+            s = c.chat.completions.create(model=names[i], messages=messages, stream=True,
+                                          max_tokens=asks[i][1], logprobs=True)  # fmt: skip
+            text, lps, times = "", [], []
+            for k, chunk in enumerate(s):
+                times.append(time.monotonic())
+                if i == 4 and k == 3:
+                    s.close()  # hangs up: the others go on
+                    return
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                    if chunk.choices[0].logprobs:
+                        lps += [e.logprob for e in chunk.choices[0].logprobs.content]
+            got[i], spans[i] = (text, lps), (times[0], times[-1])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert sorted(got) == [0, 1, 2, 3]
+        # they overlapped: every answer's first token came before any answer's last
+        assert max(first for first, _ in spans.values()) < min(last for _, last in spans.values())
+        for i, (text, lps) in got.items():
+            adapter = models / "state.safetensors" if names[i] == "tuned" else None
+            messages = [{"role": "user", "content": asks[i][0]}]
+            _, want, rs = greedy(path, messages, asks[i][1], adapter)
+            assert text == want
+            ref = [r.logprobs[r.token].item() for r in rs]
+            assert len(lps) == len(ref)
+            assert max(abs(a - b) for a, b in zip(lps, ref, strict=True)) <= 1e-4
+        assert _raw(server, "GET", "/health").json()["decoding"] == 0
+
+
 def test_short_load_test(models):
     """16 clients, 64 requests: streamed, not, and hanging up half way; no 5xx, the server
     still answering, memory within its budget."""

@@ -88,7 +88,9 @@ def create_app(engine: Engine, settings) -> FastAPI:
         if body.top_logprobs and not body.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
         tools = _tools(body, served)
-        params.grammar = await _grammar(body.response_format, served)
+        params.grammar = await _tool_grammar(body, served, tools) or await _grammar(
+            body.response_format, served
+        )
         ids = _chat_ids(served, body.messages, tools)
         _check_prompt(ids, settings)
         return await _answer(request, engine, served, body, [ids] * body.n, params,
@@ -212,13 +214,46 @@ def _params(body: Sampling, settings, served: Served, max_tokens: int | None) ->
 def _tools(body: ChatRequest, served: Served) -> list | None:
     choice = body.tool_choice
     if not body.tools or choice == "none":
+        if choice not in (None, "none", "auto"):
+            raise bad("tool_choice: a call is asked for but no tools are given", "tool_choice")
         return None
-    if choice not in (None, "auto"):
-        raise bad("tool_choice: only auto and none (the model is not forced to call a tool)",
-                  "tool_choice")  # fmt: skip
     if not served.format.tools or served.tool_calls is None:
         raise bad(f"tools: the chat template of {served.name} takes no tools", "tools")
     return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+def _forced_call(body: ChatRequest) -> tuple[bool, str | None]:
+    """Whether ``tool_choice`` asks for a call (``required`` or a named function), and the
+    function's name (None: any)."""
+    choice = body.tool_choice
+    if choice in (None, "auto", "none"):
+        return False, None
+    if choice == "required":
+        return True, None
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if (
+        not isinstance(choice, dict)
+        or choice.get("type") != "function"
+        or not isinstance(name, str)
+    ):
+        raise bad("tool_choice: none, auto, required or {\"type\": \"function\", "
+                  "\"function\": {\"name\": ...}}", "tool_choice")  # fmt: skip
+    return True, name
+
+
+async def _tool_grammar(body: ChatRequest, served: Served, tools) -> str | None:
+    """The grammar that holds the answer to one call, where ``tool_choice`` asks for one."""
+    forced, name = _forced_call(body)
+    if not forced:
+        return None
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad("tool_choice: a forced call and a response_format cannot both hold the "
+                  "answer", "tool_choice")  # fmt: skip
+    from mlx_rwkvx.server.schema import tool_grammar
+
+    return await asyncio.to_thread(
+        lambda: tool_grammar(served.tool_calls.kind, tools, name, served.token_table())
+    )
 
 
 async def _grammar(response_format, served: Served) -> str | None:

@@ -260,8 +260,11 @@ class Engine:
             rows = self.decoding
             busy, full = rows > 0, rows >= self.decode_concurrency  # full: the rest wait
             try:
-                job = None if full else (
-                    self._queue.get_nowait() if busy else self._queue.get(timeout=0.05))
+                job = (
+                    None
+                    if full
+                    else (self._queue.get_nowait() if busy else self._queue.get(timeout=0.05))
+                )
             except queue.Empty:
                 job = None
             if job is not None:

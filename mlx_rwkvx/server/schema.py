@@ -89,6 +89,50 @@ def grammar_of(response_format: ResponseFormat | None, table) -> str | None:
     return grammar
 
 
+# The tool-call formats a tool_choice can hold an answer to: mlx-lm's parser of the format ->
+# how one call is written (a JSON object of its name and arguments between the markers)
+FORCED_CALLS = {"json_tools": ("<tool_call>\n", "\n</tool_call>")}
+
+
+def tool_grammar(kind: str, tools: list[dict], name: str | None, table) -> str:
+    """The grammar of an answer that is one call (``tool_choice`` ``required``: of any of the
+    tools; a named function: of that one), in the template's format ``kind``: its name, and
+    arguments that validate against the tool's parameters. A 400 for a format it cannot
+    hold."""
+    import json
+
+    import llguidance
+
+    if kind not in FORCED_CALLS:
+        raise bad(f"tool_choice: this model's tool-call format ({kind}) can only be auto or "
+                  "none", "tool_choice")  # fmt: skip
+    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not chosen:
+        raise bad(f"tool_choice: no tool is named {name!r}", "tool_choice")
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": f.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in chosen
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema["x-guidance"] = {"whitespace_flexible": False}  # compact, as response_format's
+    start, end = FORCED_CALLS[kind]
+    grammar = llguidance.LLMatcher.grammar_from_lark(
+        f"start: {json.dumps(start)} call {json.dumps(end)}\ncall: %json {json.dumps(schema)}"
+    )
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, table)
+    if failed:
+        raise bad(f"tools: a tool's parameters cannot be used: {messages[0]}", "tools")
+    return grammar
+
+
 class GrammarProcessor:
     """One answer held to a grammar: each call consumes the tokens sampled since the last one
     and masks every token that would leave the grammar (once the text is complete, all but

@@ -39,6 +39,7 @@ from helpers.serving import Server, serving
 
 import_parity_extra(("fastapi", "uvicorn"), extra="server")
 openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
 
 FAMILIES = ["rwkv7", "rwkv-x", "rfa"]
 USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
@@ -446,6 +447,13 @@ def test_tools_go_into_the_template_and_calls_come_out(tmp_path):
     mlx_rwkvx.save(tiny_model("rfa", seed=44, vocab_size=512), path, tokenizer=tok)
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    # bounded arguments: a random tiny model closes them within max_tokens
+    bounded = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                         "days": {"type": "integer", "minimum": 1,
+                                                  "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+        for name in ("weather", "tides")]  # fmt: skip
     with serving("--model", path) as server:
         c = client(server)
         plain = c.chat.completions.create(model=path, messages=USER, max_tokens=2)
@@ -455,9 +463,28 @@ def test_tools_go_into_the_template_and_calls_come_out(tmp_path):
         none = c.chat.completions.create(model=path, messages=USER, max_tokens=2, tools=tools,
                                          tool_choice="none")  # fmt: skip
         assert none.usage.prompt_tokens == plain.usage.prompt_tokens
-        with pytest.raises(openai.BadRequestError, match="tool_choice"):
-            c.chat.completions.create(model=path, messages=USER, tools=tools,
-                                      tool_choice="required")  # fmt: skip
+        # a forced call: required (any tool) or named; streamed or not, one call that parses
+        # and validates, finish_reason tool_calls
+        tides = {"type": "function", "function": {"name": "tides"}}
+        for choice, names in (("required", {"weather", "tides"}), (tides, {"tides"})):
+            r = c.chat.completions.create(model=path, messages=USER, max_tokens=60,
+                                          tools=bounded, tool_choice=choice)  # fmt: skip
+            assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+            (call,) = r.choices[0].message.tool_calls
+            assert call.function.name in names
+            jsonschema.validate(json.loads(call.function.arguments),
+                                bounded[0]["function"]["parameters"])  # fmt: skip
+        chunks = list(c.chat.completions.create(
+            model=path, messages=USER, max_tokens=60, tools=bounded, stream=True,
+            tool_choice={"type": "function", "function": {"name": "weather"}}))  # fmt: skip
+        deltas = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+        assert [d.function.name for d in deltas] == ["weather"]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        for bad_choice, match in (({"type": "function", "function": {"name": "nope"}}, "nope"),
+                                  ("always", "tool_choice")):  # fmt: skip
+            with pytest.raises(openai.BadRequestError, match=match):
+                c.chat.completions.create(model=path, messages=USER, tools=bounded,
+                                          tool_choice=bad_choice)  # fmt: skip
         # an assistant turn with calls and a tool's answer render (arguments as JSON text)
         history = USER + [
             {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1",

@@ -8,19 +8,22 @@ the main thread (every MLX call of the server happens there; the HTTP server run
 of its own); a job's events go back to the event loop that waits on them.
 
 Answers are decoded in batches (continuous batching, through mlx-lm's ``BatchGenerator``): an
-answer that arrives while others decode joins them at the next step, one that ends or whose
-client went leaves at once. One batch per set of weights: the base and its state-tuned states
-share one (a state-tuned state is only where a row starts), each LoRA or DoRA adapter has its
-own, and the batches take turns. An answer starts from the longest stored prefix of its
-prompt's tokens; the state after the prompt (all but its last token) and the state after the
-answer are stored as they are reached. An answer the attention blocks' KV window cannot hold
-whole (prompt and ``max_tokens`` over ``--max-cache``) runs alone through the generation
-layer, whose window slides (``generate``).
+answer's prompt is prefilled alone, from the longest stored prefix of its tokens, a piece
+(``prefill_step`` tokens) between two steps of the batches, so that the others keep decoding;
+its first token is sampled and sent at once, and the answer then joins its batch; one that
+ends or whose client went leaves at once. One batch per set of weights: the base and its
+state-tuned states share one (a state-tuned state is only where a row starts), each LoRA or
+DoRA adapter has its own, and the batches take turns. The state after the prompt (with its
+next-token logits, so that the same prompt again feeds nothing) and the state after the answer
+are stored as they are reached. An answer the attention blocks' KV window cannot hold whole
+(prompt and ``max_tokens`` over ``--max-cache``) runs alone through the generation layer,
+whose window slides (``generate``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import logging
 import queue
@@ -179,19 +182,22 @@ class Row:
     cached: int
     detok: object
     stops: StopStrings
+    session: Session | None  # the prompt's prefill (None once the answer is in its batch)
+    todo: list[int]  # prompt tokens not fed yet
+    sample: Callable
+    procs: list
     n: int = 0
-    started: bool = False
+    last: int = 0  # the last token sent
 
 
 class Batch:
     """mlx-lm's ``BatchGenerator`` over one set of weights, and its rows by uid."""
 
-    def __init__(self, model: Model, eos: list[int], prefill_step: int, decode: int,
-                 prompt: int):  # fmt: skip
+    def __init__(self, model: Model, eos: list[int], decode: int):
         self.model = model
+        # its prompts are one token (the answer's first, sampled after the prompt's prefill)
         self.gen = BatchGenerator(model, max_tokens=1, stop_tokens=[[e] for e in eos],
-                                  prefill_step_size=prefill_step, completion_batch_size=decode,
-                                  prefill_batch_size=prompt)  # fmt: skip
+                                  completion_batch_size=decode)  # fmt: skip
         self.rows: dict[int, Row] = {}
 
 
@@ -216,15 +222,16 @@ class Engine:
     ``max_queue`` jobs already wait, and (503) once the engine is closing."""
 
     def __init__(self, served: dict[str, Served], *, max_queue: int, max_cache: int,
-                 prefill_step: int, pooling: str = "mean", decode_concurrency: int = 32,
-                 prompt_concurrency: int = 8):  # fmt: skip
+                 prefill_step: int, pooling: str = "mean",
+                 decode_concurrency: int = 32):  # fmt: skip
         self.served, self.max_cache = served, max_cache
         self.prefill_step, self.pooling = prefill_step, pooling
-        self.decode_concurrency, self.prompt_concurrency = decode_concurrency, prompt_concurrency
+        self.decode_concurrency = decode_concurrency
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.closing = False
         self._current: Job | None = None
         self._batches: dict[tuple, Batch] = {}
+        self._pending: collections.deque[Row] = collections.deque()  # prompts being prefilled
         self._weights = {name: _weights(s.model) for name, s in served.items()}
 
     def model(self, name: str) -> Served:
@@ -251,8 +258,8 @@ class Engine:
 
     @property
     def decoding(self) -> int:
-        """Answers in the batches now."""
-        return sum(len(b.rows) for b in self._batches.values())
+        """Answers being prefilled or decoded now."""
+        return len(self._pending) + sum(len(b.rows) for b in self._batches.values())
 
     def run(self, until: Callable[[], bool]) -> None:
         """Run jobs as they come until ``until()`` is true and none waits or runs."""
@@ -270,6 +277,8 @@ class Engine:
             if job is not None:
                 self._start(job)
             elif busy:
+                if self._pending:
+                    self._prefill()
                 self._step()
                 if not self.decoding:
                     mx.clear_cache()  # idle: freed buffers go back, not into MLX's pool
@@ -311,35 +320,68 @@ class Engine:
             if len(key) != len(tree_flatten(model.parameters())):  # a state-tuned state
                 model = _without_state0(model)
             eos = sorted(getattr(served.tokenizer, "eos_token_ids", ()) or ())
-            batch = Batch(model, eos, self.prefill_step, self.decode_concurrency,
-                          self.prompt_concurrency)  # fmt: skip
+            batch = Batch(model, eos, self.decode_concurrency)
             self._batches[key] = batch
         return batch
 
     def _join(self, job: Job, served: Served, ids: list[int], params: Params, index: int):
-        """The answer joins its batch, from the longest stored prefix of the prompt (at least
-        its last token is fed)."""
-        cached, entry = served.cache.get(ids[:-1])
-        state = entry["state"] if entry is not None else served.model.init_state(1)
-        batch = self._batch(served)
-        caches = batch.model.make_cache()
-        write_caches(batch.model.layers, caches, state)
+        """The answer waits for its prefill, from the longest stored prefix of the prompt."""
+        session = Session(served.model, max_cache=self.max_cache, prefill_step=self.prefill_step)
+        cached, entry = served.cache.get(ids)
+        if entry is not None and cached == len(ids) and "logits" not in entry:
+            cached, entry = served.cache.get(ids[:-1])  # the last token fed again, for its logits
+        if entry is not None:
+            session.restore((ids[:cached], entry["state"]), entry.get("logits"))
         procs = processors(params, served)
         known = getattr(served.tokenizer, "vocab_size", None)
         vocab = served.model.config.vocab_size
         if known is not None and known < vocab:  # never sample an id the tokenizer lacks
             procs.insert(0, vocab_mask(known, vocab))
-        (uid,) = batch.gen.insert(
-            [ids[cached:]],
-            max_tokens=[params.max_tokens],
-            caches=[caches],
-            all_tokens=[ids[:cached]],
-            samplers=[sampler(params)],
-            logits_processors=[procs],
-        )
-        tok = served.tokenizer
-        batch.rows[uid] = Row(job, served, ids, params, index, cached, detokenizer(tok),
-                              StopStrings(params.stop))  # fmt: skip
+        self._pending.append(Row(job, served, ids, params, index, cached,
+                                 detokenizer(served.tokenizer), StopStrings(params.stop),
+                                 session, ids[cached:], sampler(params), procs))  # fmt: skip
+
+    def _prefill(self) -> None:
+        """A piece of the first waiting prompt; at its end, the answer's first token, and the
+        answer joins its batch."""
+        row = self._pending[0]
+        if row.job.cancelled.is_set() or row.job.ended:
+            self._pending.popleft()
+            self._finish(None, row, None, "cancelled")
+            return
+        with _failures(row.job):
+            piece, row.todo = row.todo[: self.prefill_step], row.todo[self.prefill_step :]
+            logits = row.session.feed(piece)
+            if row.todo:
+                return
+            self._pending.popleft()
+            history = mx.array(row.ids, dtype=mx.int32)
+            for p in row.procs:
+                logits = p(history, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            token = row.sample(logprobs)
+            mx.eval(token, logprobs)
+            row.job.emit("prefilled", row.index, row.cached)
+            finish = self._emit(row, int(token.item()), logprobs[0], None)
+            session, served = row.session, row.served
+            if row.cached < len(row.ids):  # the state after the prompt, and its logits
+                served.cache.put(row.ids, {"state": session.state, "logits": session.logits})
+            if finish is not None:
+                self._finish(None, row, None, finish)
+                return
+            batch = self._batch(served)
+            caches = batch.model.make_cache()
+            write_caches(batch.model.layers, caches, session.state)
+            (uid,) = batch.gen.insert(
+                [[row.last]],
+                max_tokens=[row.params.max_tokens - 1],
+                caches=[caches],
+                all_tokens=[row.ids],
+                samplers=[row.sample],
+                logits_processors=[row.procs],
+            )
+            row.session, row.todo = None, []  # the batch holds the state now
+            batch.rows[uid] = row
 
     def _step(self) -> None:
         """One step of every batch with rows: prompts a piece further, answers a token
@@ -347,15 +389,11 @@ class Engine:
         for batch in list(self._batches.values()):
             for uid, row in list(batch.rows.items()):
                 if row.job.cancelled.is_set():
-                    self._finish(batch, uid, None, "cancelled")
+                    self._finish(batch, row, uid, "cancelled")
             if not batch.rows:
                 continue
             try:
-                prompts, tokens = batch.gen.next()
-                for r in prompts:  # the state after the prompt but its last token, and after
-                    if r.end_of_segment:  # the whole prompt (it is fed, the first token not)
-                        self._store(batch, r.uid)
-                for r in tokens:
+                for r in batch.gen.next_generated():
                     self._token(batch, r)
             except Exception:  # a bug: every row of the batch fails, the batch starts over
                 log.exception("a batch failed")
@@ -365,8 +403,7 @@ class Engine:
                 self._batches = {k: b for k, b in self._batches.items() if b is not batch}
 
     def _store(self, batch: Batch, uid: int) -> None:
-        """A row's state now (its tokens so far), into its model's cache of states: after the
-        prompt but its last token, after the prompt, or before an answer's last token."""
+        """A row's state now (its tokens so far), into its model's cache of states."""
         row = batch.rows.get(uid)
         if row is None:
             return
@@ -377,17 +414,26 @@ class Engine:
         row.served.cache.put(list(tokens), {"state": state})
 
     def _token(self, batch: Batch, r) -> None:
+        """A token of a row of ``batch`` (mlx-lm's response)."""
         row = batch.rows.get(r.uid)
         if row is None:
             return
-        job, token, params = row.job, r.token, row.params
-        if not row.started:
-            job.emit("prefilled", row.index, row.cached)
-            row.started = True
+        finish = self._emit(row, r.token, r.logprobs, r.finish_reason)
+        if finish is None and row.n == row.params.max_tokens - 1:
+            # the state before the last token too: a text cut at max_tokens is sent back in
+            # the next turn's prompt, where its last token may merge with what follows
+            self._store(batch, r.uid)
+        if finish is not None:
+            done = (r.prompt_cache, r.all_tokens) if r.finish_reason is not None else None
+            self._finish(batch, row, r.uid, finish, done)
+
+    def _emit(self, row: Row, token: int, logprobs: mx.array, finish: str | None) -> str | None:
+        """Send a row's token (its text past the stop strings, its log-probabilities); the
+        answer's finish reason, or None while it goes on."""
+        params = row.params
         row.n += 1
-        finish = r.finish_reason
-        eos = getattr(row.served.tokenizer, "eos_token_ids", ()) or ()
-        if token in eos:
+        row.last = token
+        if token in (getattr(row.served.tokenizer, "eos_token_ids", ()) or ()):
             row.detok.finalize()
             text, finish = row.stops.flush() + row.detok.last_segment, "stop"
         else:
@@ -395,32 +441,32 @@ class Engine:
             text, stopped = row.stops.add(row.detok.last_segment)
             if stopped:
                 finish = "stop"
-            elif finish is not None:
-                row.detok.finalize()
-                text += row.stops.add(row.detok.last_segment)[0] + row.stops.flush()
+            else:
+                if finish is None and row.n >= params.max_tokens:
+                    finish = "length"
+                if finish is not None:
+                    row.detok.finalize()
+                    text += row.stops.add(row.detok.last_segment)[0] + row.stops.flush()
         logprob = top = None
         if params.logprobs is not None:
-            logprob = r.logprobs[token].item()
-            top = _top(r.logprobs, params.logprobs)
-        job.emit("token", row.index, token, text, logprob, top)
-        if finish is None and job.cancelled.is_set():
+            logprob = logprobs[token].item()
+            top = _top(logprobs, params.logprobs)
+        row.job.emit("token", row.index, token, text, logprob, top)
+        if finish is None and row.job.cancelled.is_set():
             finish = "cancelled"
-        if finish is None and row.n == params.max_tokens - 1:
-            # the state before the last token too: a text cut at max_tokens is sent back in
-            # the next turn's prompt, where its last token may merge with what follows
-            self._store(batch, r.uid)
-        if finish is not None:
-            done = (r.prompt_cache, r.all_tokens) if r.finish_reason is not None else None
-            self._finish(batch, r.uid, done, finish)
+        return finish
 
-    def _finish(self, batch: Batch, uid: int, done, finish: str) -> None:
-        """A row leaves its batch: the state after its answer is stored, its job told."""
-        row = batch.rows.pop(uid)
-        if done is None:  # still in the batch: taken out now
-            done = batch.gen.remove([uid], return_prompt_caches=True).get(uid)
-        if done is not None and len(done[1]) > len(row.ids):
-            state, _ = read_caches(batch.model.layers, done[0], 1)
-            row.served.cache.put(list(done[1]), {"state": state})
+    def _finish(self, batch: Batch | None, row: Row, uid: int | None, finish: str,
+                done=None) -> None:  # fmt: skip
+        """A row ends (it leaves its batch): the state after its answer is stored, its job
+        told."""
+        if batch is not None:
+            batch.rows.pop(uid, None)
+            if done is None:  # still in the batch: taken out now
+                done = batch.gen.remove([uid], return_prompt_caches=True).get(uid)
+            if done is not None and len(done[1]) > len(row.ids):
+                state, _ = read_caches(batch.model.layers, done[0], 1)
+                row.served.cache.put(list(done[1]), {"state": state})
         if row.job.ended:
             return
         if finish == "cancelled":  # its client went (nobody reads this), or the server stops

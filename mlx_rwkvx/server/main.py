@@ -72,8 +72,6 @@ class ServerConfig:
     max_n: int = opt("the most answers one request may ask for (n)", default=8)
     decode_concurrency: int = opt("the most answers decoded together, in one batch (more "
                                   "wait their turn)", default=32)  # fmt: skip
-    prompt_concurrency: int = opt("the most prompts prefilled together, in one batch",
-                                  default=8)  # fmt: skip
     max_queue: int = opt("requests that may wait while one runs; more are refused (429)",
                          default=64)  # fmt: skip
     cache_bytes: int = opt("bytes of saved conversation states per served model (base and "
@@ -119,7 +117,7 @@ def _check(cfg: ServerConfig) -> None:
     except ValueError as e:
         raise UsageError(str(e)) from None
     for name in ("max_tokens", "max_prompt_tokens", "max_n", "max_queue", "max_cache",
-                 "decode_concurrency", "prompt_concurrency"):  # fmt: skip
+                 "decode_concurrency"):  # fmt: skip
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -186,8 +184,7 @@ def build(cfg: ServerConfig, *, log=print) -> Engine:
         served[name] = Served(name, m, tokenizer, fmt, cache, adapter, tools)
     return Engine(served, max_queue=cfg.max_queue, max_cache=max_cache,
                   prefill_step=DEFAULT_PREFILL_STEP, pooling=cfg.embedding_pooling,
-                  decode_concurrency=cfg.decode_concurrency,
-                  prompt_concurrency=cfg.prompt_concurrency)  # fmt: skip
+                  decode_concurrency=cfg.decode_concurrency)  # fmt: skip
 
 
 def _loopback(host: str) -> bool:

@@ -112,12 +112,11 @@ def test_chat_completions_and_embeddings_of_each_family(models, family):
         prompt = r.usage.prompt_tokens
 
         # the same conversation streamed, its usage at the end: the whole prompt was cached
-        # but its last token, which is fed again for the first answer token's logits
         chunks = list(c.chat.completions.create(
             model=path, messages=USER, max_tokens=12, stream=True,
             stream_options={"include_usage": True}))  # fmt: skip
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
-        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == prompt - 1
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == prompt
 
         # n answers: each its own choice, the prompt counted once
         two = c.chat.completions.create(model=path, messages=USER, max_tokens=4, n=2,
@@ -186,10 +185,10 @@ def test_cache_dir_restart_and_adapters(models, tmp_path):
     with serving(*args) as server:  # a restart: every conversation resumes
         c = client(server)
         again = c.chat.completions.create(model=path, messages=USER, max_tokens=8)
-        assert again.usage.prompt_tokens_details.cached_tokens == prompt - 1
+        assert again.usage.prompt_tokens_details.cached_tokens == prompt
         assert again.choices[0].message.content == base.choices[0].message.content
         tuned2 = c.chat.completions.create(model="tuned", messages=USER, max_tokens=8)
-        assert tuned2.usage.prompt_tokens_details.cached_tokens == prompt - 1
+        assert tuned2.usage.prompt_tokens_details.cached_tokens == prompt
         assert tuned2.choices[0].message.content == tuned.choices[0].message.content
     out = server.stop()
     assert "skipped" in out  # the damaged file: one warning, no crash
@@ -467,7 +466,7 @@ def test_tools_go_into_the_template_and_calls_come_out(tmp_path):
         # and validates, finish_reason tool_calls
         tides = {"type": "function", "function": {"name": "tides"}}
         for choice, names in (("required", {"weather", "tides"}), (tides, {"tides"})):
-            r = c.chat.completions.create(model=path, messages=USER, max_tokens=60,
+            r = c.chat.completions.create(model=path, messages=USER, max_tokens=150,
                                           tools=bounded, tool_choice=choice)  # fmt: skip
             assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
             (call,) = r.choices[0].message.tool_calls
@@ -475,7 +474,7 @@ def test_tools_go_into_the_template_and_calls_come_out(tmp_path):
             jsonschema.validate(json.loads(call.function.arguments),
                                 bounded[0]["function"]["parameters"])  # fmt: skip
         chunks = list(c.chat.completions.create(
-            model=path, messages=USER, max_tokens=60, tools=bounded, stream=True,
+            model=path, messages=USER, max_tokens=150, tools=bounded, stream=True,
             tool_choice={"type": "function", "function": {"name": "weather"}}))  # fmt: skip
         deltas = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
         assert [d.function.name for d in deltas] == ["weather"]

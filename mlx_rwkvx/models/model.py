@@ -235,6 +235,29 @@ class Model(nn.Module):
             return self.embed.as_linear(h)
         return self.lm_head(h)
 
+    def prefill(self, tokens: mx.array, cache: list, lengths: list[int]) -> mx.array:
+        """Rows of different lengths at once: ``tokens [B, T]`` right-padded (row ``b``'s first
+        ``lengths[b]`` are its tokens) after the state ``cache`` holds (``make_cache``'s,
+        merged: mlx-lm's batching methods), which is updated in place and left unpadded.
+        Returns each row's logits after its last token, ``[B, vocab]`` (the head runs on those
+        positions only)."""
+        self.check_tokens(tokens)
+        B, T = tokens.shape
+        if len(lengths) != B or not all(1 <= n <= T for n in lengths):
+            raise ValueError(f"model: lengths must be {B} row lengths in 1 .. {T}, got {lengths}")
+        padding = [T - n for n in lengths]
+        if any(padding):
+            for c in cache:
+                c.prepare(lengths=lengths, right_padding=padding)
+        state, rows = read_caches(self.layers, cache, B, T)
+        h, state = self._hidden(tokens, state, rows=rows)
+        write_caches(self.layers, cache, state, T)
+        if any(padding):
+            for c in cache:
+                c.finalize()
+        last = mx.array([n - 1 for n in lengths])[:, None, None]
+        return self.head(mx.take_along_axis(h, last, axis=1)[:, 0])
+
     def __call__(self, tokens: mx.array, cache: list | None = None) -> mx.array:
         """mlx-lm's protocol: logits ``[B, T, vocab]``; ``cache`` (from ``make_cache``) is read
         and updated in place."""

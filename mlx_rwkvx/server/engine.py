@@ -8,8 +8,9 @@ the main thread (every MLX call of the server happens there; the HTTP server run
 of its own); a job's events go back to the event loop that waits on them.
 
 Answers are decoded in batches (continuous batching, through mlx-lm's ``BatchGenerator``): an
-answer's prompt is prefilled alone, from the longest stored prefix of its tokens, a piece
-(``prefill_step`` tokens) between two steps of the batches, so that the others keep decoding;
+answer's prompt is prefilled from the longest stored prefix of its tokens, between two steps of
+the batches so that the others keep decoding: a long one a piece (``prefill_step`` tokens) at a
+time, the last pieces of several prompts together in one padded forward (``Model.prefill``);
 its first token is sampled and sent at once, and the answer then joins its batch; one that
 ends or whose client went leaves at once. One batch per set of weights: the base and its
 state-tuned states share one (a state-tuned state is only where a row starts), each LoRA or
@@ -55,6 +56,7 @@ from mlx_lm.sample_utils import (
 )
 
 log = logging.getLogger("mlx_rwkvx.server")
+PREFILL_ROWS = 8  # prompts prefilled together, at most
 
 
 def share_weights(model: Model) -> Model:
@@ -182,7 +184,8 @@ class Row:
     cached: int
     detok: object
     stops: StopStrings
-    session: Session | None  # the prompt's prefill (None once the answer is in its batch)
+    state: list | None  # the state after the prompt's tokens fed so far (None once batched)
+    logits: mx.array | None  # the logits after them, where the prefix cache held them
     todo: list[int]  # prompt tokens not fed yet
     sample: Callable
     procs: list
@@ -326,61 +329,113 @@ class Engine:
 
     def _join(self, job: Job, served: Served, ids: list[int], params: Params, index: int):
         """The answer waits for its prefill, from the longest stored prefix of the prompt."""
-        session = Session(served.model, max_cache=self.max_cache, prefill_step=self.prefill_step)
-        cached, entry = served.cache.get(ids)
-        if entry is not None and cached == len(ids) and "logits" not in entry:
-            cached, entry = served.cache.get(ids[:-1])  # the last token fed again, for its logits
-        if entry is not None:
-            session.restore((ids[:cached], entry["state"]), entry.get("logits"))
+        vocab = served.model.config.vocab_size
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary (0 .. {vocab - 1})")
+        cached, entry = _resume(served, ids)
+        state = entry["state"] if entry is not None else served.model.init_state(1)
+        logits = entry.get("logits") if entry is not None and cached == len(ids) else None
         procs = processors(params, served)
         known = getattr(served.tokenizer, "vocab_size", None)
-        vocab = served.model.config.vocab_size
         if known is not None and known < vocab:  # never sample an id the tokenizer lacks
             procs.insert(0, vocab_mask(known, vocab))
         self._pending.append(Row(job, served, ids, params, index, cached,
                                  detokenizer(served.tokenizer), StopStrings(params.stop),
-                                 session, ids[cached:], sampler(params), procs))  # fmt: skip
+                                 state, logits, ids[cached:], sampler(params), procs))  # fmt: skip
 
     def _prefill(self) -> None:
-        """A piece of the first waiting prompt; at its end, the answer's first token, and the
-        answer joins its batch."""
-        row = self._pending[0]
-        if row.job.cancelled.is_set() or row.job.ended:
-            self._pending.popleft()
-            self._finish(None, row, None, "cancelled")
-            return
-        with _failures(row.job):
+        """Prompts a piece further, between two steps of the batches: the prompts with at
+        most ``prefill_step`` tokens to go, together (a padded batch per set of weights, up
+        to ``PREFILL_ROWS``), each answer's first token sampled and sent, and the answers
+        joining their batches; else a piece of the first longer prompt."""
+        for row in list(self._pending):
+            if row.job.cancelled.is_set() or row.job.ended:
+                self._pending.remove(row)
+                self._finish(None, row, None, "cancelled")
+        groups: dict[int, list[Row]] = {}
+        for row in self._pending:
+            if len(row.todo) <= self.prefill_step:
+                group = groups.setdefault(id(self._batch(row.served)), [])
+                if len(group) < PREFILL_ROWS:
+                    group.append(row)
+        for rows in groups.values():
+            for row in rows:
+                self._pending.remove(row)
+            self._last_piece(self._batch(rows[0].served), rows)
+        if not groups and self._pending:
+            row = self._pending[0]
+            model = self._batch(row.served).model
             piece, row.todo = row.todo[: self.prefill_step], row.todo[self.prefill_step :]
-            logits = row.session.feed(piece)
-            if row.todo:
-                return
-            self._pending.popleft()
-            history = mx.array(row.ids, dtype=mx.int32)
-            for p in row.procs:
-                logits = p(history, logits)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            token = row.sample(logprobs)
-            mx.eval(token, logprobs)
+            with _failures(row.job):
+                _, row.state = model.hidden(mx.array([piece], dtype=mx.int32), row.state,
+                                            check=False)  # fmt: skip
+                mx.eval(row.state)
+        mx.clear_cache()  # prefill's buffers go back (the batches reuse theirs)
+
+    def _last_piece(self, batch: Batch, rows: list[Row]) -> None:
+        """The rows' last prompt tokens in one padded forward, then each answer's first token;
+        the state after each prompt is stored (with its logits) and the answers that go on
+        join ``batch``."""
+        model, layers = batch.model, batch.model.layers
+        try:
+            caches = []
+            for row in rows:
+                cache = model.make_cache()
+                write_caches(layers, cache, row.state)
+                caches.append(cache)
+            logits = [row.logits for row in rows]
+            need = [i for i, row in enumerate(rows) if row.todo]
+            if need:
+                merged = [type(c).merge([caches[i][k] for i in need])
+                          for k, c in enumerate(caches[need[0]])]  # fmt: skip
+                lengths = [len(rows[i].todo) for i in need]
+                T = max(lengths)
+                tokens = mx.array([rows[i].todo + [0] * (T - len(rows[i].todo)) for i in need],
+                                  dtype=mx.int32)  # fmt: skip
+                out = model.prefill(tokens, merged, lengths).astype(mx.float32)
+                for j, i in enumerate(need):
+                    caches[i] = [c.extract(j) for c in merged]
+                    logits[i] = out[j : j + 1]
+            firsts = []
+            for row, row_logits in zip(rows, logits, strict=True):
+                history = mx.array(row.ids, dtype=mx.int32)
+                for p in row.procs:
+                    row_logits = p(history, row_logits)
+                logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
+                firsts.append((row.sample(logprobs), logprobs[0]))
+            mx.eval(firsts, logits, [c.state for cache in caches for c in cache])
+        except Exception:  # a bug: these answers fail (their traceback in the log)
+            log.exception("a prefill failed")
+            for row in rows:
+                row.job.fail(ApiError(500, "internal error (see the server's log)",
+                                      type="server_error"))  # fmt: skip
+            return
+        joining = []
+        for row, cache, row_logits, (token, logprobs) in zip(rows, caches, logits, firsts,
+                                                             strict=True):  # fmt: skip
             row.job.emit("prefilled", row.index, row.cached)
-            finish = self._emit(row, int(token.item()), logprobs[0], None)
-            session, served = row.session, row.served
-            if row.cached < len(row.ids):  # the state after the prompt, and its logits
-                served.cache.put(row.ids, {"state": session.state, "logits": session.logits})
+            finish = self._emit(row, int(token.item()), logprobs, None)
+            if row.todo or row.cached < len(row.ids):  # the state after the prompt: stored
+                state, _ = read_caches(layers, cache, 1)
+                row.served.cache.put(row.ids, {"state": state, "logits": row_logits})
+            row.state = row.logits = None
+            row.todo = []
             if finish is not None:
                 self._finish(None, row, None, finish)
-                return
-            batch = self._batch(served)
-            caches = batch.model.make_cache()
-            write_caches(batch.model.layers, caches, session.state)
-            (uid,) = batch.gen.insert(
-                [[row.last]],
-                max_tokens=[row.params.max_tokens - 1],
-                caches=[caches],
-                all_tokens=[row.ids],
-                samplers=[row.sample],
-                logits_processors=[row.procs],
-            )
-            row.session, row.todo = None, []  # the batch holds the state now
+            else:
+                joining.append((row, cache))
+        if not joining:
+            return
+        uids = batch.gen.insert(
+            [[row.last] for row, _ in joining],
+            max_tokens=[row.params.max_tokens - 1 for row, _ in joining],
+            caches=[cache for _, cache in joining],
+            all_tokens=[row.ids for row, _ in joining],
+            samplers=[row.sample for row, _ in joining],
+            logits_processors=[row.procs for row, _ in joining],
+        )
+        for uid, (row, _) in zip(uids, joining, strict=True):
             batch.rows[uid] = row
 
     def _step(self) -> None:
@@ -519,6 +574,15 @@ class _failures:
         return True
 
 
+def _resume(served: Served, ids: list[int]) -> tuple[int, dict | None]:
+    """The longest stored prefix of ``ids`` and its entry: the whole prompt only where its
+    logits were stored too (else the last token is fed again, for them)."""
+    cached, entry = served.cache.get(ids)
+    if entry is not None and cached == len(ids) and "logits" not in entry:
+        cached, entry = served.cache.get(ids[:-1])
+    return cached, entry
+
+
 def _fits(model: Model, tokens: int, max_cache: int) -> bool:
     """Whether an answer of ``tokens`` in all fits the attention blocks' KV window (an RWKV-7
     model has none)."""
@@ -581,9 +645,7 @@ def generate(engine: Engine, served: Served, job: Job, ids: list[int], params: P
     index, token, text, logprob, top)`` per token (logprob None unless asked), then
     ``("done", index, finish_reason, tokens)``."""
     session = Session(served.model, max_cache=engine.max_cache, prefill_step=engine.prefill_step)
-    cached, entry = served.cache.get(ids)
-    if entry is not None and cached == len(ids) and "logits" not in entry:
-        cached, entry = served.cache.get(ids[:-1])  # the last token fed again, for its logits
+    cached, entry = _resume(served, ids)
     if entry is not None:
         session.restore((ids[:cached], entry["state"]), entry.get("logits"))
     responses = stream_generate(

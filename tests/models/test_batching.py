@@ -144,3 +144,33 @@ def test_rows_of_different_state_tuned_states_share_a_batch():
         caches.append(cache)
     batched = _batched(base, prompts, STEPS, caches=caches)
     _assert_same(batched, [_alone(m, p, STEPS) for m, p in zip(models, prompts, strict=True)])
+
+
+@pytest.mark.parametrize("name", ["rwkv7", "rwkv-x-tiny", "rfa", "mixed"])
+def test_prefill_of_rows_of_different_lengths_is_each_row_alone(name):
+    """``Model.prefill``: rows with histories of their own (merged caches) and prompts of
+    their own lengths in one padded forward: each row's last logits and state are its own."""
+    model = Model(CONFIGS[name](), seed=5)
+    vocab = model.config.vocab_size
+    histories, prompts = _prompts(vocab)[:3], _prompts(vocab)[2:]
+    caches, want = [], []
+    for h, p in zip(histories, prompts, strict=True):
+        cache = model.make_cache()
+        model(mx.array([h]), cache)
+        caches.append(cache)
+        alone = model.make_cache()
+        model(mx.array([h]), alone)
+        want.append((np.array(model(mx.array([p]), alone)[0, -1]), alone))
+    merged = [type(c).merge([cache[k] for cache in caches]) for k, c in enumerate(caches[0])]
+    lengths = [len(p) for p in prompts]
+    T = max(lengths)
+    tokens = mx.array([p + [0] * (T - len(p)) for p in prompts])
+    logits = np.array(model.prefill(tokens, merged, lengths))
+    for b, (want_logits, alone) in enumerate(want):
+        assert np.abs(logits[b] - want_logits).max() <= TOL
+        got, _ = read_caches(model.layers, [c.extract(b) for c in merged], 1)
+        ref, _ = read_caches(model.layers, alone, 1)
+        for g, r in zip(got, ref, strict=True):
+            for key in r:
+                assert g[key].shape == r[key].shape
+                assert np.abs(np.array(g[key]) - np.array(r[key])).max() <= TOL

@@ -522,6 +522,7 @@ class Engine:
             if done is not None and len(done[1]) > len(row.ids):
                 state, _ = read_caches(batch.model.layers, done[0], 1)
                 row.served.cache.put(list(done[1]), {"state": state})
+            mx.clear_cache()  # the batch's arrays change shape: the old buffers go back
         if row.job.ended:
             return
         if finish == "cancelled":  # its client went (nobody reads this), or the server stops

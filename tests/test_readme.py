@@ -225,6 +225,12 @@ RECIPES = {
         replace={"--iters 500": LONG_RUN},
         expect=("state/adapter_final.safetensors",),
     ),
+    "pissa-and-miss": Recipe(
+        files={"chats": "chats"},
+        hub={"fla-hub/rwkv7-1.5B-world": "rwkv7-hf"},
+        replace={"--iters 1000": LONG_RUN},
+        expect=("pissa/adapter_final.safetensors", "miss/adapter_final.safetensors"),
+    ),
     "pretraining": Recipe(
         # the README's own rwkv-x-small.yaml (World vocabulary: 33M embedding and head)
         files={"rwkv-x-small.yaml": "readme-yaml", "corpus": "corpus"},

@@ -28,6 +28,12 @@ from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.models.quantize import use_our_classes
 from mlx_rwkvx.models.rwkv7 import HeadNorm
+from mlx_rwkvx.tuner.lora_variants import (
+    MissLinear,
+    PissaLinear,
+    load_saved_tensors,
+    saved_tensors,
+)
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -133,9 +139,11 @@ def apply_lora(
     alpha: float,
     dropout: float = 0.0,
     dora: bool = False,
+    variant: str | None = None,
 ) -> None:
     """Wrap the projections at ``paths`` in mlx-lm's ``LoRALinear`` (``DoRALinear`` with
-    ``dora``), scale = alpha / rank, in place. The base is frozen, the adapters trainable."""
+    ``dora``; ``variant`` ``"pissa"`` or ``"miss"``: ``lora_variants``' layers), scale =
+    alpha / rank, in place. The base is frozen, the adapters trainable."""
     if type(rank) is not int or rank < 1:
         raise AdapterError(f"the LoRA rank must be an int >= 1, got {rank!r}")
     if not 0.0 <= dropout < 1.0:
@@ -146,8 +154,12 @@ def apply_lora(
             "DoRA on a quantized base: mlx-lm's DoRALinear dequantizes the whole base weight "
             "on every forward (the float copy a quantized base exists to avoid); use LoRA"
         )
+    if variant == "pissa" and any(isinstance(modules[p], nn.QuantizedLinear) for p in paths):
+        raise AdapterError("PiSSA needs a float base (its residual would be quantized anew)")
     model.freeze()
-    layer = DoRALinear if dora else LoRALinear
+    layer = {"pissa": PissaLinear, "miss": MissLinear}.get(variant) or (
+        DoRALinear if dora else LoRALinear
+    )
     wrapped = [
         (p, layer.from_base(modules[p], r=rank, dropout=dropout, scale=alpha / rank)) for p in paths
     ]
@@ -189,12 +201,20 @@ def trainable_count(model: nn.Module) -> int:
 
 
 def adapter_tensors(model: nn.Module) -> dict[str, mx.array]:
-    """The trained tensors of a LoRA/DoRA/state-tuned model, under their module paths."""
-    return {
+    """The trained tensors of a LoRA/DoRA/PiSSA/MiSS/state-tuned model, under their module
+    paths; PiSSA's and MiSS's as the LoRA update they are against the original base."""
+    tensors = {
         name: x
         for name, x in tree_flatten(model.trainable_parameters())
         if name.rsplit(".", 1)[-1] in (*ADAPTER_LEAVES, "state0")
     }
+    tensors.update(saved_tensors(model))
+    return tensors
+
+
+def load_adapter_tensors(model: nn.Module, tensors: dict) -> None:
+    """Put ``adapter_tensors``' tensors back into the model they came from (a resumed run)."""
+    model.load_weights(list(load_saved_tensors(model, tensors).items()), strict=False)
 
 
 def fingerprint(model: Model) -> str:

@@ -25,7 +25,8 @@ from mlx_rwkvx.tuner.adapters import (
     fingerprint,
     target_paths,
 )
-from mlx_rwkvx.tuner.config import TrainConfig
+from mlx_rwkvx.tuner.config import LORA_MODES, TrainConfig
+from mlx_rwkvx.tuner.lora_variants import VARIANTS
 
 import yaml
 from mlx.utils import tree_flatten
@@ -98,12 +99,13 @@ def build(cfg: TrainConfig) -> Built:
             tokenizer = None
     base = fingerprint(model)
     try:
-        if cfg.mode in ("lora", "dora"):
+        if cfg.mode in LORA_MODES:
             targets = cfg.lora_targets or default_targets(model)
             paths = target_paths(model, targets, cfg.num_layers)
             check_rank(model, paths, cfg.lora_rank)
             apply_lora(model, paths, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
-                       dropout=cfg.lora_dropout, dora=cfg.mode == "dora")  # fmt: skip
+                       dropout=cfg.lora_dropout, dora=cfg.mode == "dora",
+                       variant=cfg.mode if cfg.mode in VARIANTS else None)  # fmt: skip
             if cfg.parallel > 1:
                 parallel.stack_adapters(model, cfg.parallel)
         elif cfg.mode == "state":

@@ -20,7 +20,7 @@ from mlx_rwkvx.io.atomic import atomic_target, save_safetensors, save_text
 from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.models import Model
 from mlx_rwkvx.models.init import INIT_ALIASES
-from mlx_rwkvx.tuner.adapters import adapter_tensors, save_adapter
+from mlx_rwkvx.tuner.adapters import adapter_tensors, load_adapter_tensors, save_adapter
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -170,7 +170,7 @@ def load_checkpoint(out: Path, step: int, run) -> None:
     )
     if wrong:
         raise TrainError(f"--resume: checkpoint_{step}'s tensors do not fit this run: {wrong[:4]}")
-    run.model.load_weights(list(weights.items()), strict=False)
+    load_adapter_tensors(run.model, weights)
     run.optimizer.state = tree_unflatten(list(state.items()))
     run.step, run.tokens = int(meta["step"]), int(meta["tokens"])
     run.stack_tokens = json.loads(meta.get("shard_tokens", "[]")) or run.stack_tokens

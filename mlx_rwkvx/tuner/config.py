@@ -14,7 +14,7 @@ from mlx_rwkvx import settings
 from mlx_rwkvx.models.init import INIT_ALIASES
 from mlx_rwkvx.settings import opt
 
-MODES = ("lora", "dora", "full", "state", "pretrain")
+MODES = ("lora", "dora", "pissa", "miss", "full", "state", "pretrain")
 
 # Learning rates where Foundry's C engine is silent, from the published RWKV trainers:
 # - LoRA/DoRA/full: Foundry's 2e-5 (rx_train.h, rfa_train); RWKV's wiki advises at most 1e-4
@@ -22,10 +22,13 @@ MODES = ("lora", "dora", "full", "state", "pretrain")
 # - state tuning: 1.0, decaying to 0.01, 10 warmup steps (RWKV wiki, "State Tuning": "state
 #   tuning requires a very high learning rate");
 # - pretraining: 6e-4, the start of RWKV-LM's x070 MiniPile demo run (its train_log).
-DEFAULT_LR = {"lora": 2e-5, "dora": 2e-5, "full": 2e-5, "state": 1.0, "pretrain": 6e-4}
+# - PiSSA and MiSS: LoRA's (RWKV-PEFT trains them as it trains LoRA);
+DEFAULT_LR = {"lora": 2e-5, "dora": 2e-5, "pissa": 2e-5, "miss": 2e-5, "full": 2e-5, "state": 1.0,
+              "pretrain": 6e-4}  # fmt: skip
 # where the cosine decay ends, as a fraction of the learning rate: Foundry's cosine annealing
 # to zero; RWKV-PEFT's 1 -> 0.01 for states; a tenth for pretraining (our choice)
-FINAL_LR_RATIO = {"lora": 0.0, "dora": 0.0, "full": 0.0, "state": 0.01, "pretrain": 0.1}
+FINAL_LR_RATIO = {"lora": 0.0, "dora": 0.0, "pissa": 0.0, "miss": 0.0, "full": 0.0, "state": 0.01,
+                  "pretrain": 0.1}  # fmt: skip
 DEFAULT_WARMUP = {"state": 10}  # else Foundry's 100
 DEFAULT_MAX_CACHE = 2048  # Foundry's KV cache length
 
@@ -152,9 +155,10 @@ _MINUS_ONE_IS_ALL = ("num_layers", "val_batches", "test_batches")  # mlx-lm's co
 # settings that apply to some modes only: given for another mode they are refused (on the
 # command line and through the API: a value other than the default), or, from a --config file
 # (an mlx-lm config carries lora_parameters whatever its fine_tune_type), noted and dropped
-LORA_MODES = ("lora", "dora")
+LORA_MODES = ("lora", "dora", "pissa", "miss")
+SCALED_MODES = ("lora", "dora", "pissa")  # MiSS has no scale
 MODE_ONLY = {
-    "lora_rank": LORA_MODES, "lora_alpha": LORA_MODES, "lora_scale": LORA_MODES,
+    "lora_rank": LORA_MODES, "lora_alpha": SCALED_MODES, "lora_scale": SCALED_MODES,
     "lora_dropout": LORA_MODES, "lora_targets": LORA_MODES, "num_layers": LORA_MODES,
     "init": ("pretrain",),
 }  # fmt: skip
@@ -207,6 +211,12 @@ def _check(cfg: TrainConfig) -> None:
         raise ValueError("--mode pretrain trains a new model in float32: no --dtype")
     if cfg.mode == "pretrain" and cfg.quantize:
         raise ValueError("--mode pretrain trains every weight: no --quantize")
+    if cfg.mode == "pissa" and cfg.quantize:
+        raise ValueError(
+            "--mode pissa needs a float base: its residual would be quantized anew, and the "
+            "saved adapter, applied to the original quantized base, would not be the trained "
+            "model (use --mode lora or miss on a quantized base)"
+        )
 
 
 # mlx-lm's LoRA config keys with no flag of ours: accepted as mlx-lm writes them by default,

@@ -41,6 +41,7 @@ from mlx_rwkvx.tuner.checkpoints import (
     scan_checkpoints,
 )
 from mlx_rwkvx.tuner.config import TrainConfig
+from mlx_rwkvx.tuner.lora_variants import VARIANTS, saved_lora_parameters
 from mlx_rwkvx.tuner.losses import batch_loss, dataset_loss, segment_loss, segments
 from mlx_rwkvx.tuner.optimizer import make_optimizer
 
@@ -173,11 +174,15 @@ class Run:
     def adapter_config(self) -> dict:
         cfg = self.cfg
         kind = cfg.mode if cfg.mode in ("lora", "dora", "state") else "full"
+        facts = {}
+        if cfg.mode in VARIANTS:  # saved as the LoRA update it is against the original base
+            kind, facts = "lora", {"method": cfg.mode, "method_rank": cfg.lora_rank}
+        rank, alpha = saved_lora_parameters(cfg.mode, cfg.lora_rank, cfg.lora_alpha)
         return adapter_config(
             self.model, fine_tune_type=kind, paths=self.paths if kind != "full" else [],
-            rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+            rank=rank, alpha=alpha, dropout=cfg.lora_dropout,
             targets=cfg.lora_targets or "", base_fingerprint=self.base, seed=cfg.seed,
-            tokens_trained=self.tokens, steps=self.step,
+            tokens_trained=self.tokens, steps=self.step, **facts,
         )  # fmt: skip
 
 

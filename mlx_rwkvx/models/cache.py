@@ -27,6 +27,7 @@ import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 # Each block kind's state arrays, in their place in the block's ArraysCache; a block keeps those
 # it has (an ARWKV block of RFA has no channel-mix token shift).
@@ -269,14 +270,19 @@ def read_caches(layers, caches, batch: int, T: int = 1) -> tuple[list[dict], Row
         return state, None
     if mask is None:
         return state, Rows(None, [(0, T)] * batch)
-    mx.eval(mask)
+    return state, Rows(mask, spans_of(mask))
+
+
+def spans_of(valid: mx.array) -> list[tuple[int, int]]:
+    """Each row's span of real positions in ``valid [B, T]`` (read back: host ints); a
+    ValueError unless each row's are contiguous."""
     spans = []
-    for row in mask.tolist():
-        real = [t for t, ok in enumerate(row) if ok]
-        if real and real != list(range(real[0], real[-1] + 1)):
+    for row in np.array(valid).astype(bool):
+        real = np.flatnonzero(row)
+        if real.size and real[-1] - real[0] + 1 != real.size:
             raise ValueError("model: a row's tokens must be contiguous (left or right padding)")
-        spans.append((real[0], real[-1] + 1) if real else (0, 0))
-    return state, Rows(mask, spans)
+        spans.append((int(real[0]), int(real[-1]) + 1) if real.size else (0, 0))
+    return spans
 
 
 def write_caches(layers, caches, state: list[dict], T: int = 0) -> None:

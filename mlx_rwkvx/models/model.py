@@ -14,7 +14,7 @@ import copy
 import functools
 
 from mlx_rwkvx.models.attention import MobaBlock, Qwen2Block
-from mlx_rwkvx.models.cache import Rows, make_caches, read_caches, write_caches
+from mlx_rwkvx.models.cache import Rows, make_caches, read_caches, spans_of, write_caches
 from mlx_rwkvx.models.config import ModelConfig
 from mlx_rwkvx.models.init import initialise
 from mlx_rwkvx.models.quantize import GROUP_SIZE, quantize_bits, quantize_model
@@ -194,16 +194,27 @@ class Model(nn.Module):
         *,
         checkpoint: bool = False,
         check: bool = True,
+        valid: mx.array | None = None,
     ) -> tuple[mx.array, list]:
         """``tokens [B, T]`` after ``state`` (None: the start of a text) -> (final normalised
         hidden states ``[B, T, C]``, before the head; the state after these tokens).
         ``checkpoint``: each block's activations are recomputed in the backward instead of
         kept (``mx.checkpoint``): less memory for training, one more forward of time.
         ``check=False``: the ids are known to be in the vocabulary (sampled, or checked once
-        for a whole text): no read back (see ``check_tokens``)."""
+        for a whole text): no read back (see ``check_tokens``). ``valid [B, T]`` (bool): each
+        row's tokens, the rest padding (left or right, contiguous) that leaves the state as
+        it was; the attention blocks keep each row's own tokens (their state then holds each
+        row's length, and a later call with it runs them row by row: ``models.cache``)."""
         if check:
             self.check_tokens(tokens)
-        return self._hidden(tokens, state, checkpoint)
+        rows = None
+        ragged = state is not None and any("lengths" in s for s in state)
+        if valid is not None or ragged:
+            B, T = tokens.shape
+            rows = Rows(valid, [(0, T)] * B)
+            if valid is not None:
+                rows.spans = spans_of(valid)
+        return self._hidden(tokens, state, checkpoint, rows)
 
     def _hidden(
         self, tokens: mx.array, state: list | None, checkpoint: bool = False, rows: Rows = None

@@ -29,6 +29,7 @@ FORMATS = (
     ("messages", ("messages",)),
     ("completion", ("prompt", "completion")),
     ("text", ("text",)),
+    ("preference", ("prompt", "chosen", "rejected")),  # tuner/preference.py reads these
 )
 
 Progress = Callable[[int, "int | None", int], None]  # (bytes done, bytes in all, records read)
@@ -435,6 +436,9 @@ def _tokens_of(fmt: str, record, tokenizer) -> tuple[np.ndarray, np.ndarray]:
             {"role": "assistant", "content": completion},
         ]
         return _chat(tokenizer, messages, None)
+    if fmt == "preference":
+        raise _Bad("a preference record ('prompt', 'chosen', 'rejected'): supervised "
+                   "training reads 'messages', 'prompt' and 'completion', or 'text'")  # fmt: skip
     return _chat(tokenizer, record["messages"], record.get("tools"))
 
 

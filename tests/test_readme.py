@@ -231,6 +231,12 @@ RECIPES = {
         replace={"--iters 1000": LONG_RUN},
         expect=("pissa/adapter_final.safetensors", "miss/adapter_final.safetensors"),
     ),
+    "preference-training-dpo-and-orpo": Recipe(
+        files={"prefs": "prefs"},
+        hub={"fla-hub/rwkv7-1.5B-world": "rwkv7-hf"},
+        replace={"--iters 500": "--iters 2 --batch-size 2"},
+        expect=("dpo/adapter_final.safetensors", "orpo/adapter_final.safetensors"),
+    ),
     "pretraining": Recipe(
         # the README's own rwkv-x-small.yaml (World vocabulary: 33M embedding and head)
         files={"rwkv-x-small.yaml": "readme-yaml", "corpus": "corpus"},
@@ -442,6 +448,19 @@ class Fixtures:
                          intermediate_size=128, block_types=["qwen2"] * 4)  # fmt: skip
         native = self._save(cfg, self.root / "qwen2-native")
         run_cli("mlx_rwkvx.convert", str(native), str(path), "--to", "hf", cwd=self.root)
+        return path
+
+    def _prefs(self, path: Path) -> Path:
+        """Preference pairs, strings and conversational ones, a system field among them."""
+        lines = [json.dumps({"prompt": f"What is {a} plus 2?", "chosen": f"{a + 2}.",
+                             "rejected": f"{a + 3}."}) for a in range(6)]  # fmt: skip
+        turn = lambda role, text: [{"role": role, "content": text}]  # noqa: E731
+        lines.append(json.dumps({"system": "Be brief.", "prompt": turn("user", "Hi"),
+                                 "chosen": turn("assistant", "Hello."),
+                                 "rejected": turn("assistant", "Go away.")}))  # fmt: skip
+        path.mkdir()
+        (path / "train.jsonl").write_text("\n".join(lines) + "\n")
+        (path / "valid.jsonl").write_text("\n".join(lines[:2]) + "\n")
         return path
 
     def _chats(self, path: Path) -> Path:

@@ -85,9 +85,10 @@ def trained_tensors(model: Model, mode: str) -> dict[str, mx.array]:
 
 # settings that decide what the trained tensors are and which batches come next: a run
 # resumes only with the ones it was started with
-RESUME_FIXED = ("mode", "lora_rank", "lora_alpha", "lora_targets", "num_layers", "quantize",
-                "dtype", "init", "sql", "skip_bad", "mask_prompt", "max_seq_len", "batch_size",
-                "grad_accum", "seed", "carry_state", "max_cache", "parallel")  # fmt: skip
+RESUME_FIXED = ("mode", "train_mode", "beta", "dpo_loss", "lora_rank", "lora_alpha",
+                "lora_targets", "num_layers", "quantize", "dtype", "init", "sql", "skip_bad",
+                "mask_prompt", "max_seq_len", "batch_size", "grad_accum", "seed", "carry_state",
+                "max_cache", "parallel")  # fmt: skip
 
 
 def save_checkpoint(out: Path, run) -> None:

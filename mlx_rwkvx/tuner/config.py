@@ -15,6 +15,7 @@ from mlx_rwkvx.models.init import INIT_ALIASES
 from mlx_rwkvx.settings import opt
 
 MODES = ("lora", "dora", "pissa", "miss", "full", "state", "pretrain")
+TRAIN_MODES = ("sft", "dpo", "orpo")
 
 # Learning rates where Foundry's C engine is silent, from the published RWKV trainers:
 # - LoRA/DoRA/full: Foundry's 2e-5 (rx_train.h, rfa_train); RWKV's wiki advises at most 1e-4
@@ -41,6 +42,17 @@ class TrainConfig:
     output: str = opt("output folder (checkpoints, adapter, metrics)", "adapter_path")
     mode: str = opt(f"what is trained: one of {MODES}", "fine_tune_type", default="lora",
                     choices=MODES)  # fmt: skip
+    train_mode: str = opt("how: sft (the token loss of the data's answers), or preference "
+                          "training on prompt/chosen/rejected pairs: dpo (against the model as "
+                          "it starts) or orpo (no reference)", "training_mode", default="sft",
+                          choices=TRAIN_MODES)  # fmt: skip
+    beta: float = opt(
+        "dpo: beta, the strength of the pull from the reference; orpo: lambda, "
+        "the weight of the odds-ratio term (TRL calls both beta)",
+        default=0.1,
+    )
+    dpo_loss: str = opt("dpo's loss: sigmoid (the paper's), ipo or hinge", default="sigmoid",
+                        choices=("sigmoid", "ipo", "hinge"))  # fmt: skip
     lora_rank: int = opt("LoRA rank", "rank", default=32)
     lora_alpha: float = opt("LoRA alpha (scale = alpha / rank)", default=64.0)
     lora_scale: float = opt("LoRA scale, mlx-lm's way of giving alpha (alpha = scale * rank); "
@@ -147,7 +159,7 @@ _RANGES = [
     ("grad_accum", 1, True), ("warmup", 0, True), ("save_every", 1, True),
     ("log_every", 1, True), ("val_every", 0, True), ("grad_clip", 0, True),
     ("num_layers", 1, True), ("val_batches", 1, True), ("test_batches", 1, True),
-    ("max_cache", 1, True), ("parallel", 1, True),
+    ("max_cache", 1, True), ("parallel", 1, True), ("beta", 0, False),
 ]  # fmt: skip
 _MINUS_ONE_IS_ALL = ("num_layers", "val_batches", "test_batches")  # mlx-lm's convention
 
@@ -211,6 +223,18 @@ def _check(cfg: TrainConfig) -> None:
         raise ValueError("--mode pretrain trains a new model in float32: no --dtype")
     if cfg.mode == "pretrain" and cfg.quantize:
         raise ValueError("--mode pretrain trains every weight: no --quantize")
+    if cfg.train_mode == "sft" and (cfg.beta != 0.1 or cfg.dpo_loss != "sigmoid"):
+        raise ValueError("--beta and --dpo-loss apply to --train-mode dpo or orpo")
+    if cfg.train_mode == "orpo" and cfg.dpo_loss != "sigmoid":
+        raise ValueError("--dpo-loss applies to --train-mode dpo (orpo has one loss)")
+    if cfg.train_mode != "sft":
+        refused = (("--mode pretrain", cfg.mode == "pretrain"), ("--parallel", cfg.parallel > 1),
+                   ("--carry-state", cfg.carry_state), ("--sql", cfg.sql is not None),
+                   ("--no-mask-prompt", not cfg.mask_prompt))  # fmt: skip
+        for flag, on in refused:
+            if on:
+                raise ValueError(f"--train-mode {cfg.train_mode} trains on preference pairs: "
+                                 f"not with {flag}")  # fmt: skip
     if cfg.mode == "pissa" and cfg.quantize:
         raise ValueError(
             "--mode pissa needs a float base: its residual would be quantized anew, and the "

@@ -157,6 +157,8 @@ def pair_logprobs(model: Model, pairs: list[Pair], checkpoint: bool = False):
     prompt's state and last hidden state."""
     B = len(pairs)
     prompts, valid = _left_padded([p.prompt for p in pairs])
+    if len({len(p.prompt) for p in pairs}) == 1:
+        valid = None  # no padding: the attention blocks take the rows at once
     h_prompt, state = model.hidden(prompts, None, checkpoint=checkpoint, valid=valid)
     inputs, targets = _answers(pairs)
     h, _ = model.hidden(inputs, _branched(state), checkpoint=checkpoint)

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx_rwkvx
@@ -30,7 +30,7 @@ from mlx_rwkvx.errors import (
 from mlx_rwkvx.io.targets import output_lock, remove_stale
 from mlx_rwkvx.models import Model
 from mlx_rwkvx.ops import prepare
-from mlx_rwkvx.tuner import distributed, outputs, parallel, run_data
+from mlx_rwkvx.tuner import distributed, outputs, parallel, preference_run, run_data
 from mlx_rwkvx.tuner.adapters import adapter_config, trainable_count
 from mlx_rwkvx.tuner.batches import count_batches
 from mlx_rwkvx.tuner.build import block_kinds_of, build
@@ -69,11 +69,13 @@ class Single:
 
 @dataclass
 class StepResult:
-    loss: float  # the summed token loss of the step's micro-batches (over every rank)
-    count: int  # trained tokens
+    loss: float  # the summed loss of the step's micro-batches (over every rank)
+    count: int  # what the loss is summed over: trained tokens (preferences: pairs)
     norm: float  # the gradient norm of the mean (with --parallel: the largest adapter's)
     counts: list[int]  # --parallel: each adapter's trained tokens
     stop: bool  # a rank was asked to stop after this step (all stop together)
+    fed: int = 0  # tokens fed (padding too): the log's tokens per second
+    extra: dict = field(default_factory=dict)  # more of the step's log (preference terms)
 
 
 class Step:
@@ -154,7 +156,9 @@ class Step:
         self.update(grads)
         mx.eval(self.model.parameters(), self.optimizer.state)
         counts = total_count.tolist() if total_count.ndim else []
-        return StepResult(loss, int(mx.sum(total_count).item()), norm, counts, flag.item() > 0)
+        fed = sum(int(inputs.size) for inputs, _ in micro_batches)
+        return StepResult(loss, int(mx.sum(total_count).item()), norm, counts, flag.item() > 0,
+                          fed)  # fmt: skip
 
 
 class Run:
@@ -169,7 +173,7 @@ class Run:
         self.lead = True  # rank 0 of a data-parallel run (or the only one): it writes
         self.rank, self.ranks = 0, 1
         self.stack_tokens = [0] * cfg.parallel  # --parallel: the tokens each adapter trained on
-        self.validated = None  # (step, validation loss) of the latest --val-every validation
+        self.validated = None  # (step, its metrics) of the latest --val-every validation
 
     def adapter_config(self) -> dict:
         cfg = self.cfg
@@ -229,23 +233,25 @@ def _train(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
     mlx_rwkvx.configure()
     mx.random.seed(cfg.seed)
     built = build(cfg)
-    model, vocab = built.model, built.model.config.vocab_size
+    model = built.model
     chunks = [layer.attn.chunk_size for layer in model.layers if layer.kind == "moba"]
     if cfg.carry_state and chunks and cfg.max_cache < max(chunks):
         raise TrainError(f"--max-cache {cfg.max_cache}: MoBA keeps whole chunks of "
                          f"{max(chunks)} tokens; give at least one chunk")  # fmt: skip
     if group is not None and cfg.parallel > 1:
         raise TrainError("--parallel trains N adapters in one process: not under mlx.launch")
+    if group is not None and cfg.train_mode != "sft":
+        raise TrainError(f"--train-mode {cfg.train_mode} runs in one process: not under "
+                         "mlx.launch yet")  # fmt: skip
     prepare(dtypes=(mx.float32, mx.bfloat16))  # kernels checked before anything compiles
-    examples = run_data.train_examples(cfg, built.tokenizer, vocab)
-    examples = distributed.rank_share(examples, group)
-    parts = parallel.parts(examples, cfg.parallel)
-    val = run_data.validation_examples(cfg, built.tokenizer, vocab) if lead else []
-    if cfg.val_every and not val and lead:
+    if cfg.train_mode == "sft":
+        task = _supervised(cfg, built, group, lead)
+    else:  # the reference: the model as built (every adapter starts as the identity)
+        task = preference_run.task(cfg, built, lead)
+    if cfg.val_every and not task.val and lead:
         print(f"--val-every {cfg.val_every}: no validation data (--val-data, or valid.jsonl or "
               "valid.bin in the --data folder): no validation loss", file=sys.stderr)  # fmt: skip
-    test = run_data.test_examples(cfg, built.tokenizer, vocab) if lead else []  # read now
-    per_epoch = max(1, count_batches(parts[0], cfg.batch_size) // cfg.grad_accum)
+    per_epoch = task.per_epoch
     if group is not None:  # every rank runs the same steps (one with fewer would hang the rest)
         per_epoch = int(mx.distributed.all_min(mx.array(per_epoch), group=group).item())
     total = cfg.iters or cfg.epochs * per_epoch
@@ -262,16 +268,16 @@ def _train(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         outputs.keep_metrics(out / outputs.METRICS, run.step)
-        _say_what(run, examples, parts, group, total)
-    step = Step(model, run.optimizer, cfg, group)
+        _say_what(run, task, group, total)
+    step = task.step(run, group)
     try:
         stop = _Interrupt()
         try:
-            _loop(run, step, parts, val, total, out, stop, log)
+            _loop(run, step, task, total, out, stop, log)
         finally:
             stop.restore()  # the end (evaluation, final files): Ctrl-C stops it at once
         if lead:
-            _finish(run, val, test, out)
+            _finish(run, task, out)
     except (OSError, CheckpointError) as e:
         if isinstance(e, OSError) and e.errno not in USER_ERRNOS:
             raise
@@ -293,15 +299,64 @@ def _resume(run: Run, out: Path) -> None:
     load_checkpoint(out, step, run)
 
 
-def _say_what(run: Run, examples, parts, group, total: int) -> None:
+@dataclass
+class Task:
+    """What a run trains on and how: its data (``per_epoch`` steps an epoch, ``stream(position)``
+    of micro-batches), its step (``step(run, group)``), and its evaluations (``validate(run,
+    max_batches)``, ``evaluate_test(run)``: metrics by name; ``val``, ``test``: the data)."""
+
+    what: str  # "1,000 examples" or "1,000 pairs"
+    examples: list
+    per_epoch: int
+    stream: Callable
+    step: Callable
+    validate: Callable
+    evaluate_test: Callable
+    val: list
+    test: list
+    parts: list = field(default_factory=list)
+
+
+def _supervised(cfg: TrainConfig, built, group, lead: bool) -> Task:
+    """The token loss of texts (SFT, pretraining): examples, --parallel parts, Step."""
+    vocab = built.model.config.vocab_size
+    examples = run_data.train_examples(cfg, built.tokenizer, vocab)
+    examples = distributed.rank_share(examples, group)
+    parts = parallel.parts(examples, cfg.parallel)
+    val = run_data.validation_examples(cfg, built.tokenizer, vocab) if lead else []
+    test = run_data.test_examples(cfg, built.tokenizer, vocab) if lead else []  # read now
+
+    def validate(run, max_batches):
+        return {"val_loss": _evaluate(run, val, max_batches)}
+
+    def evaluate_test(run):
+        return {"test_loss": _evaluate(run, test, cfg.test_batches)}
+
+    return Task(
+        what=f"{len(examples)} examples",
+        examples=examples,
+        per_epoch=max(1, count_batches(parts[0], cfg.batch_size) // cfg.grad_accum),
+        stream=lambda position: run_data.stream(cfg, parts, position),
+        step=lambda run, group: Step(run.model, run.optimizer, cfg, group),
+        validate=validate,
+        evaluate_test=evaluate_test,
+        val=val,
+        test=test,
+        parts=parts,
+    )
+
+
+def _say_what(run: Run, task: Task, group, total: int) -> None:
     cfg = run.cfg
     who = f", {group.size()} ranks (data parallel)" if group is not None else ""
     if cfg.parallel > 1:
-        who = f", {cfg.parallel} parts of {len(parts[0])} trained at once (--parallel)"
-    print(f"{cfg.mode}: {trainable_count(run.model):,} trainable parameters ({len(run.paths)} "
-          f"tensors or layers), {len(examples)} examples{who}, {total} steps"
+        who = f", {cfg.parallel} parts of {len(task.parts[0])} trained at once (--parallel)"
+    how = cfg.mode if cfg.train_mode == "sft" else f"{cfg.train_mode} with {cfg.mode}"
+    print(f"{how}: {trainable_count(run.model):,} trainable parameters ({len(run.paths)} "
+          f"tensors or layers), {task.what}{who}, {total} steps"
           + (f", resuming at step {run.step}" if cfg.resume else ""))  # fmt: skip
     if cfg.carry_state:
+        examples = task.examples
         longest = max(len(e) for e in examples) - 1
         print(f"carry-state: texts of up to {longest:,} tokens, in segments of {cfg.max_seq_len} "
               f"(at most {-(-longest // cfg.max_seq_len)} a text); attention KV window "
@@ -331,10 +386,10 @@ class _Interrupt:
         self._old = {}
 
 
-def _loop(run: Run, step_fn: Step, parts, val, total: int, out: Path, stop: _Interrupt, log):
+def _loop(run: Run, step_fn, task: Task, total: int, out: Path, stop: _Interrupt, log):
     cfg, lead = run.cfg, run.lead
     metrics = outputs.Metrics(out, write=lead)  # only rank 0 writes
-    stream = run_data.stream(cfg, parts, run.position)
+    stream = task.stream(run.position)
     started, seen = time.perf_counter(), 0
     bar = tqdm(total=total, initial=run.step, unit="step", dynamic_ncols=True, leave=False,
                disable=not lead)  # fmt: skip
@@ -357,20 +412,22 @@ def _loop(run: Run, step_fn: Step, parts, val, total: int, out: Path, stop: _Int
             if result.counts:  # --parallel: each adapter's tokens
                 tokens = zip(run.stack_tokens, result.counts, strict=True)
                 run.stack_tokens = [a + b for a, b in tokens]
-            seen += sum(int(inputs.size) for inputs, _ in batch)
+            seen += result.fed
             bar.update(1)
             crash_point("step", run.step)
             record = {"step": run.step, "loss": result.loss / max(result.count, 1),
-                      "grad_norm": result.norm, "lr": lr, "tokens": run.tokens}  # fmt: skip
+                      **result.extra, "grad_norm": result.norm, "lr": lr,
+                      "tokens": run.tokens}  # fmt: skip
             if lead and (run.step % cfg.log_every == 0 or run.step == total):
                 record["tokens_per_s"] = seen / max(time.perf_counter() - started, 1e-9)
                 record["peak_memory_gb"] = mx.get_peak_memory() / 1e9
                 bar.write(f"step {run.step}/{total}: loss {record['loss']:.4f}, lr {lr:.2e}, "
                           f"{record['tokens_per_s']:.0f} tok/s, peak "
                           f"{record['peak_memory_gb']:.2f} GB")  # fmt: skip
-            if lead and val and cfg.val_every and run.step % cfg.val_every == 0:
-                record["val_loss"] = _evaluate(run, val, cfg.val_batches)
-                run.validated = (run.step, record["val_loss"])
+            if lead and task.val and cfg.val_every and run.step % cfg.val_every == 0:
+                validated = task.validate(run, cfg.val_batches)
+                record.update(validated)
+                run.validated = (run.step, validated)
                 bar.write(f"step {run.step}: validation loss {record['val_loss']:.4f}")
             metrics.add(record)
             if log is not None:
@@ -396,19 +453,19 @@ def _evaluate(run: Run, examples, max_batches) -> float:
         return evaluate(run.model, examples, cfg.batch_size, max_batches, segment, cfg.max_cache)
 
 
-def _finish(run: Run, val, test, out: Path) -> None:
+def _finish(run: Run, task: Task, out: Path) -> None:
     cfg = run.cfg
     if newest_checkpoint(out) != run.step:
         save_checkpoint(out, run)
     final = {}
-    if val:
+    if task.val:
         if run.validated is not None and run.validated[0] == run.step:
-            final["val_loss"] = run.validated[1]  # taken (and shown) at the last step
+            final.update(run.validated[1])  # taken (and shown) at the last step
         else:
-            final["val_loss"] = _evaluate(run, val, cfg.val_batches)
+            final.update(task.validate(run, cfg.val_batches))
             print(f"validation loss {final['val_loss']:.4f}")
-    if test:
-        final["test_loss"] = _evaluate(run, test, cfg.test_batches)
+    if task.test:
+        final.update(task.evaluate_test(run))
         print(f"test loss {final['test_loss']:.4f}")
     if final:
         metrics = outputs.Metrics(out, write=True)

@@ -1,0 +1,205 @@
+"""A preference run (``--train-mode dpo`` or ``orpo``): the trainer's ``Task`` of preference
+pairs (``tuner/preference.py``): the pairs of the data folder's train and valid splits, their
+stream of micro-batches, the step and the evaluations.
+
+DPO's reference is the model as the run builds it, before any step: every adapter starts as
+the identity (LoRA's and MiSS's B are zeros, DoRA's magnitude is the weight's norm, PiSSA's
+residual plus A0 B0 is the base, a state-tuned state starts at zeros) and full fine-tuning
+starts at the base. Its log-probabilities of every pair's answers are computed once, before
+the first step (and again on ``--resume``, before the checkpoint is loaded): 8 bytes a pair,
+no second copy of the weights, and a step costs the policy's forward and backward alone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from mlx_rwkvx.errors import DataError, NonFinite, TrainError
+from mlx_rwkvx.tuner.config import TrainConfig
+from mlx_rwkvx.tuner.data import find_split
+from mlx_rwkvx.tuner.preference import Pair, load_pairs, pair_logprobs, preference_loss
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_map
+
+TERMS = ("accuracy", "margin", "chosen_reward", "rejected_reward", "chosen_nll")
+
+
+def _pairs(cfg: TrainConfig, tokenizer, vocab: int, split: str, path: str | None) -> list[Pair]:
+    file = find_split(path, split) if path else None
+    if file is None:
+        if split == "train":
+            raise TrainError(f"--data {cfg.data}: no {split}.jsonl of preference pairs")
+        return []
+    if tokenizer is None:
+        raise TrainError(f"{file}: preference pairs need the model's tokenizer")
+    try:
+        return load_pairs(file, tokenizer, max_seq_len=cfg.max_seq_len, vocab_size=vocab)
+    except DataError as e:
+        raise TrainError(str(e)) from e
+
+
+def _batches(n: int, size: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """The epoch's batches of pair indices, in the seed's and the epoch's order."""
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return [order[i : i + size] for i in range(0, n - n % size or n, size)]
+
+
+def _reference(model, pairs: list[Pair], batch_size: int) -> np.ndarray:
+    """``[len(pairs), 2]``: the model's log-probabilities of each pair's chosen and rejected
+    answers, dropout off."""
+    was = model.training
+    model.eval()
+    out = np.zeros((len(pairs), 2), dtype=np.float32)
+    try:
+        for start in range(0, len(pairs), batch_size):
+            chosen, rejected, _, _ = pair_logprobs(model, pairs[start : start + batch_size])
+            mx.eval(chosen, rejected)
+            out[start : start + len(chosen)] = np.stack([chosen, rejected], axis=1)
+    finally:
+        model.train(was)
+    return out
+
+
+def _terms(cfg: TrainConfig, policy, reference):
+    return preference_loss(cfg.train_mode, policy, reference, beta=cfg.beta, kind=cfg.dpo_loss,
+                           lam=cfg.beta)  # fmt: skip
+
+
+def _means(sums: dict, n: int, prefix: str = "") -> dict:
+    n = max(n, 1)
+    return {
+        f"{prefix}accuracy": sums["correct"] / n,
+        f"{prefix}margin": (sums["chosen_reward"] - sums["rejected_reward"]) / n,
+        f"{prefix}chosen_reward": sums["chosen_reward"] / n,
+        f"{prefix}rejected_reward": sums["rejected_reward"] / n,
+        f"{prefix}chosen_nll": sums["chosen_nll"] / n,
+    }
+
+
+def _sums(terms) -> dict:
+    return {
+        "loss": terms.loss.item(),
+        "correct": terms.correct.item(),
+        "chosen_reward": terms.chosen_reward.item(),
+        "rejected_reward": terms.rejected_reward.item(),
+        "chosen_nll": terms.chosen_nll.item(),
+    }
+
+
+def _add(a: dict | None, b: dict) -> dict:
+    return dict(b) if a is None else {k: a[k] + b[k] for k in a}
+
+
+class PreferenceStep:
+    """One optimizer step over micro-batches of pairs: the summed pair loss's gradient over
+    the step's pairs, clipped by its global norm, one AdamW update; NonFinite before anything
+    is updated when the loss or the norm is not finite."""
+
+    def __init__(self, run, pairs: list[Pair], reference: np.ndarray):
+        self.run, self.pairs, self.reference = run, pairs, reference
+        self.group = None  # one process (the trainer refuses mlx.launch for preferences)
+        cfg = run.cfg
+
+        def loss(model, batch, ref_c, ref_r):
+            policy = pair_logprobs(model, batch, checkpoint=cfg.grad_checkpoint)
+            terms = _terms(cfg, policy, (ref_c, ref_r))
+            return terms.loss, terms.correct, terms.chosen_reward, terms.rejected_reward, (
+                terms.chosen_nll)  # fmt: skip
+
+        self.loss_and_grad = nn.value_and_grad(run.model, loss)
+
+    def __call__(self, micro_batches, stop: bool = False):
+        from mlx_rwkvx.tuner.trainer import StepResult  # the trainer imports this module
+
+        run, cfg = self.run, self.run.cfg
+        grads, sums, n, fed = None, None, 0, 0
+        for indices in micro_batches:
+            batch = [self.pairs[i] for i in indices]
+            ref = self.reference[indices]
+            values, g = self.loss_and_grad(run.model, batch, mx.array(ref[:, 0]),
+                                           mx.array(ref[:, 1]))  # fmt: skip
+            mx.eval(values, g)
+            names = ("loss", "correct", "chosen_reward", "rejected_reward", "chosen_nll")
+            sums = _add(sums, {k: v.item() for k, v in zip(names, values, strict=True)})
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            n += len(batch)
+            fed += sum(len(p.prompt) + len(p.chosen) + len(p.rejected) for p in batch)
+        grads = tree_map(lambda x: x / n, grads)
+        grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        mx.eval(grads, norm)
+        norm = norm.item()
+        if not math.isfinite(sums["loss"]):
+            raise NonFinite(f"the loss is {sums['loss']}")
+        if not math.isfinite(norm):
+            raise NonFinite(f"the gradient norm is {norm}")
+        run.optimizer.update(run.model, grads)
+        mx.eval(run.model.parameters(), run.optimizer.state)
+        return StepResult(sums["loss"], n, norm, [], stop, fed, _means(sums, n))
+
+
+def _evaluate(run, pairs: list[Pair], reference: np.ndarray, max_batches, prefix: str) -> dict:
+    """The mean pair loss and terms over ``pairs`` (the first ``max_batches`` batches)."""
+    cfg, model = run.cfg, run.model
+    was = model.training
+    model.eval()
+    sums, n = None, 0
+    try:
+        for i, start in enumerate(range(0, len(pairs), cfg.batch_size)):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = pairs[start : start + cfg.batch_size]
+            ref = reference[start : start + len(batch)]
+            policy = pair_logprobs(model, batch)
+            terms = _terms(cfg, policy, (mx.array(ref[:, 0]), mx.array(ref[:, 1])))
+            sums = _add(sums, _sums(terms))
+            n += len(batch)
+    finally:
+        model.train(was)
+    return {f"{prefix}loss": sums["loss"] / max(n, 1), **_means(sums, n, prefix)}
+
+
+def task(cfg: TrainConfig, built, lead: bool):
+    """The trainer's ``Task`` of a preference run (its reference computed now)."""
+    from mlx_rwkvx.tuner.trainer import Task  # the trainer imports this module
+
+    vocab = built.model.config.vocab_size
+    pairs = _pairs(cfg, built.tokenizer, vocab, "train", cfg.data)
+    val_path = cfg.val_data or (cfg.data if os.path.isdir(cfg.data) else None)
+    val = _pairs(cfg, built.tokenizer, vocab, "valid", val_path) if lead else []
+    if cfg.test:
+        print("--test: a preference run evaluates on valid.jsonl (no test split)",
+              file=sys.stderr)  # fmt: skip
+    if len(pairs) < cfg.batch_size:
+        raise TrainError(f"{len(pairs)} preference pairs: fewer than --batch-size {cfg.batch_size}")
+    reference = _reference(built.model, pairs, cfg.batch_size) if cfg.train_mode == "dpo" else (
+        np.zeros((len(pairs), 2), dtype=np.float32))  # fmt: skip
+    val_reference = _reference(built.model, val, cfg.batch_size) if (
+        val and cfg.train_mode == "dpo") else np.zeros((len(val), 2), dtype=np.float32)  # fmt: skip
+
+    def stream(position):
+        epoch, start = position["epoch"], position["batch"]
+        while True:
+            batches = _batches(len(pairs), cfg.batch_size, cfg.seed, epoch)
+            for i in range(start, len(batches)):
+                yield batches[i], {"epoch": epoch, "batch": i + 1}
+            epoch, start = epoch + 1, 0
+
+    return Task(
+        what=f"{len(pairs)} preference pairs",
+        examples=pairs,
+        per_epoch=max(1, (len(pairs) // cfg.batch_size) // cfg.grad_accum),
+        stream=stream,
+        step=lambda run, group: PreferenceStep(run, pairs, reference),
+        validate=lambda run, max_batches: _evaluate(
+            run, val, val_reference, max_batches, "val_"
+        ),  # fmt: skip
+        evaluate_test=lambda run: {},
+        val=val,
+        test=[],
+    )

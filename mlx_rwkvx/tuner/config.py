@@ -182,8 +182,8 @@ def mode_only_problem(name: str, mode: str) -> str | None:
     modes = MODE_ONLY.get(name)
     if modes is None or mode in modes:
         return None
-    return (f"--{name.replace('_', '-')} applies to --mode {' or '.join(modes)}, not --mode "
-            f"{mode}")  # fmt: skip
+    listed = " or ".join(modes) if len(modes) < 3 else f"{', '.join(modes[:-1])} or {modes[-1]}"
+    return f"--{name.replace('_', '-')} applies to --mode {listed}, not --mode {mode}"
 
 
 def _check(cfg: TrainConfig) -> None:

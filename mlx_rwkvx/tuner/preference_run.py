@@ -20,6 +20,7 @@ from mlx_rwkvx.errors import DataError, NonFinite, TrainError
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.data import find_split
 from mlx_rwkvx.tuner.preference import Pair, load_pairs, pair_logprobs, preference_loss
+from mlx_rwkvx.tuner.steps import StepResult, Task
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -115,8 +116,6 @@ class PreferenceStep:
         self.loss_and_grad = nn.value_and_grad(run.model, loss)
 
     def __call__(self, micro_batches, stop: bool = False):
-        from mlx_rwkvx.tuner.trainer import StepResult  # the trainer imports this module
-
         run, cfg = self.run, self.run.cfg
         grads, sums, n, fed = None, None, 0, 0
         for indices in micro_batches:
@@ -166,8 +165,6 @@ def _evaluate(run, pairs: list[Pair], reference: np.ndarray, max_batches, prefix
 
 def task(cfg: TrainConfig, built, lead: bool):
     """The trainer's ``Task`` of a preference run (its reference computed now)."""
-    from mlx_rwkvx.tuner.trainer import Task  # the trainer imports this module
-
     vocab = built.model.config.vocab_size
     pairs = _pairs(cfg, built.tokenizer, vocab, "train", cfg.data)
     val_path = cfg.val_data or (cfg.data if os.path.isdir(cfg.data) else None)

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx_rwkvx
@@ -44,6 +43,7 @@ from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.lora_variants import VARIANTS, saved_lora_parameters
 from mlx_rwkvx.tuner.losses import batch_loss, dataset_loss, segment_loss, segments
 from mlx_rwkvx.tuner.optimizer import make_optimizer
+from mlx_rwkvx.tuner.steps import StepResult, Task
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -65,17 +65,6 @@ class Single:
         """(the token mean's gradient, clipped; its norm before clipping)."""
         grads = tree_map(lambda g: g / mx.maximum(count, 1).astype(mx.float32), grads)
         return optim.clip_grad_norm(grads, clip if clip > 0 else math.inf)
-
-
-@dataclass
-class StepResult:
-    loss: float  # the summed loss of the step's micro-batches (over every rank)
-    count: int  # what the loss is summed over: trained tokens (preferences: pairs)
-    norm: float  # the gradient norm of the mean (with --parallel: the largest adapter's)
-    counts: list[int]  # --parallel: each adapter's trained tokens
-    stop: bool  # a rank was asked to stop after this step (all stop together)
-    fed: int = 0  # tokens fed (padding too): the log's tokens per second
-    extra: dict = field(default_factory=dict)  # more of the step's log (preference terms)
 
 
 class Step:
@@ -297,24 +286,6 @@ def _resume(run: Run, out: Path) -> None:
         print(f"--resume: skipped checkpoint_{newer} ({why}); resuming from "
               f"checkpoint_{step}", file=sys.stderr)  # fmt: skip
     load_checkpoint(out, step, run)
-
-
-@dataclass
-class Task:
-    """What a run trains on and how: its data (``per_epoch`` steps an epoch, ``stream(position)``
-    of micro-batches), its step (``step(run, group)``), and its evaluations (``validate(run,
-    max_batches)``, ``evaluate_test(run)``: metrics by name; ``val``, ``test``: the data)."""
-
-    what: str  # "1,000 examples" or "1,000 pairs"
-    examples: list
-    per_epoch: int
-    stream: Callable
-    step: Callable
-    validate: Callable
-    evaluate_test: Callable
-    val: list
-    test: list
-    parts: list = field(default_factory=list)
 
 
 def _supervised(cfg: TrainConfig, built, group, lead: bool) -> Task:

@@ -1471,11 +1471,11 @@ def _command_cases(add):
         (["--init", "seeds"], "--init applies to --mode pretrain, not --mode lora"),
         (
             ["--mode", "state", "--lora-rank", "8"],
-            "--lora-rank applies to --mode lora or dora, not --mode state",
+            "--lora-rank applies to --mode lora, dora, pissa or miss, not --mode state",
         ),
         (
             ["--mode", "full", "--lora-dropout", "0.1"],
-            "--lora-dropout applies to --mode lora or dora, not --mode full",
+            "--lora-dropout applies to --mode lora, dora, pissa or miss, not --mode full",
         ),
         (["--lora-rank", "100000"], "--lora-rank 100000 is above the size of .* at most 32"),
     ):

@@ -115,6 +115,12 @@ EXPECTED = {
         r"^- decode tokens/s with a JSON schema / without: [\d.]+ \(goal >= 0.7\)",
         r"^- load test 5xx answers: 0.00 \(goal <= 0\): met$",
     ],
+    "preference": [
+        r"^Verified first: DPO's first loss is ln 2 to [\d.e+-]+; a pair's log-probability ",
+        r"^\| LoRA SFT \| \d+ \| [\d.]+ s \| \d+ \| \d+ MiB \|$",
+        r"^\| DPO \| \d+ \| [\d.]+ s \| \d+ \| \d+ MiB \|$",
+        r"^- DPO step time / LoRA SFT step on the same sequences: [\d.]+ \(goal <= 1.2\)",
+    ],
     "loss": [
         r"^Verified first: fused vs dense loss [\d.e+-]+, dh [\d.e+-]+, dW [\d.e+-]+\.$",
         r"^\| fused \| [\d.]+ s \| \d+ MiB \|$",
@@ -128,6 +134,7 @@ GOAL_COUNTS = {
     "models": 5,
     "loss": 1,
     "train": 2,
+    "preference": 2,
     "train-int8": 2,
     "generate": 4,
     "evaluate": 2,

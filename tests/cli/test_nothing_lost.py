@@ -5,6 +5,7 @@ line with the last good work intact and no temporary files left behind."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import os
@@ -45,6 +46,18 @@ def refused(proc: subprocess.CompletedProcess, message: str) -> None:
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def refused_all(cases, **kw) -> None:
+    """Each case ``(module, args, message)`` refused as ``refused`` says, two processes at a
+    time (a refusal's time is its interpreter's start: two cores start two)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        procs = list(pool.map(lambda c: run_module(c[0], *c[1], **kw), cases))
+    for (module, args, message), proc in zip(cases, procs, strict=True):
+        try:
+            refused(proc, message)
+        except AssertionError as e:
+            raise AssertionError(f"{module} {args}: {e}") from None
 
 
 def snapshot(*roots: Path) -> dict[str, bytes | str]:
@@ -121,10 +134,10 @@ def test_outputs_that_hold_the_current_folder_are_refused(kit, scratch):
     home.mkdir()
     (home / "diary.txt").write_bytes(PRECIOUS)
     before = snapshot(scratch.parent, kit)
-    for module, args, message in unsafe_cases(kit):
-        args = [str(home) if x == "HOME" else x for x in args]
-        refused(run_module(module, *args, cwd=scratch, env={"HOME": str(home)}), message)
-        assert snapshot(scratch.parent, kit) == before, (module, args)
+    cases = [(module, [str(home) if x == "HOME" else x for x in args], message)
+             for module, args, message in unsafe_cases(kit)]  # fmt: skip
+    refused_all(cases, cwd=scratch, env={"HOME": str(home)})
+    assert snapshot(scratch.parent, kit) == before
 
 
 def test_the_api_refuses_them_too(tmp_path, monkeypatch):
@@ -166,9 +179,8 @@ def test_an_output_never_replaces_or_enters_an_input(kit, tmp_path):
          "would write over the --model"),
     ]  # fmt: skip
     before = snapshot(tmp_path)
-    for module, args, message in cases:
-        refused(run_module(module, *args), message)
-        assert snapshot(tmp_path) == before, (module, args)
+    refused_all(cases)
+    assert snapshot(tmp_path) == before
 
 
 def test_overwrite_replaces_only_what_the_command_writes(kit, tmp_path):
@@ -193,9 +205,8 @@ def test_overwrite_replaces_only_what_the_command_writes(kit, tmp_path):
                          notes, "--overwrite"], "is not a pre-tokenized .bin"),
     ]  # fmt: skip
     before = snapshot(tmp_path)
-    for module, args, message in cases:
-        refused(run_module(module, *args), message)
-        assert snapshot(tmp_path) == before, (module, args)
+    refused_all(cases)
+    assert snapshot(tmp_path) == before
     # what the command itself wrote is replaced with --overwrite
     out = tmp_path / "p.bin"
     base = ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output", out]

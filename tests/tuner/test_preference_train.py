@@ -39,10 +39,12 @@ def ws(tmp_path_factory):
     # RWKV-X: its attention finds the cue word in a few steps (a 2-block RWKV-7 does not)
     mlx_rwkvx.save(Model(preset("rwkv-x-tiny"), seed=0), root / "base")  # the byte tokenizer
     rng = np.random.default_rng(0)
-    (root / "data").mkdir()
-    for split, n in (("train", 64), ("valid", 48)):
-        lines = [json.dumps(_record(rng)) for _ in range(n)]
-        (root / "data" / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    for folder, sizes in (("data", (64, 48)), ("few", (8, 0))):  # few: for one-step runs
+        (root / folder).mkdir()
+        for split, n in zip(("train", "valid"), sizes, strict=True):
+            if n:
+                lines = [json.dumps(_record(rng)) for _ in range(n)]
+                (root / folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     return root
 
 
@@ -103,7 +105,7 @@ def test_preference_accuracy_rises_on_held_out_pairs(ws, tmp_path, train_mode):
 @pytest.mark.parametrize("mode", ["lora", "dora", "pissa", "miss", "state", "full"])
 def test_dpo_starts_at_ln_2_in_every_mode(ws, tmp_path, mode):
     """The reference is the model as it starts: the first step's loss is -log sigmoid(0)."""
-    out = train(_cfg(ws, tmp_path / mode, mode=mode, iters=1, lr=1e-3))
+    out = train(_cfg(ws, tmp_path / mode, mode=mode, iters=1, lr=1e-3, data=str(ws / "few")))
     first = _metrics(out)[0]
     assert math.isclose(first["loss"], math.log(2), rel_tol=1e-5), first
     assert first["margin"] == 0.0 and first["accuracy"] == 0.0

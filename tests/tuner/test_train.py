@@ -330,7 +330,7 @@ def test_int8_base_lora_gradients_are_those_of_its_dequantized_twin(tmp_path):
         (["--grad-checkpoint", "--lora-dropout", "0.1"], "other dropout masks"),
         (
             ["--mode", "state", "--lora-targets", "attn"],
-            "--lora-targets applies to --mode lora or dora, not --mode state",
+            "--lora-targets applies to --mode lora, dora, pissa or miss, not --mode state",
         ),
         (["--mode", "pretrain", "--dtype", "bfloat16"], "no --dtype"),
     ],

@@ -63,8 +63,10 @@ def main() -> None:
                      **_losses(model, tokenizer, task / "valid.jsonl", base_valid)})  # fmt: skip
         print(rows[-1], flush=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n| state tuning ({args.iters} steps, batch 16) | reverse-a-word loss (held out) | "
-          "the base's own data |")
+    print(
+        f"\n| state tuning ({args.iters} steps, batch 16) | reverse-a-word loss (held out) | "
+        "the base's own data |"
+    )
     print("|---|---|---|")
     for row in rows:
         print(f"| {row['run']} | {row['task']:.3f} | {row['base data']:.3f} |")

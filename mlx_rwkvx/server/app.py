@@ -18,8 +18,9 @@ from importlib import resources
 
 from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.generation.stream import _encode
-from mlx_rwkvx.server import engine as eng
-from mlx_rwkvx.server.engine import Engine, Job, Params, Served
+from mlx_rwkvx.server import answers
+from mlx_rwkvx.server.answers import Params
+from mlx_rwkvx.server.engine import Engine, Job, Served
 from mlx_rwkvx.server.protocol import (
     ApiError,
     ChatRequest,
@@ -123,7 +124,7 @@ def create_app(engine: Engine, settings) -> FastAPI:
         for ids in texts:
             _check_prompt(ids, settings)
         vectors: list = []
-        job = Job(lambda job: vectors.extend(eng.embed(engine, served, ids) for ids in texts))
+        job = Job(lambda job: vectors.extend(answers.embed(engine, served, ids) for ids in texts))
         engine.submit(job)
         await _events_until_end(job, request)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}

@@ -34,12 +34,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlx_rwkvx.errors import UserError
-from mlx_rwkvx.generation import ChatFormat, Session, stream_generate
+from mlx_rwkvx.generation import ChatFormat
 from mlx_rwkvx.generation.chat import model_identity
 from mlx_rwkvx.generation.prefix_cache import PrefixCache
 from mlx_rwkvx.generation.stream import StopStrings, detokenizer, vocab_mask
 from mlx_rwkvx.models.cache import read_caches, write_caches
 from mlx_rwkvx.models.model import Model
+from mlx_rwkvx.server.answers import (
+    Params,
+    generate,
+    processors,
+    resume,
+    sampler,
+    top_logprobs,
+)
 from mlx_rwkvx.server.protocol import ApiError
 from mlx_rwkvx.server.tools import ToolCalls
 
@@ -47,13 +55,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    make_logits_processors,
-    make_sampler,
-)
 
 log = logging.getLogger("mlx_rwkvx.server")
 PREFILL_ROWS = 8  # prompts prefilled together, at most
@@ -114,25 +115,6 @@ class Served:
             return tok.decode([token]).encode("utf-8")
         except ValueError:
             return b""
-
-
-@dataclass
-class Params:
-    """One answer's settings, checked (the handlers turn a request into these)."""
-
-    max_tokens: int
-    temp: float = 0.0
-    top_p: float = 0.0
-    min_p: float = 0.0
-    top_k: int = 0
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # None: none; k: the chosen token's and the top k
-    grammar: str | None = None  # llguidance's grammar the answer keeps to (response_format)
 
 
 class Job:
@@ -333,7 +315,7 @@ class Engine:
         bad = next((i for i in ids if not 0 <= i < vocab), None)
         if bad is not None:
             raise ApiError(400, f"token id {bad} is outside the vocabulary (0 .. {vocab - 1})")
-        cached, entry = _resume(served, ids)
+        cached, entry = resume(served, ids)
         state = entry["state"] if entry is not None else served.model.init_state(1)
         logits = entry.get("logits") if entry is not None and cached == len(ids) else None
         procs = processors(params, served)
@@ -505,7 +487,7 @@ class Engine:
         logprob = top = None
         if params.logprobs is not None:
             logprob = logprobs[token].item()
-            top = _top(logprobs, params.logprobs)
+            top = top_logprobs(logprobs, params.logprobs)
         row.job.emit("token", row.index, token, text, logprob, top)
         if finish is None and row.job.cancelled.is_set():
             finish = "cancelled"
@@ -538,6 +520,8 @@ class Engine:
         current = self._current
         if current is not None:
             current.cancelled.set()
+        for row in self._pending:
+            row.job.cancelled.set()
         for batch in self._batches.values():
             for row in batch.rows.values():
                 row.job.cancelled.set()
@@ -575,135 +559,7 @@ class _failures:
         return True
 
 
-def _resume(served: Served, ids: list[int]) -> tuple[int, dict | None]:
-    """The longest stored prefix of ``ids`` and its entry: the whole prompt only where its
-    logits were stored too (else the last token is fed again, for them)."""
-    cached, entry = served.cache.get(ids)
-    if entry is not None and cached == len(ids) and "logits" not in entry:
-        cached, entry = served.cache.get(ids[:-1])
-    return cached, entry
-
-
 def _fits(model: Model, tokens: int, max_cache: int) -> bool:
     """Whether an answer of ``tokens`` in all fits the attention blocks' KV window (an RWKV-7
     model has none)."""
     return all(layer.kind == "rwkv7" for layer in model.layers) or tokens <= max_cache
-
-
-# ----- the work --------------------------------------------------------------------------------
-
-
-def processors(params: Params, served: Served) -> list:
-    """mlx-lm's logits processors of the request, and its grammar's mask last."""
-    out = make_logits_processors(
-        logit_bias=params.logit_bias or None,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty or None,
-        frequency_penalty=params.frequency_penalty or None,
-    )
-    if params.grammar is not None:
-        from mlx_rwkvx.server.schema import GrammarProcessor
-
-        vocab = served.model.config.vocab_size
-        out.append(GrammarProcessor(served.token_table(), params.grammar, vocab))
-    return out
-
-
-def sampler(params: Params):
-    """mlx-lm's sampler of the request; with a seed, one that draws from its own key, so that
-    the answer is the same whatever shares its batch."""
-    if params.seed is None or params.temp == 0:
-        return make_sampler(temp=params.temp, top_p=params.top_p, min_p=params.min_p,
-                            top_k=params.top_k)  # fmt: skip
-    key = mx.random.key(params.seed)
-
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, draw = mx.random.split(key)
-        if 0 < params.top_p < 1:
-            logprobs = apply_top_p(logprobs, params.top_p)
-        if params.min_p:
-            logprobs = apply_min_p(logprobs, params.min_p, 1)
-        if params.top_k > 0:
-            logprobs = apply_top_k(logprobs, params.top_k)
-        return mx.random.categorical(logprobs * (1 / params.temp), key=draw)
-
-    return sample
-
-
-def _top(logprobs: mx.array, k: int) -> list[tuple[int, float]]:
-    if k <= 0:
-        return []
-    idx = mx.argpartition(-logprobs, k - 1)[:k]
-    values = logprobs[idx]
-    order = mx.argsort(-values)
-    return list(zip(idx[order].tolist(), values[order].tolist(), strict=True))
-
-
-def generate(engine: Engine, served: Served, job: Job, ids: list[int], params: Params,
-             index: int = 0) -> None:  # fmt: skip
-    """One answer to ``ids``, as events: ``("prefilled", index, cached)``, then ``("token",
-    index, token, text, logprob, top)`` per token (logprob None unless asked), then
-    ``("done", index, finish_reason, tokens)``."""
-    session = Session(served.model, max_cache=engine.max_cache, prefill_step=engine.prefill_step)
-    cached, entry = _resume(served, ids)
-    if entry is not None:
-        session.restore((ids[:cached], entry["state"]), entry.get("logits"))
-    responses = stream_generate(
-        served.model,
-        served.tokenizer,
-        ids[cached:],
-        max_tokens=params.max_tokens,
-        sampler=sampler(params),
-        logits_processors=processors(params, served),
-        stop=params.stop,
-        session=session,
-    )
-    n, finish, prompt_stored = 0, "cancelled", False
-    try:
-        for r in responses:
-            if not prompt_stored:
-                job.emit("prefilled", index, cached)
-            logprob = top = None
-            if params.logprobs is not None:
-                logprob = r.logprobs[r.token].item()
-                top = _top(r.logprobs, params.logprobs)
-            n = r.generation_tokens
-            job.emit("token", index, r.token, r.text, logprob, top)
-            if not prompt_stored:  # the state after the prompt: after the first token is out
-                if cached < len(ids):
-                    served.cache.put(ids, {"state": session.state, "logits": session.logits})
-                prompt_stored = True
-            if r.finish_reason is not None:
-                finish = r.finish_reason
-                break
-            if job.cancelled.is_set():
-                break
-    finally:
-        responses.close()
-        if len(session.tokens) > len(ids):  # the state after the answer (as far as it came)
-            entry = {"state": session.state}
-            if session.logits is not None:
-                entry["logits"] = session.logits
-            served.cache.put(session.tokens, entry)
-    if finish == "cancelled":  # its client went (nobody reads this), or the server stops
-        raise ApiError(503, "the answer was stopped: the server is shutting down",
-                       type="server_error")  # fmt: skip
-    job.emit("done", index, "length" if finish == "cache" else finish, n)
-
-
-def embed(engine: Engine, served: Served, ids: list[int]) -> list[float]:
-    """The text's final normalised hidden states pooled (their mean, or the last token's:
-    ``engine.pooling``) and scaled to unit length."""
-    model, state = served.model, None
-    total = None
-    for start in range(0, len(ids), engine.prefill_step):
-        piece = mx.array([ids[start : start + engine.prefill_step]], dtype=mx.int32)
-        h, state = model.hidden(piece, state, check=False)
-        h = h[0].astype(mx.float32)
-        total = (h[-1] if engine.pooling == "last" else
-                 h.sum(axis=0) + (0 if total is None else total))  # fmt: skip
-        mx.eval(total, state)
-    pooled = total if engine.pooling == "last" else total / len(ids)
-    pooled = pooled / mx.maximum(mx.linalg.norm(pooled), 1e-12)
-    return pooled.tolist()

@@ -2,8 +2,8 @@
 set whose chosen answer differs from the rejected one in one property (upper case after
 "loud", lower case after "soft"), held-out preference accuracy goes from about half to at
 least 90% while the chosen answers' NLL does not rise by more than half a nat; the reference
-is each mode's starting model (DPO's first loss is ln 2 in every mode); the outputs are
-adapters as SFT's; a run resumes; what does not go with it is one line."""
+is each mode's starting model (DPO's first loss is ln 2 in every mode, and on an INT8 base);
+the outputs are adapters as SFT's; a run resumes; what does not go with it is one line."""
 
 from __future__ import annotations
 
@@ -144,3 +144,12 @@ def test_sft_data_for_dpo_names_the_line(ws, tmp_path):
     (tmp_path / "sft" / "train.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
     with pytest.raises(TrainError, match=r"train.jsonl:1: not a preference record"):
         train(_cfg(ws, tmp_path / "x", data=str(tmp_path / "sft")))
+
+
+def test_dpo_on_an_int8_base(ws, tmp_path):
+    """--quantize: the reference and the policy on the INT8 base (no float copy)."""
+    out = train(_cfg(ws, tmp_path / "q", quantize="int8", iters=2, data=str(ws / "few")))
+    first = _metrics(out)[0]
+    assert math.isclose(first["loss"], math.log(2), rel_tol=1e-5), first
+    model, _ = mlx_rwkvx.load(ws / "base", adapter=out, quantize="int8")
+    assert model.quantization is not None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from mlx_rwkvx.models.cache import TIME_ARRAYS
+from mlx_rwkvx.models.cache import row_of, stack_padded
 from mlx_rwkvx.models.config import ModelConfig
 from mlx_rwkvx.models.rwkv7 import ChannelMix, SwiGLU, state_problem
 from mlx_rwkvx.ops.moba import append_kv, empty_kv, moba_attention, moba_decode, time_major
@@ -29,29 +29,11 @@ class KVRows:
 
     def row_state(self, state: dict, b: int, n: int) -> dict:
         """Row ``b``'s own state, of its ``n`` tokens."""
-        row = {}
-        for name, a in state.items():
-            if name == "lengths":
-                continue
-            a = a[b : b + 1]
-            if name == "key_sums":
-                a = a[:, :, : -(-n // self.chunk_size)]
-            elif name in TIME_ARRAYS:
-                a = a[:, :, :n]
-            row[name] = a
-        return row
+        return row_of(state, b, n, self.chunk_size)
 
     def stack_rows(self, rows: list[dict]) -> dict:
         """The rows' states stacked, the time arrays right-padded with zeros."""
-        out = {}
-        for name in rows[0]:
-            arrays = [r[name] for r in rows]
-            if name in TIME_ARRAYS:
-                S = max(a.shape[2] for a in arrays)
-                arrays = [mx.pad(a, [(0, 0), (0, 0), (0, S - a.shape[2]), (0, 0)])
-                          if a.shape[2] < S else a for a in arrays]  # fmt: skip
-            out[name] = mx.concatenate(arrays, axis=0)
-        return out
+        return {name: stack_padded([r[name] for r in rows]) for name in rows[0]}
 
     def lengths_problem(self, state, batch: int) -> tuple[dict, str | None]:
         """``state`` without its row lengths, and what is wrong with them (None: nothing)."""

@@ -74,15 +74,9 @@ def _classes() -> tuple[type, type]:
             return self.cache[0].shape[2] if self.kv_lengths is None else self.kv_lengths[i]
 
         def _row(self, i: int) -> list:
-            rows = [a[i : i + 1] for a in self.cache]
-            if self.kv_lengths is None:
-                return rows
-            n = self.kv_lengths[i]
-            names = STATE_ORDER[self.kind]
-            return [
-                a[:, :, : _entries(name, n, self.chunk_size)] if name in TIME_ARRAYS else a
-                for name, a in zip(names, rows, strict=False)
-            ]
+            named = dict(zip(STATE_ORDER[self.kind], self.cache, strict=False))
+            n = None if self.kv_lengths is None else self.kv_lengths[i]
+            return list(row_of(named, i, n, self.chunk_size).values())
 
         def _like(self, kind: str | None = None) -> RowsCache:
             new = RowsCache(len(self.cache), kind or self.kind)
@@ -92,7 +86,7 @@ def _classes() -> tuple[type, type]:
         def _set_rows(self, rows: list[list], lengths: list[int]) -> None:
             """The cache of ``rows`` (each a list of ``[1, ...]`` arrays) stacked, the time
             arrays right-padded to the longest row."""
-            self.cache = [_stack([r[e] for r in rows]) for e in range(len(rows[0]))]
+            self.cache = [stack_padded([r[e] for r in rows]) for e in range(len(rows[0]))]
             ragged = self.kind != "rwkv7" and len(set(lengths)) > 1
             if ragged and self.kind == "moba" and self.chunk_size is None:
                 raise ValueError(
@@ -207,11 +201,22 @@ def _cat(a, b, na: int, nb: int):
     return mx.concatenate([a, b])
 
 
-def _entries(name: str, n: int, chunk_size: int) -> int:
-    return -(-n // chunk_size) if name == "key_sums" else n
+def row_of(state: dict, i: int, n: int | None, chunk_size: int | None) -> dict:
+    """Row ``i`` of a batch's state arrays (by name; ``"lengths"`` left out), its time arrays
+    cut to its ``n`` tokens (None: as they are): keys and values one entry a token, MoBA's key
+    sums one a started chunk of ``chunk_size``."""
+    row = {}
+    for name, a in state.items():
+        if name == "lengths":
+            continue
+        a = a[i : i + 1]
+        if n is not None and name in TIME_ARRAYS:
+            a = a[:, :, : -(-n // chunk_size) if name == "key_sums" else n]
+        row[name] = a
+    return row
 
 
-def _stack(arrays: list[mx.array]) -> mx.array:
+def stack_padded(arrays: list[mx.array]) -> mx.array:
     """``[1, ...]`` arrays stacked on axis 0; time arrays (4-d) right-padded with zeros on
     axis 2 to the longest."""
     if arrays[0].ndim == 4:

@@ -108,7 +108,10 @@ def test_dpo_starts_at_ln_2_in_every_mode(ws, tmp_path, mode):
     out = train(_cfg(ws, tmp_path / mode, mode=mode, iters=1, lr=1e-3, data=str(ws / "few")))
     first = _metrics(out)[0]
     assert math.isclose(first["loss"], math.log(2), rel_tol=1e-5), first
-    assert first["margin"] == 0.0 and first["accuracy"] == 0.0
+    # the policy's batches are not the reference's (another order): their sums agree to float32
+    # rounding (~1e-7 of some 30 nats, times beta), not bit for bit, so a tie's side (accuracy)
+    # is rounding's, not asserted
+    assert abs(first["margin"]) <= 1e-5, first
 
 
 def test_a_resumed_orpo_run_ends_where_the_whole_run_did(ws, tmp_path):

@@ -40,7 +40,11 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="where the runs and results.json go")
     parser.add_argument("--iters", type=int, default=300, help="steps of each run")
     args = parser.parse_args()
-    demo, out = Path(args.demo), Path(args.out)
+    demo, out = Path(args.demo), Path(args.out).resolve()  # "x/.." is the folder it names
+    if not args.out or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+        parser.error(f"--out {args.out!r}: give a new or empty folder (nothing there is replaced)")
+    if not (demo / "pretrain" / "model").is_dir():
+        parser.error(f"--demo {args.demo!r}: no pretrain/model in it (python -m mlx_rwkvx.demo)")
     base = demo / "pretrain" / "model"
     lines = (demo / "data" / "reverse.jsonl").read_text().splitlines()
     cut = len(lines) * 9 // 10

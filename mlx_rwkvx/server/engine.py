@@ -200,6 +200,14 @@ def _without_state0(model: Model) -> Model:
     return stripped
 
 
+def _keep(row: Row, layers, cache, tokens, logits: mx.array | None = None) -> None:
+    """The state in a row's ``cache`` (one row, after ``tokens``; with the logits after them
+    when known) into its model's prefix cache."""
+    state, _ = read_caches(layers, cache, 1)
+    entry = {"state": state} if logits is None else {"state": state, "logits": logits}
+    row.served.cache.put(list(tokens), entry)
+
+
 class Engine:
     """The served models by name, and the loop that runs jobs in order of arrival on the
     thread that calls ``run`` (the main one: MLX's thread-local streams are not safe to leave
@@ -399,8 +407,7 @@ class Engine:
             row.job.emit("prefilled", row.index, row.cached)
             finish = self._emit(row, int(token.item()), logprobs, None)
             if row.todo or row.cached < len(row.ids):  # the state after the prompt: stored
-                state, _ = read_caches(layers, cache, 1)
-                row.served.cache.put(row.ids, {"state": state, "logits": row_logits})
+                _keep(row, layers, cache, row.ids, row_logits)
             row.state = row.logits = None
             row.todo = []
             if finish is not None:
@@ -447,8 +454,7 @@ class Engine:
         ((cache, tokens),) = batch.gen.extract_cache([uid]).values()
         if len(tokens) <= row.cached:  # the prompt's state, stored already
             return
-        state, _ = read_caches(batch.model.layers, cache, 1)
-        row.served.cache.put(list(tokens), {"state": state})
+        _keep(row, batch.model.layers, cache, tokens)
 
     def _token(self, batch: Batch, r) -> None:
         """A token of a row of ``batch`` (mlx-lm's response)."""
@@ -502,8 +508,7 @@ class Engine:
             if done is None:  # still in the batch: taken out now
                 done = batch.gen.remove([uid], return_prompt_caches=True).get(uid)
             if done is not None and len(done[1]) > len(row.ids):
-                state, _ = read_caches(batch.model.layers, done[0], 1)
-                row.served.cache.put(list(done[1]), {"state": state})
+                _keep(row, batch.model.layers, *done)
             mx.clear_cache()  # the batch's arrays change shape: the old buffers go back
         if row.job.ended:
             return

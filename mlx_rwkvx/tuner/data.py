@@ -345,15 +345,17 @@ def _greedy_token_ends(tokenizer, ids: list[int]) -> dict[int, int] | None:
     return {0: 0} | {int(end): n for n, end in enumerate(offsets, 1)}
 
 
-def _chat(tokenizer, messages, tools):
+def _chat(tokenizer, messages, tools, first: int = 0):
     # Chat turns are rendered by the tokenizer's apply_chat_template (a Hugging Face
     # tokenizer's own template, else RWKV's "User: ...\n\nAssistant: ...\n\n"). An assistant
     # turn's tokens run from the rendering of the conversation before it with the generation
     # prompt to the rendering that ends with it, each checked to be a token prefix of the
     # whole conversation's tokens: a template that rewrites earlier turns (or a tokenizer that
     # merges text across a turn's edge) is an error, never a wrong mask
+    # (``first``: the assistant turns from message ``first`` on are trained, the earlier ones
+    # are context: a preference pair's prompt)
     _check_messages(messages)
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
     if not turns:
         roles = sorted({m["role"] for m in messages})
         raise _Bad(f"no assistant message to train on (the roles are {roles})")

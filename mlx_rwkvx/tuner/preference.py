@@ -6,7 +6,7 @@ conversational (``"prompt"`` a list of messages, ``"chosen"`` / ``"rejected"`` t
 turns as lists of messages); a ``"system"`` field becomes the first message. The chat template
 renders them as SFT's ``messages`` are rendered (``data._chat``): a ``Pair`` holds the prompt's
 tokens through the generation prompt, shared by both answers, and each answer's tokens with
-the ones the loss counts (its assistant turns).
+the ones the loss counts (its assistant turns; the prompt's own assistant turns are context).
 
 ``pair_logprobs``: the summed log-probabilities of the chosen and the rejected answers of a
 batch of pairs, the prompt prefilled once and its state branched (RWKV's state is the whole
@@ -73,7 +73,9 @@ def pair_of(tokenizer, record: dict, source: str = "") -> Pair:
         messages = [{"role": "system", "content": system}, *messages]
     sides = []
     for name in ("chosen", "rejected"):
-        tokens, trained = _chat(tokenizer, messages + _turns(record[name], name), None)
+        # the prompt's own assistant turns are context: only the answer's are scored
+        tokens, trained = _chat(tokenizer, messages + _turns(record[name], name), None,
+                                first=len(messages))  # fmt: skip
         start = int(np.argmax(trained))
         end = len(trained) - int(np.argmax(trained[::-1]))  # after the last trained token
         sides.append((tokens, start, end, trained))

@@ -19,6 +19,7 @@ import sys
 from mlx_rwkvx.errors import DataError, NonFinite, TrainError
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.data import find_split
+from mlx_rwkvx.tuner.distributed import all_sum, rank_share
 from mlx_rwkvx.tuner.preference import Pair, load_pairs, pair_logprobs, preference_loss
 from mlx_rwkvx.tuner.steps import StepResult, Task
 
@@ -28,7 +29,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
 
-TERMS = ("accuracy", "margin", "chosen_reward", "rejected_reward", "chosen_nll")
+SUMS = ("loss", "correct", "chosen_reward", "rejected_reward", "chosen_nll")  # over pairs
 
 
 def _pairs(cfg: TrainConfig, tokenizer, vocab: int, split: str, path: str | None) -> list[Pair]:
@@ -83,14 +84,9 @@ def _means(sums: dict, n: int, prefix: str = "") -> dict:
     }
 
 
-def _sums(terms) -> dict:
-    return {
-        "loss": terms.loss.item(),
-        "correct": terms.correct.item(),
-        "chosen_reward": terms.chosen_reward.item(),
-        "rejected_reward": terms.rejected_reward.item(),
-        "chosen_nll": terms.chosen_nll.item(),
-    }
+def _values(terms) -> tuple:
+    """The ``SUMS`` of a batch's ``PreferenceTerms``, in that order."""
+    return tuple(getattr(terms, name) for name in SUMS)
 
 
 def _add(a: dict | None, b: dict) -> dict:
@@ -99,19 +95,19 @@ def _add(a: dict | None, b: dict) -> dict:
 
 class PreferenceStep:
     """One optimizer step over micro-batches of pairs: the summed pair loss's gradient over
-    the step's pairs, clipped by its global norm, one AdamW update; NonFinite before anything
-    is updated when the loss or the norm is not finite."""
+    the step's pairs (with ``group``, a data-parallel run's: gradients, pair counts and the
+    logged sums all-summed over its ranks, each rank's pairs its own share), clipped by its
+    global norm, one AdamW update; NonFinite before anything is updated when the loss or the
+    norm is not finite."""
 
-    def __init__(self, run, pairs: list[Pair], reference: np.ndarray):
+    def __init__(self, run, pairs: list[Pair], reference: np.ndarray, group=None):
         self.run, self.pairs, self.reference = run, pairs, reference
-        self.group = None  # one process (the trainer refuses mlx.launch for preferences)
+        self.group = group if group is not None and group.size() > 1 else None
         cfg = run.cfg
 
         def loss(model, batch, ref_c, ref_r):
             policy = pair_logprobs(model, batch, checkpoint=cfg.grad_checkpoint)
-            terms = _terms(cfg, policy, (ref_c, ref_r))
-            return terms.loss, terms.correct, terms.chosen_reward, terms.rejected_reward, (
-                terms.chosen_nll)  # fmt: skip
+            return _values(_terms(cfg, policy, (ref_c, ref_r)))
 
         self.loss_and_grad = nn.value_and_grad(run.model, loss)
 
@@ -123,23 +119,28 @@ class PreferenceStep:
             ref = self.reference[indices]
             values, g = self.loss_and_grad(run.model, batch, mx.array(ref[:, 0]),
                                            mx.array(ref[:, 1]))  # fmt: skip
-            mx.eval(values, g)
-            names = ("loss", "correct", "chosen_reward", "rejected_reward", "chosen_nll")
-            sums = _add(sums, {k: v.item() for k, v in zip(names, values, strict=True)})
+            values = mx.stack(values)
+            sums = values if sums is None else sums + values
             grads = g if grads is None else tree_map(mx.add, grads, g)
+            mx.eval(sums, grads)  # one micro-batch's graph alive at a time
             n += len(batch)
             fed += sum(len(p.prompt) + len(p.chosen) + len(p.rejected) for p in batch)
+        count, flag = mx.array(float(n)), mx.array(float(stop))
+        if self.group is not None:  # data parallel: sums over every rank's pairs
+            grads, sums, count, flag = all_sum((grads, sums, count, flag), self.group)
+        n = int(count.item())
         grads = tree_map(lambda x: x / n, grads)
         grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         mx.eval(grads, norm)
         norm = norm.item()
+        sums = dict(zip(SUMS, sums.tolist(), strict=True))
         if not math.isfinite(sums["loss"]):
             raise NonFinite(f"the loss is {sums['loss']}")
         if not math.isfinite(norm):
             raise NonFinite(f"the gradient norm is {norm}")
         run.optimizer.update(run.model, grads)
         mx.eval(run.model.parameters(), run.optimizer.state)
-        return StepResult(sums["loss"], n, norm, [], stop, fed, _means(sums, n))
+        return StepResult(sums["loss"], n, norm, [], flag.item() > 0, fed, _means(sums, n))
 
 
 def _evaluate(run, pairs: list[Pair], reference: np.ndarray, max_batches, prefix: str) -> dict:
@@ -156,17 +157,19 @@ def _evaluate(run, pairs: list[Pair], reference: np.ndarray, max_batches, prefix
             ref = reference[start : start + len(batch)]
             policy = pair_logprobs(model, batch)
             terms = _terms(cfg, policy, (mx.array(ref[:, 0]), mx.array(ref[:, 1])))
-            sums = _add(sums, _sums(terms))
+            sums = _add(sums, {k: v.item() for k, v in zip(SUMS, _values(terms), strict=True)})
             n += len(batch)
     finally:
         model.train(was)
     return {f"{prefix}loss": sums["loss"] / max(n, 1), **_means(sums, n, prefix)}
 
 
-def task(cfg: TrainConfig, built, lead: bool):
-    """The trainer's ``Task`` of a preference run (its reference computed now)."""
+def task(cfg: TrainConfig, built, group, lead: bool):
+    """The trainer's ``Task`` of a preference run (its reference computed now): under
+    ``mlx.launch`` (``group``), this rank's share of the pairs and its share's reference;
+    validation on rank 0 (``lead``)."""
     vocab = built.model.config.vocab_size
-    pairs = _pairs(cfg, built.tokenizer, vocab, "train", cfg.data)
+    pairs = rank_share(_pairs(cfg, built.tokenizer, vocab, "train", cfg.data), group)
     val_path = cfg.val_data or (cfg.data if os.path.isdir(cfg.data) else None)
     val = _pairs(cfg, built.tokenizer, vocab, "valid", val_path) if lead else []
     if cfg.test:
@@ -192,7 +195,7 @@ def task(cfg: TrainConfig, built, lead: bool):
         examples=pairs,
         per_epoch=max(1, (len(pairs) // cfg.batch_size) // cfg.grad_accum),
         stream=stream,
-        step=lambda run, group: PreferenceStep(run, pairs, reference),
+        step=lambda run, group: PreferenceStep(run, pairs, reference, group),
         validate=lambda run, max_batches: _evaluate(
             run, val, val_reference, max_batches, "val_"
         ),  # fmt: skip

@@ -229,14 +229,11 @@ def _train(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
                          f"{max(chunks)} tokens; give at least one chunk")  # fmt: skip
     if group is not None and cfg.parallel > 1:
         raise TrainError("--parallel trains N adapters in one process: not under mlx.launch")
-    if group is not None and cfg.train_mode != "sft":
-        raise TrainError(f"--train-mode {cfg.train_mode} runs in one process: not under "
-                         "mlx.launch yet")  # fmt: skip
     prepare(dtypes=(mx.float32, mx.bfloat16))  # kernels checked before anything compiles
     if cfg.train_mode == "sft":
         task = _supervised(cfg, built, group, lead)
     else:  # the reference: the model as built (every adapter starts as the identity)
-        task = preference_run.task(cfg, built, lead)
+        task = preference_run.task(cfg, built, group, lead)
     if cfg.val_every and not task.val and lead:
         print(f"--val-every {cfg.val_every}: no validation data (--val-data, or valid.jsonl or "
               "valid.bin in the --data folder): no validation loss", file=sys.stderr)  # fmt: skip

@@ -1,10 +1,18 @@
-"""Three LoRA steps of a tiny model on fixed micro-batches, by ``tests/tuner/test_distributed.py``:
-under ``mlx.launch`` each of 2 ranks takes its own micro-batches (other lengths and masks:
-unequal token counts); with ``--single`` one process takes both ranks' rows as one batch. Rank
-0 (or the single process) saves the trained parameters to the .npz named on the command line.
+"""Three training steps of a tiny model with a LoRA adapter, by ``tests/tuner/test_distributed.py``,
+under ``mlx.launch`` on 2 ranks, then by rank 0 alone on both ranks' data as one batch from a
+fresh model (the one-process run):
+
+- SFT (``Step``): each rank its own micro-batches (other lengths and masks: unequal token
+  counts);
+- DPO (``PreferenceStep``): each rank its own pairs (prompts and answers of other lengths, a
+  masked user turn in rank 1's answers) and its own pairs' reference.
+
+Rank 0 saves both runs' trained parameters (and DPO's logged terms) to the .npz named on the
+command line.
 """
 
 import sys
+from types import SimpleNamespace
 
 import mlx_rwkvx  # first: OpenBLAS before mlx.core
 from mlx_rwkvx.models import Model, preset
@@ -13,13 +21,16 @@ from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.data import IGNORE_INDEX
 from mlx_rwkvx.tuner.distributed import data_parallel_group
 from mlx_rwkvx.tuner.optimizer import make_optimizer
+from mlx_rwkvx.tuner.preference import Pair
+from mlx_rwkvx.tuner.preference_run import PreferenceStep, _reference
 from mlx_rwkvx.tuner.trainer import Step
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-LENGTHS = (9, 5)  # rank 0's rows are longer; rank 1's are half masked
+LENGTHS = (9, 5)  # SFT: rank 0's rows are longer; rank 1's are half masked
+SHAPES = ((7, 6, 4), (3, 9, 5))  # DPO: each rank's (prompt, chosen, rejected) lengths
 
 
 def rows(rank: int, step: int):
@@ -39,24 +50,78 @@ def padded(parts):
     return np.concatenate(xs), np.concatenate(ys)
 
 
-def main(out: str, single: bool) -> None:
-    mlx_rwkvx.configure()
-    group = None if single else data_parallel_group()
+def pairs(rank: int, step: int) -> list[Pair]:
+    rng = np.random.default_rng([step, rank, 1])
+    p, c, r = SHAPES[rank]
+    out = []
+    for i in range(2):
+        chosen, rejected = rng.integers(1, 256, c + i), rng.integers(1, 256, r)
+        chosen_trained = np.ones(len(chosen), dtype=bool)
+        if rank == 1:
+            chosen_trained[2:5] = False  # a user turn between two assistant turns
+        out.append(Pair(rng.integers(1, 256, p + i).astype(np.int32), chosen.astype(np.int32),
+                        chosen_trained, rejected.astype(np.int32),
+                        np.ones(len(rejected), dtype=bool)))  # fmt: skip
+    return out
+
+
+def start(train_mode: str):
     mx.random.seed(0)
     model = Model(preset("rwkv-x-tiny"), seed=0)
     apply_lora(model, target_paths(model, "attn"), rank=4, alpha=8.0)
-    cfg = TrainConfig(model="m", data="d", output="o", lr=1e-2, warmup=0, iters=3).resolved()
+    cfg = TrainConfig(model="m", data="d", output="o", lr=1e-2, warmup=0, iters=3,
+                      train_mode=train_mode).resolved()  # fmt: skip
     optimizer, _ = make_optimizer(cfg, 3)
+    return model, cfg, optimizer
+
+
+def sft(group, batches):
+    """Three SFT steps, one micro-batch each: the trained parameters."""
+    model, cfg, optimizer = start("sft")
     step = Step(model, optimizer, cfg, group)
-    for s in range(3):
-        if single:
-            batch = [padded([rows(0, s), rows(1, s)])]
-        else:
-            batch = [rows(group.rank(), s)]
-        step(batch)
-    if single or group.rank() == 0:
-        np.savez(out, **{k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())})
+    for batch in batches:
+        step([batch])
+    return dict(tree_flatten(model.trainable_parameters())), None
+
+
+def dpo(group, batches):
+    """Three DPO steps on ``batches`` (a list of pairs each): (the trained parameters, each
+    step's log)."""
+    model, cfg, optimizer = start("dpo")
+    every = [p for batch in batches for p in batch]
+    reference = _reference(model, every, 2)  # the starting model's, as the trainer's
+    step = PreferenceStep(SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer), every,
+                          reference, group)  # fmt: skip
+    logs, first = [], 0
+    for batch in batches:
+        result = step([np.arange(first, first + len(batch))])
+        first += len(batch)
+        logs.append([result.loss, result.count, result.norm, *result.extra.values()])
+    return dict(tree_flatten(model.trainable_parameters())), np.array(logs)
+
+
+def main(out: str) -> None:
+    mlx_rwkvx.configure()
+    group = data_parallel_group()
+    rank, arrays = group.rank(), {}
+    runs = {
+        "sft": (sft, [rows(rank, s) for s in range(3)],
+                [padded([rows(0, s), rows(1, s)]) for s in range(3)]),
+        "dpo": (dpo, [pairs(rank, s) for s in range(3)],
+                [pairs(0, s) + pairs(1, s) for s in range(3)]),
+    }  # fmt: skip
+    for kind, (fn, mine, both) in runs.items():
+        ranks, log_ranks = fn(group, mine)
+        if rank != 0:
+            continue
+        single, log_single = fn(None, both)
+        arrays.update({f"{kind}/ranks/{k}": np.array(v) for k, v in ranks.items()})
+        arrays.update({f"{kind}/single/{k}": np.array(v) for k, v in single.items()})
+        if log_ranks is not None:
+            arrays.update({f"{kind}/log_ranks": log_ranks, f"{kind}/log_single": log_single})
+    if rank == 0:
+        np.savez(out, **arrays)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--single" in sys.argv[2:])
+    main(sys.argv[1])

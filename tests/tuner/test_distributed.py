@@ -1,7 +1,8 @@
 """Data parallel over ``mx.distributed`` (ring backend, 2 ranks on localhost through
 ``mlx.launch``): the same parameters after 3 steps as one process on the combined batch, with
-unequal token counts per rank; the training CLI under mlx.launch writes once (rank 0) and
-resumes from rank 0's checkpoint."""
+unequal token counts per rank, for SFT and for DPO (each rank its own pairs' reference); the
+training CLI under mlx.launch writes once (rank 0) and resumes from rank 0's checkpoint, and a
+DPO run under it writes once."""
 
 from __future__ import annotations
 
@@ -38,20 +39,45 @@ def launch(*args, env=None, timeout=300):
                           env={**os.environ, **(env or {})})  # fmt: skip
 
 
-def test_two_ranks_equal_one_process_on_the_combined_batch(tmp_path):
-    out = launch(HERE / "distributed_step.py", tmp_path / "ranks.npz")
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    """distributed_step.py's SFT and DPO runs: 2 ranks, and rank 0 alone on both ranks' data."""
+    path = tmp_path_factory.mktemp("steps") / "steps.npz"
+    out = launch(HERE / "distributed_step.py", path)
     assert out.returncode == 0, out.stdout + out.stderr
-    single = subprocess.run([sys.executable, str(HERE / "distributed_step.py"),
-                             str(tmp_path / "single.npz"), "--single"],
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert single.returncode == 0, single.stderr
-    a, b = np.load(tmp_path / "ranks.npz"), np.load(tmp_path / "single.npz")
-    assert sorted(a.files) == sorted(b.files) and len(a.files) == 24
-    for name in a.files:
-        err = np.linalg.norm(a[name] - b[name]) / np.linalg.norm(b[name])
-        assert err <= 1e-5, (name, err)
-    moved = [n for n in a.files if n.endswith("lora_b")]  # lora_b starts at zero
-    assert moved and all(np.abs(a[n]).max() > 0 for n in moved)
+    return np.load(path)
+
+
+def _parameters(got, kind: str) -> list[str]:
+    names = [n.removeprefix(f"{kind}/single/") for n in got.files
+             if n.startswith(f"{kind}/single/")]  # fmt: skip
+    assert len(names) == 24
+    # lora_b starts at zero: it moved on every rank
+    assert all(np.abs(got[f"{kind}/ranks/{n}"]).max() > 0 for n in names if n.endswith("lora_b"))
+    return names
+
+
+def test_two_ranks_equal_one_process_on_the_combined_batch(steps):
+    for name in _parameters(steps, "sft"):
+        a, b = steps[f"sft/ranks/{name}"], steps[f"sft/single/{name}"]
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), name
+
+
+def test_dpo_two_ranks_equal_one_process_on_the_combined_batch(steps):
+    """Each rank its pairs and its pairs' reference; gradients, pair counts and the logged
+    terms summed over the ranks: the one-process step on all the pairs."""
+    # DPO's gradient is the difference of two answers' gradients, and Adam's first steps divide
+    # by |g|: where they nearly cancel, float32 rounding (another padding, another sum order)
+    # grows to ~5e-5 of a tensor (SFT's test holds 1e-5); a missing all-sum is O(1)
+    for name in _parameters(steps, "dpo"):
+        a, b = steps[f"dpo/ranks/{name}"], steps[f"dpo/single/{name}"]
+        assert np.linalg.norm(a - b) <= 2e-4 * np.linalg.norm(b), name
+    # each step's loss, pairs, gradient norm, accuracy, margin, rewards, chosen NLL; the first
+    # step's accuracy left out: policy = reference, every pair a tie that rounding decides
+    ranks, single = steps["dpo/log_ranks"], steps["dpo/log_single"]
+    ranks[0, 3] = single[0, 3]
+    np.testing.assert_allclose(ranks, single, rtol=1e-5, atol=1e-6)
+    assert (single[:, 1] == 4).all() and single[1:, 3].min() > 0  # both ranks' 2 pairs
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +89,10 @@ def workspace(tmp_path_factory):
     lines = [json.dumps({"prompt": f[:4], "completion": f[4:] + " " * (i % 3)})
              for i, f in enumerate(facts)]  # fmt: skip
     (root / "data" / "train.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "prefs").mkdir()
+    lines = [json.dumps({"prompt": f[:4], "chosen": f[4:], "rejected": f[4:][::-1] + "0"})
+             for f in facts]  # fmt: skip
+    (root / "prefs" / "train.jsonl").write_text("\n".join(lines) + "\n")
     return root
 
 
@@ -70,6 +100,22 @@ def train_args(ws, out, *extra):
     return ["-m", "mlx_rwkvx.train", "--model", ws / "base", "--data", ws / "data", "--output",
             out, "--iters", "4", "--batch-size", "2", "--lora-rank", "4", "--lr", "1e-2",
             "--warmup", "0", "--log-every", "1", "--save-every", "2", *extra]  # fmt: skip
+
+
+def test_dpo_under_mlx_launch_writes_once(workspace, tmp_path):
+    args = train_args(workspace, tmp_path / "dpo", "--train-mode", "dpo", "--beta", "0.5")
+    args[args.index("--data") + 1] = workspace / "prefs"
+    out = launch(*args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "dpo with lora" in out.stdout and "7 preference pairs, 2 ranks" in out.stdout
+    # 15 pairs: 7 a rank, one left out
+    assert "1 of 15 examples left out" in out.stderr
+    rows = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().split("\n")
+            if x]  # fmt: skip
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert abs(rows[0]["loss"] - np.log(2)) <= 1e-5 and "accuracy" in rows[0]
+    assert (out.stdout + out.stderr).count("done: ") == 1
+    assert (tmp_path / "dpo" / "adapter_final.safetensors").exists()
 
 
 def test_training_cli_under_mlx_launch_writes_once_and_resumes(workspace, tmp_path):

@@ -136,6 +136,24 @@ def test_dpo_starts_at_ln_2_where_the_policy_is_the_reference(tok):
     assert np.isclose(terms.loss.item() / len(pairs), np.log(2), rtol=1e-6)
 
 
+def test_a_multi_turn_pair_scores_the_answers_turns_alone(tok):
+    """The prompt's own assistant turns are context (not trained); the answers' assistant
+    turns are, the user turn between them is not."""
+    record = {"prompt": [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello there."},
+                         {"role": "user", "content": "2+2?"}],
+              "chosen": [{"role": "assistant", "content": "4"},
+                         {"role": "user", "content": "Sure?"},
+                         {"role": "assistant", "content": "Yes, 4."}],
+              "rejected": "5"}  # fmt: skip
+    pair = pair_of(tok, record)
+    assert tok.decode(pair.prompt.tolist()).endswith("2+2?<|im_end|>\n<|im_start|>assistant\n")
+    trained = tok.decode(pair.chosen[pair.chosen_trained].tolist())
+    assert trained.startswith("4<|im_end|>") and "Yes, 4.<|im_end|>" in trained
+    assert "Sure?" not in trained and "Sure?" in tok.decode(pair.chosen.tolist())
+    assert tok.decode(pair.rejected[pair.rejected_trained].tolist()).startswith("5")
+
+
 def test_a_byte_tokenizer_pair():
     pair = pair_of(ByteTokenizer(), {"prompt": "1+1=", "chosen": "2", "rejected": "3"})
     assert pair.chosen_trained.any() and pair.rejected_trained.any()

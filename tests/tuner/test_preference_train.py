@@ -45,7 +45,28 @@ def ws(tmp_path_factory):
             if n:
                 lines = [json.dumps(_record(rng)) for _ in range(n)]
                 (root / folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "chat").mkdir()  # multi-turn conversations: the prompt and the answers
+    lines = [json.dumps(_conversation(_record(rng))) for _ in range(8)]
+    (root / "chat" / "train.jsonl").write_text("\n".join(lines) + "\n")
     return root
+
+
+def _conversation(record: dict) -> dict:
+    """``record`` as TRL's conversational format, several turns on each side: the prompt a
+    user, assistant, user exchange; each answer an assistant turn, a user turn, an assistant
+    turn (the user turn between them not trained)."""
+    word = record["prompt"].split()[1]
+
+    def answer(text):
+        return [{"role": "assistant", "content": text},
+                {"role": "user", "content": "again"},
+                {"role": "assistant", "content": text}]  # fmt: skip
+
+    return {"system": "You answer in one word.",
+            "prompt": [{"role": "user", "content": "hello"},
+                       {"role": "assistant", "content": "hi"},
+                       {"role": "user", "content": record["prompt"]}],
+            "chosen": answer(record["chosen"]), "rejected": answer(word[::-1])}  # fmt: skip
 
 
 def _cfg(ws, out, **kw) -> TrainConfig:
@@ -112,6 +133,23 @@ def test_dpo_starts_at_ln_2_in_every_mode(ws, tmp_path, mode):
     # rounding (~1e-7 of some 30 nats, times beta), not bit for bit, so a tie's side (accuracy)
     # is rounding's, not asserted
     assert abs(first["margin"]) <= 1e-5, first
+
+
+def test_dpo_on_multi_turn_conversations(ws, tmp_path):
+    """Conversational pairs of several turns a side: the trainer's first step is the reference
+    (ln 2), and its chosen-answer NLL is the one of the assistant turns alone."""
+    base, tok = mlx_rwkvx.load(ws / "base")
+    pairs = load_pairs(str(ws / "chat" / "train.jsonl"), tok)
+    for p in pairs:  # trained, not trained (the user's "again"), trained
+        edges = np.flatnonzero(np.diff(p.chosen_trained.astype(int)))
+        assert len(edges) == 2 and p.chosen_trained[0] and p.chosen_trained[-1], p.chosen_trained
+    chosen, _, count, _ = pair_logprobs(base, pairs)
+    nll = mx.mean(-chosen / count).item()
+    out = train(_cfg(ws, tmp_path / "chat", data=str(ws / "chat"), iters=2))
+    first, second = _metrics(out)[:2]
+    assert math.isclose(first["loss"], math.log(2), rel_tol=1e-5), first
+    assert math.isclose(first["chosen_nll"], nll, rel_tol=1e-5), (first, nll)
+    assert second["loss"] < first["loss"]
 
 
 def test_a_resumed_orpo_run_ends_where_the_whole_run_did(ws, tmp_path):

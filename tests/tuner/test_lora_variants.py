@@ -21,11 +21,13 @@ from mlx_rwkvx.tuner.adapters import (
     target_paths,
 )
 from mlx_rwkvx.tuner.lora_variants import MissLinear, PissaLinear, saved_lora_parameters
+from mlx_rwkvx.tuner.merge import merge_adapters, read
 from mlx_rwkvx.tuner.trainer import train
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from oracle.common import rel_err
 from tuner.test_train import _cfg, _losses, workspace  # noqa: F401 (the fixture)
 
@@ -110,3 +112,37 @@ def test_pissa_on_a_quantized_base_is_refused(workspace, tmp_path):  # noqa: F81
     with pytest.raises(Exception, match="--mode pissa needs a float base"):
         train(_cfg(workspace, tmp_path / "q", mode="pissa", quantize="int8", lora_rank=4,
                    lora_alpha=8))  # fmt: skip
+
+
+def _fused_weights(model: Model) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in tree_flatten(fuse_adapters(model).parameters())}
+
+
+@pytest.mark.parametrize("variant", ["pissa", "miss"])
+def test_merging_two_adapters_takes_them_unchanged(variant, tmp_path):
+    """Two adapters of a variant merge as LoRA adapters do: concat, and delta at the two ranks'
+    sum, give the mean of the two updates exactly; fedavg (a common start: PiSSA's A0, B0 and
+    MiSS's S are the same in both) gives an adapter of the same shapes."""
+    rank, alpha = saved_lora_parameters(variant, 4, 8.0)
+    base = fingerprint(Model(preset("rwkv-x-tiny"), seed=0))
+    fused, files = [], []
+    for seed in (1, 2):
+        model, paths = _adapted(variant)
+        _nudge(model, seed)
+        config = adapter_config(model, fine_tune_type="lora", paths=paths, rank=rank,
+                                alpha=alpha, base_fingerprint=base, method=variant)  # fmt: skip
+        files.append(tmp_path / f"{seed}.safetensors")
+        save_adapter(files[-1], model, config)
+        fused.append(_fused_weights(model))
+    want = {k: (fused[0][k] + fused[1][k]) / 2 for k in fused[0]}
+    for method in ("delta", "concat"):
+        out = tmp_path / f"{method}.safetensors"
+        merge_adapters(files, out, method=method, rank=2 * rank if method == "delta" else None)
+        got = _fused_weights(apply_adapter(Model(preset("rwkv-x-tiny"), seed=0), out))
+        for k, w in want.items():
+            assert np.abs(got[k] - w).max() <= 1e-5 * max(np.abs(w).max(), 1), (method, k)
+    merge_adapters(files, tmp_path / "avg.safetensors", method="fedavg")
+    merged, one = read(tmp_path / "avg.safetensors"), read(files[0])
+    assert {k: v.shape for k, v in merged.tensors.items()} == {
+        k: v.shape for k, v in one.tensors.items()
+    }

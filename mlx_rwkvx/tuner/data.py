@@ -183,6 +183,12 @@ def _kind(path: str, sql: str | None) -> str:
     return ext[1:]
 
 
+def _said(keys) -> str:
+    """``'a'``, ``'a' and 'b'``, ``'a', 'b' and 'c'``."""
+    names = [repr(k) for k in keys]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def _record_format(record, fmt: str | None, fmt_line: int) -> str:
     """The format of one JSONL record: the file's (``fmt``, set by its first good record from
     line ``fmt_line``) or, for the first, the one its fields mark."""
@@ -194,10 +200,9 @@ def _record_format(record, fmt: str | None, fmt_line: int) -> str:
         raise _Bad(f"holds the fields of several formats ({fields_}): keep the one to train on")
     if fmt is None:
         if not found:
-            raise _Bad(
-                "expected a 'text', 'messages' or 'prompt' and 'completion' field; the keys are "
-                f"{sorted(record)[:8]}"
-            )
+            kinds = "; ".join(_said(keys) for _, keys in FORMATS)
+            raise _Bad(f"expected the fields of one format ({kinds}); the keys are "
+                       f"{sorted(record)[:8]}")  # fmt: skip
         return found[0]
     missing = [k for k in dict(FORMATS)[fmt] if k not in record]
     if missing:

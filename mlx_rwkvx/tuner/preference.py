@@ -62,6 +62,8 @@ def pair_of(tokenizer, record: dict, source: str = "") -> Pair:
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
+        if not isinstance(prompt, list) or not prompt:
+            raise _Bad("'prompt' must be a string or a non-empty list of messages")
         _check_messages(prompt)
         messages = list(prompt)
     system = record.get("system")

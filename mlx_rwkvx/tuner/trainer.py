@@ -316,7 +316,7 @@ def _supervised(cfg: TrainConfig, built, group, lead: bool) -> Task:
 
 def _say_what(run: Run, task: Task, group, total: int) -> None:
     cfg = run.cfg
-    who = f", {group.size()} ranks (data parallel)" if group is not None else ""
+    who = f" a rank, {group.size()} ranks (data parallel)" if group is not None else ""
     if cfg.parallel > 1:
         who = f", {cfg.parallel} parts of {len(task.parts[0])} trained at once (--parallel)"
     how = cfg.mode if cfg.train_mode == "sft" else f"{cfg.train_mode} with {cfg.mode}"

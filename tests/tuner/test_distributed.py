@@ -107,7 +107,7 @@ def test_dpo_under_mlx_launch_writes_once(workspace, tmp_path):
     args[args.index("--data") + 1] = workspace / "prefs"
     out = launch(*args)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "dpo with lora" in out.stdout and "7 preference pairs, 2 ranks" in out.stdout
+    assert "dpo with lora" in out.stdout and "7 preference pairs a rank, 2 ranks" in out.stdout
     # 15 pairs: 7 a rank, one left out
     assert "1 of 15 examples left out" in out.stderr
     rows = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().split("\n")

@@ -136,6 +136,26 @@ def test_dpo_starts_at_ln_2_where_the_policy_is_the_reference(tok):
     assert np.isclose(terms.loss.item() / len(pairs), np.log(2), rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"prompt": "a", "chosen": "b"}, r"expected the fields of one format \(.*'prompt', "
+         r"'chosen' and 'rejected'\); the keys are \['chosen', 'prompt'\]"),
+        ({"prompt": [], "chosen": "b", "rejected": "c"}, "'prompt' must be a string or a "
+         "non-empty list of messages"),
+        ({"prompt": "a", "chosen": [{"role": "user", "content": "b"}], "rejected": "c"},
+         "'chosen' must end with an assistant message"),
+        ({"prompt": "a", "chosen": "b", "rejected": "c", "system": 1},
+         "'system' must be a string, got int"),
+    ],
+)  # fmt: skip
+def test_a_bad_record_is_one_error_naming_its_line(tok, tmp_path, record, message):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(DataError, match=r"train.jsonl:1: " + message):
+        load_pairs(str(path), tok)
+
+
 def test_a_multi_turn_pair_scores_the_answers_turns_alone(tok):
     """The prompt's own assistant turns are context (not trained); the answers' assistant
     turns are, the user turn between them is not."""

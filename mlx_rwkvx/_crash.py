@@ -8,6 +8,9 @@ tensors of checkpoint ``<at>`` written, its manifest not yet), ``commit`` (any a
 a file or folder named ``<at>``: the temporary written, not yet renamed into place: convert,
 merge, save, each file of a checkpoint), ``eval`` (the loss on a data set: batch ``<at>``
 evaluated, counting from 1: the trainer's validation and ``evaluate``).
+
+Under ``mlx.launch``, ``MLX_RWKVX_CRASH_RANK=<r>`` keeps the crash point to rank ``r`` (the
+launcher's ``MLX_RANK``): one Mac of several interrupted.
 """
 
 from __future__ import annotations
@@ -25,5 +28,8 @@ def crash_point(name: str, at: int | str | None = None) -> None:
     parts = spec.split(":")
     sig = parts.pop() if len(parts) > 1 and parts[-1] in SIGNALS else "KILL"
     if parts[0] != name or (len(parts) > 1 and parts[1] != str(at)):
+        return
+    rank = os.environ.get("MLX_RWKVX_CRASH_RANK")
+    if rank is not None and os.environ.get("MLX_RANK") != rank:
         return
     os.kill(os.getpid(), getattr(signal, "SIG" + sig))

@@ -94,9 +94,9 @@ def _add(a: dict | None, b: dict) -> dict:
 
 
 class PreferenceStep:
-    """One optimizer step over micro-batches of pairs: the summed pair loss's gradient over
-    the step's pairs (with ``group``, a data-parallel run's: gradients, pair counts and the
-    logged sums all-summed over its ranks, each rank's pairs its own share), clipped by its
+    """One optimizer step over micro-batches of pairs: the gradient of the mean pair loss over
+    the step's pairs (with ``group``, a data-parallel run's: the summed gradients, pair counts
+    and logged sums all-summed over its ranks, each rank's pairs its own share), clipped by its
     global norm, one AdamW update; NonFinite before anything is updated when the loss or the
     norm is not finite."""
 
@@ -176,7 +176,9 @@ def task(cfg: TrainConfig, built, group, lead: bool):
         print("--test: a preference run evaluates on valid.jsonl (no test split)",
               file=sys.stderr)  # fmt: skip
     if len(pairs) < cfg.batch_size:
-        raise TrainError(f"{len(pairs)} preference pairs: fewer than --batch-size {cfg.batch_size}")
+        share = f" (a rank's share, of {group.size()} ranks)" if group is not None else ""
+        raise TrainError(f"{len(pairs)} preference pairs{share}: fewer than --batch-size "
+                         f"{cfg.batch_size}")  # fmt: skip
     reference = _reference(built.model, pairs, cfg.batch_size) if cfg.train_mode == "dpo" else (
         np.zeros((len(pairs), 2), dtype=np.float32))  # fmt: skip
     val_reference = _reference(built.model, val, cfg.batch_size) if (

@@ -400,7 +400,10 @@ def _loop(run: Run, step_fn, task: Task, total: int, out: Path, stop: _Interrupt
             metrics.add(record)
             if log is not None:
                 log(record)
-            stopping = stop.requested or result.stop  # on any rank: on all
+            # asked on any rank before its step's collective: every rank stops now; a signal
+            # that came after it is told to the others in the next step's (a rank that
+            # stopped alone would leave them waiting in a collective)
+            stopping = result.stop or (step_fn.group is None and stop.requested)
             if lead and (run.step % cfg.save_every == 0 or stopping):
                 save_checkpoint(out, run)
                 # a signal during the save: that checkpoint is the step's (several ranks

@@ -1,11 +1,12 @@
 """Data parallelism across Macs over ``mx.distributed`` (``mlx.launch``): the group of ranks,
 each rank's share of the examples, the gradient all-sum (one collective per 32 MB bucket) and
 rank 0's run state broadcast to every rank. Entry points: ``data_parallel_group``,
-``rank_share``, ``all_sum``, ``broadcast``, ``broadcast_run``."""
+``rank_share``, ``all_sum``, ``broadcast``, ``broadcast_run``, ``peers_lost``."""
 
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 from mlx_rwkvx.errors import TrainError
 
@@ -98,3 +99,21 @@ def broadcast_run(run, group) -> None:
     run.step, run.tokens, run.position = step, tokens, {"epoch": epoch, "batch": batch}
     run.stack_tokens = stacks
     mx.eval(run.model.parameters(), run.optimizer.state)
+
+
+PEER_LOST = "connection to a peer was lost"  # MLX's ring backend, when another rank exits
+
+
+@contextmanager
+def peers_lost(group):
+    """A rank whose peer stopped (its own error, Ctrl-C, a kill) says so in one line: the
+    collective it waited in fails with MLX's RuntimeError, a TrainError here (the peer's own
+    message says why; rank 0's checkpoints saved before are kept)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if group is None or PEER_LOST not in str(e):
+            raise
+        raise TrainError(f"rank {group.rank()}: another rank stopped, and this one with it (its "
+                         "own message says why); the checkpoints saved before are kept"
+                         ) from e  # fmt: skip

@@ -206,7 +206,8 @@ def train(cfg: TrainConfig, log: Callable[[dict], None] | None = None) -> Path |
     out = Path(cfg.output)
     group = distributed.data_parallel_group()
     if group is not None and group.rank() != 0:  # rank 0 alone reads and writes files
-        _train(cfg, out, group, lead=False, log=log)
+        with distributed.peers_lost(group):
+            _train(cfg, out, group, lead=False, log=log)
         return None
     real = outputs.check_inputs(out, cfg)
     outputs.check_place(out)
@@ -215,7 +216,8 @@ def train(cfg: TrainConfig, log: Callable[[dict], None] | None = None) -> Path |
     with output_lock(real, "--output", inside=True):
         outputs.check_output(out, cfg.resume)
         remove_stale(real)  # what runs killed while writing left (their temporary files)
-        return _train(cfg, out, group, lead=True, log=log)
+        with distributed.peers_lost(group):
+            return _train(cfg, out, group, lead=True, log=log)
 
 
 def _train(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:

@@ -13,9 +13,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx_rwkvx
+from mlx_rwkvx.errors import TrainError
 from mlx_rwkvx.models import Model, preset
+from mlx_rwkvx.tuner.distributed import peers_lost
 
 import numpy as np
 import pytest
@@ -80,6 +83,18 @@ def test_dpo_two_ranks_equal_one_process_on_the_combined_batch(steps):
     ranks[0, 3:7] = single[0, 3:7]
     np.testing.assert_allclose(ranks, single, rtol=1e-5, atol=1e-6)
     assert (single[:, 1] == 4).all() and single[1:, 3].min() > 0  # both ranks' 2 pairs
+
+
+def test_a_lost_peer_is_one_line_and_other_errors_are_not():
+    """A rank whose peer exited (rank 0's user error, a kill) says so in one line, not MLX's
+    traceback; any other RuntimeError (a bug) keeps its traceback."""
+    group = SimpleNamespace(rank=lambda: 1)
+    with pytest.raises(TrainError, match="rank 1: another rank stopped, and this one with it"):
+        with peers_lost(group):
+            raise RuntimeError("[ring] connection to a peer was lost")
+    with pytest.raises(RuntimeError, match="something else"):
+        with peers_lost(group):
+            raise RuntimeError("something else")
 
 
 @pytest.fixture(scope="module")

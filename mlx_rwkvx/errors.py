@@ -29,6 +29,12 @@ USER_ERRNOS = frozenset(
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report
 
 
+def in_words(items, last: str = "and") -> str:
+    """A message's list: ``a``, ``a and b``, ``a, b and c`` (``last``: ``"or"`` for choices)."""
+    items = list(items)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
+
+
 class UserError(ValueError):
     """Something the user gave or can change (a path, a flag, a file, the disk): one line that
     names the thing and what was expected."""

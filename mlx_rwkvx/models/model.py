@@ -211,9 +211,7 @@ class Model(nn.Module):
         ragged = state is not None and any("lengths" in s for s in state)
         if valid is not None or ragged:
             B, T = tokens.shape
-            rows = Rows(valid, [(0, T)] * B)
-            if valid is not None:
-                rows.spans = spans_of(valid)
+            rows = Rows(valid, spans_of(valid) if valid is not None else [(0, T)] * B)
         return self._hidden(tokens, state, checkpoint, rows)
 
     def _hidden(

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 
 from mlx_rwkvx import settings
+from mlx_rwkvx.errors import in_words
 from mlx_rwkvx.models.init import INIT_ALIASES
 from mlx_rwkvx.settings import opt
 
@@ -182,8 +183,8 @@ def mode_only_problem(name: str, mode: str) -> str | None:
     modes = MODE_ONLY.get(name)
     if modes is None or mode in modes:
         return None
-    listed = " or ".join(modes) if len(modes) < 3 else f"{', '.join(modes[:-1])} or {modes[-1]}"
-    return f"--{name.replace('_', '-')} applies to --mode {listed}, not --mode {mode}"
+    flag = name.replace("_", "-")
+    return f"--{flag} applies to --mode {in_words(modes, 'or')}, not --mode {mode}"
 
 
 def _check(cfg: TrainConfig) -> None:

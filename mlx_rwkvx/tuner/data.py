@@ -14,7 +14,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from mlx_rwkvx.errors import DataError
+from mlx_rwkvx.errors import DataError, in_words
 from mlx_rwkvx.io.atomic import CheckpointError, atomic_target, check_target
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
 
@@ -183,12 +183,6 @@ def _kind(path: str, sql: str | None) -> str:
     return ext[1:]
 
 
-def _said(keys) -> str:
-    """``'a'``, ``'a' and 'b'``, ``'a', 'b' and 'c'``."""
-    names = [repr(k) for k in keys]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-
-
 def _record_format(record, fmt: str | None, fmt_line: int) -> str:
     """The format of one JSONL record: the file's (``fmt``, set by its first good record from
     line ``fmt_line``) or, for the first, the one its fields mark."""
@@ -200,7 +194,7 @@ def _record_format(record, fmt: str | None, fmt_line: int) -> str:
         raise _Bad(f"holds the fields of several formats ({fields_}): keep the one to train on")
     if fmt is None:
         if not found:
-            kinds = "; ".join(_said(keys) for _, keys in FORMATS)
+            kinds = "; ".join(in_words(map(repr, keys)) for _, keys in FORMATS)
             raise _Bad(f"expected the fields of one format ({kinds}); the keys are "
                        f"{sorted(record)[:8]}")  # fmt: skip
         return found[0]

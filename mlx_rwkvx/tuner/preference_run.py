@@ -15,12 +15,19 @@ from __future__ import annotations
 import math
 import os
 import sys
+from dataclasses import fields
 
 from mlx_rwkvx.errors import DataError, NonFinite, TrainError
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.data import find_split
 from mlx_rwkvx.tuner.distributed import all_sum, rank_share
-from mlx_rwkvx.tuner.preference import Pair, load_pairs, pair_logprobs, preference_loss
+from mlx_rwkvx.tuner.preference import (
+    Pair,
+    PreferenceTerms,
+    load_pairs,
+    pair_logprobs,
+    preference_loss,
+)
 from mlx_rwkvx.tuner.steps import StepResult, Task
 
 import mlx.core as mx
@@ -29,7 +36,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
 
-SUMS = ("loss", "correct", "chosen_reward", "rejected_reward", "chosen_nll")  # over pairs
+SUMS = tuple(f.name for f in fields(PreferenceTerms))  # a batch's sums over its pairs
 
 
 def _pairs(cfg: TrainConfig, tokenizer, vocab: int, split: str, path: str | None) -> list[Pair]:

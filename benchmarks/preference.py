@@ -19,6 +19,7 @@ from benchmarks.common import (
     sizes,
     with_goals,
 )
+from benchmarks.workloads import lora_step_flops
 from mlx_rwkvx.models import Model, ModelConfig
 from mlx_rwkvx.perf import matmul_gflops
 from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
@@ -127,12 +128,15 @@ def measure(quick: bool = False) -> dict:
     fed_dpo = len(pairs) * (c["prompt"] + 2 * c["answer"])
     fed_sft = 2 * len(pairs) * (c["prompt"] + c["answer"])
     return {**c, "verify": verify, "dpo": dpo, "sft": sft, "fed_dpo": fed_dpo,
-            "fed_sft": fed_sft, "gflops": matmul_gflops(c["matmul_n"])}  # fmt: skip
+            "fed_sft": fed_sft, "gflops": matmul_gflops(c["matmul_n"]),
+            "bound_flops": {"dpo": lora_step_flops(model.config, fed_dpo),
+                            "sft": lora_step_flops(model.config, fed_sft)}}  # fmt: skip
 
 
 def render(r: dict) -> Rendered:
     dpo, sft = r["dpo"], r["sft"]
     n = r["pairs"]
+    bound = {k: f / (r["gflops"] * 1e9) for k, f in r["bound_flops"].items()}  # seconds
     lines = [
         f"Verified first: DPO's first loss is ln 2 to {r['verify']['ln2']:.1e}; a pair's "
         f"log-probability equals its text's through the SFT loss to "
@@ -145,12 +149,17 @@ def render(r: dict) -> Rendered:
         "before training, as the trainer does. Matmul: "
         f"{r['gflops']:.0f} GFLOP/s (fp32, n = {r['matmul_n']}).",
         "",
-        "| step | tokens fed | time | tokens/s | peak memory |",
-        "|---|---|---|---|---|",
-        f"| LoRA SFT | {r['fed_sft']} | {sft['time']:.2f} s | {r['fed_sft'] / sft['time']:.0f} "
-        f"| {sft['peak'] / 2**20:.0f} MiB |",
-        f"| DPO | {r['fed_dpo']} | {dpo['time']:.2f} s | {r['fed_dpo'] / dpo['time']:.0f} | "
-        f"{dpo['peak'] / 2**20:.0f} MiB |",
+        "| step | tokens fed | time | tokens/s | bound time | of bound | peak memory |",
+        "|---|---|---|---|---|---|---|",
+        *[
+            f"| {name} | {r[f'fed_{k}']} | {m['time']:.2f} s | {r[f'fed_{k}'] / m['time']:.0f} | "
+            f"{bound[k]:.2f} s | {bound[k] / m['time']:.0%} | {m['peak'] / 2**20:.0f} MiB |"
+            for name, k, m in (("LoRA SFT", "sft", sft), ("DPO", "dpo", dpo))
+        ],
+        "",
+        "Bound: forward + input-gradient FLOPs of every projection and the head over the tokens "
+        "fed, plus WKV7's forward and backward, at the measured matmul rate (the train "
+        "section's bound).",
         "",
         f"DPO feeds {r['fed_dpo'] / r['fed_sft']:.2f}x SFT's tokens (each prompt once).",
     ]

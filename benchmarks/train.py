@@ -17,7 +17,7 @@ from benchmarks.common import (
     time_steps,
     with_goals,
 )
-from benchmarks.workloads import chunked_flops, linear_params, mlx_lm_twin
+from benchmarks.workloads import lora_step_flops, mlx_lm_twin
 from mlx_rwkvx.models import Model, ModelConfig
 from mlx_rwkvx.perf import matmul_gflops
 from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
@@ -55,15 +55,6 @@ MLX_LM_RWKV_TARGETS = ["attn.r_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj
 # layer: ~8 B T^2 H N bytes a layer (the wkv7 section measures it). A shape whose estimate
 # passes this share of RAM is run at a shorter T (halved until it fits).
 MLX_LM_RAM_SHARE = 0.3
-
-
-def _train_bound_flops(cfg, tokens: int) -> float:
-    """Forward plus input-gradient FLOPs of every projection and the head (frozen weights need
-    no weight gradient), plus WKV7's forward and backward (3x the chunked forward's matmuls)."""
-    model = Model(cfg, init=None)  # shapes only
-    linear = linear_params(model)
-    wkv = 3 * chunked_flops(tokens, cfg.n_heads, cfg.head_size) * len(cfg.block_types)
-    return 2 * 2 * linear * tokens + wkv
 
 
 def _mlx_lm_fit(cfg, B: int, T: int) -> tuple[int, int]:
@@ -136,7 +127,7 @@ def _train_shape(shape: dict, rank: int, tmp: str) -> dict:
         "mlx_lm_s": theirs_t,
         "mlx_lm_batch": their_B,
         "mlx_lm_T": their_T,
-        "bound_flops": _train_bound_flops(cfg, B * T),
+        "bound_flops": lora_step_flops(cfg, B * T),
         "first_loss": ours_loss,
     }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlx_rwkvx.models import ModelConfig, preset, rfa_config, rwkv_x_block_types
+from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config, rwkv_x_block_types
 from mlx_rwkvx.models.config import default_qwen_layers, rfa_block_types
 from mlx_rwkvx.ops.wkv7 import CHUNK
 from mlx_rwkvx.ops.wkv7.chunk import SUB
@@ -127,6 +127,15 @@ def linear_params(model) -> int:
         if isinstance(m, nn.Linear):
             total += m.weight.size + (m.bias.size if "bias" in m else 0)
     return total
+
+
+def lora_step_flops(cfg: ModelConfig, tokens: int) -> float:
+    """A LoRA training step's bound: forward plus input-gradient FLOPs of every projection and
+    the head (frozen weights need no weight gradient), plus WKV7's forward and backward (3x
+    the chunked forward's matmuls), over ``tokens`` fed."""
+    linear = linear_params(Model(cfg, init=None))  # shapes only
+    wkv = 3 * chunked_flops(tokens, cfg.n_heads, cfg.head_size) * len(cfg.block_types)
+    return 2 * 2 * linear * tokens + wkv
 
 
 def mlx_lm_twin(model, tmp: str):

@@ -117,8 +117,8 @@ EXPECTED = {
     ],
     "preference": [
         r"^Verified first: DPO's first loss is ln 2 to [\d.e+-]+; a pair's log-probability ",
-        r"^\| LoRA SFT \| \d+ \| [\d.]+ s \| \d+ \| \d+ MiB \|$",
-        r"^\| DPO \| \d+ \| [\d.]+ s \| \d+ \| \d+ MiB \|$",
+        r"^\| LoRA SFT \| \d+ \| [\d.]+ s \| \d+ \| [\d.]+ s \| \d+% \| \d+ MiB \|$",
+        r"^\| DPO \| \d+ \| [\d.]+ s \| \d+ \| [\d.]+ s \| \d+% \| \d+ MiB \|$",
         r"^- DPO step time / LoRA SFT step on the same sequences: [\d.]+ \(goal <= 1.2\)",
     ],
     "loss": [

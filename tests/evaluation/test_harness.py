@@ -25,6 +25,7 @@ from helpers import run_module, tiny_model
 from helpers.parity import import_parity_extra
 
 (lm_eval,) = import_parity_extra(("lm_eval",), extra="eval")
+pytestmark = pytest.mark.extra("eval")
 
 CHOICE = [
     {"question": "The sky is", "choices": [" blue", " green", " loud"], "answer": 0},

@@ -34,7 +34,10 @@ from oracle.common import rel_err
 TOL = 1e-5
 LENGTHS = [1, 17, 100]
 PARITY_EXTRA = ("torch", "transformers", "rwkv.model", "rwkv.rwkv_tokenizer")
-pytestmark = pytest.mark.filterwarnings(f"ignore:{JIT_DEPRECATED}:DeprecationWarning")
+pytestmark = [
+    pytest.mark.extra("parity"),
+    pytest.mark.filterwarnings(f"ignore:{JIT_DEPRECATED}:DeprecationWarning"),
+]
 
 
 # read when rwkv.model is imported: its RWKV-7 ("x070") classes instead of RWKV-4..6

@@ -27,6 +27,7 @@ from oracle.common import rel_err
 
 os.environ["RWKV_CUDA_ON"] = "0"  # read when rwkv_x.model is imported: its CPU path
 torch, rwkv_x_model = import_parity_extra(("torch", "rwkv_x.model"))
+pytestmark = pytest.mark.extra("parity")
 
 TOL = 1e-5
 V, C = 256, 128  # two heads of 64

@@ -41,18 +41,32 @@ class _Node:
         self.state, self.nbytes, self.file = None, 0, None
 
 
+class _Root(_Node):
+    """The root of one scope's trie (a scope's states are never found from another's)."""
+
+    __slots__ = ("scope",)
+
+    def __init__(self, scope: str):
+        super().__init__((), None)
+        self.scope = scope
+
+
 class PrefixCache:
     """States by token prefix under ``max_bytes`` (see the module docstring). ``put(tokens,
     state)`` stores the state after ``tokens``; ``get(tokens)`` returns ``(n, state)`` for the
     longest stored prefix ``tokens[:n]`` (``(0, None)`` when none is). ``folder`` and ``key``:
-    where states persist, and what they are valid for (see the module docstring)."""
+    where states persist, and what they are valid for (see the module docstring).
+
+    ``scope`` (of ``put`` and ``get``): who may see a state. Each scope has a trie of its own,
+    so that a lookup never finds (nor reveals the length of) another scope's prefix; all share
+    the one byte budget and least-recently-used order, and a saved state keeps its scope."""
 
     def __init__(self, max_bytes: int, folder: str | None = None, key: str = ""):
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
             raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
         self.max_bytes, self.folder, self.key = max_bytes, folder, key
         self.nbytes = 0
-        self._root = _Node((), None)
+        self._roots: dict[str, _Root] = {}
         self._lru: OrderedDict[int, _Node] = OrderedDict()  # id -> node holding a state
 
     def __len__(self) -> int:
@@ -60,16 +74,18 @@ class PrefixCache:
 
     def nodes(self) -> int:
         """Nodes in the trie besides its root (what its structure costs)."""
-        count, todo = 0, list(self._root.children.values())
+        count, todo = 0, [c for root in self._roots.values() for c in root.children.values()]
         while todo:
             node = todo.pop()
             count += 1
             todo.extend(node.children.values())
         return count
 
-    def get(self, tokens: Sequence[int]) -> tuple[int, object | None]:
+    def get(self, tokens: Sequence[int], *, scope: str = "") -> tuple[int, object | None]:
         tokens = tuple(tokens)
-        node, at = self._root, 0
+        node, at = self._roots.get(scope), 0
+        if node is None:
+            return 0, None
         best = (0, node if node.state is not None else None)  # the state after no tokens
         while at < len(tokens):
             child = node.children.get(tokens[at])
@@ -83,15 +99,15 @@ class PrefixCache:
         self._lru.move_to_end(id(best[1]))
         return best[0], best[1].state
 
-    def put(self, tokens: Sequence[int], state) -> bool:
-        """Store ``state`` as the state after ``tokens`` (replacing one stored there); False
-        when it alone is over the budget (then nothing is stored)."""
+    def put(self, tokens: Sequence[int], state, *, scope: str = "") -> bool:
+        """Store ``state`` as the state after ``tokens`` in ``scope`` (replacing one stored
+        there); False when it alone is over the budget (then nothing is stored)."""
         tokens = tuple(tokens)
         size = state_bytes(state)
         if size > self.max_bytes:
             return False
-        file = self._write(tokens, state) if self.folder else None
-        node = self._insert(tokens)
+        file = self._write(tokens, state, scope) if self.folder else None
+        node = self._insert(tokens, scope)
         if node.state is not None:
             self.nbytes -= node.nbytes
         node.state, node.nbytes, node.file = state, size, file
@@ -120,12 +136,13 @@ class PrefixCache:
                     raise ValueError("not a saved state")
                 if meta.get("key") != self.key:
                     continue
+                scope = meta.get("scope", "")
                 tokens = [int(t) for t in arrays.pop("tokens").tolist()]
                 state = tree_unflatten(list(arrays.items()))
             except (OSError, ValueError, RuntimeError, KeyError) as e:
                 warnings.warn(f"{path}: skipped, not a readable saved state ({e})", stacklevel=2)
                 continue
-            node = self._insert(tuple(tokens))
+            node = self._insert(tuple(tokens), scope)
             if node.state is None:
                 node.state, node.nbytes, node.file = state, state_bytes(state), path
                 self.nbytes += node.nbytes
@@ -136,19 +153,23 @@ class PrefixCache:
             self._drop(oldest)
         return loaded
 
-    def _write(self, tokens: tuple[int, ...], state) -> str:
-        name = hashlib.sha256(json.dumps([self.key, tokens]).encode()).hexdigest()[:32]
+    def _write(self, tokens: tuple[int, ...], state, scope: str) -> str:
+        named = [self.key, tokens] if not scope else [self.key, scope, tokens]
+        name = hashlib.sha256(json.dumps(named).encode()).hexdigest()[:32]
         path = os.path.join(self.folder, name + ".safetensors")
         arrays = dict(tree_flatten(state))
         arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
+        meta = {"format": FILE_FORMAT, "key": self.key, "scope": scope}
         with atomic_target(path, folder=False) as tmp:
-            save_safetensors(tmp, arrays, {"format": FILE_FORMAT, "key": self.key})
+            save_safetensors(tmp, arrays, meta)
         return path
 
     # ----- the trie ----------------------------------------------------------------------
 
-    def _insert(self, tokens: tuple[int, ...]) -> _Node:
-        node, at = self._root, 0
+    def _insert(self, tokens: tuple[int, ...], scope: str) -> _Node:
+        node, at = self._roots.get(scope), 0
+        if node is None:
+            node = self._roots[scope] = _Root(scope)
         while at < len(tokens):
             child = node.children.get(tokens[at])
             if child is None:  # a new leaf holding the rest
@@ -178,7 +199,7 @@ class PrefixCache:
             except FileNotFoundError:
                 pass
         node.state, node.nbytes, node.file = None, 0, None
-        while node is not self._root and node.state is None and len(node.children) <= 1:
+        while node.parent is not None and node.state is None and len(node.children) <= 1:
             parent = node.parent
             if node.children:  # one child: merge it into this node's place
                 (child,) = node.children.values()
@@ -187,3 +208,5 @@ class PrefixCache:
                 return
             del parent.children[node.edge[0]]
             node = parent
+        if node.parent is None and node.state is None and not node.children:
+            del self._roots[node.scope]  # a scope left empty costs nothing

@@ -128,3 +128,29 @@ def test_states_persist_in_a_folder_and_come_back(tmp_path):
     assert 1 <= len(small) < 3 and small.nbytes <= budget
     left = [p for p in tmp_path.glob("*.safetensors") if p.name != "cut.safetensors"]
     assert len(left) == len(small) + 1  # the kept ones and model-b's
+
+
+def test_a_scope_never_finds_another_scopes_states(tmp_path):
+    """States stored in one scope are invisible to a lookup in another (nor is their prefix's
+    length revealed); scopes share one budget; a saved state comes back into its own scope."""
+    cache = PrefixCache(3 * 40, folder=str(tmp_path), key="model")
+    cache.put([1, 2, 3], state(10, 1), scope="alice")
+    cache.put([1, 2], state(10, 2))
+    assert cache.get([1, 2, 3, 4], scope="bob") == (0, None)
+    assert cache.get([1, 2, 3, 4], scope="alice")[0] == 3
+    assert cache.get([1, 2, 3, 4])[0] == 2 and cache.get([1, 2, 3], scope="alice")[0] == 3
+    cache.put([5], state(10, 3), scope="bob")
+    cache.put([6], state(10, 4), scope="bob")  # one budget: the least recently used goes
+    assert len(cache) == 3 and cache.get([1, 2]) == (0, None)
+
+    again = PrefixCache(10**6, folder=str(tmp_path), key="model")
+    assert again.load() == 3
+    assert again.get([1, 2, 3], scope="alice")[0] == 3 and again.get([1, 2, 3]) == (0, None)
+    assert again.get([5], scope="bob")[0] == 1 and again.get([5], scope="alice") == (0, None)
+
+
+def test_scopes_left_empty_are_pruned():
+    cache = PrefixCache(40)
+    for i in range(50):
+        cache.put([i], state(10), scope=f"user-{i}")
+    assert len(cache._roots) == 1 and cache.nodes() == 1

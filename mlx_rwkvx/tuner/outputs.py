@@ -15,6 +15,7 @@ from pathlib import Path
 from mlx_rwkvx.errors import TrainError
 from mlx_rwkvx.io.atomic import atomic_target, save_text
 from mlx_rwkvx.io.load import save
+from mlx_rwkvx.io.targets import check_not_unsafe
 from mlx_rwkvx.tuner import parallel
 from mlx_rwkvx.tuner.adapters import ADAPTER_CONFIG, FINAL_ADAPTER, save_adapter
 from mlx_rwkvx.tuner.checkpoints import newest_checkpoint
@@ -29,9 +30,11 @@ _WRITTEN = re.compile(
 
 
 def check_inputs(out: Path, cfg: TrainConfig) -> str:
-    """The real path of --output: TrainError when it, or a file the run writes into it, is
-    one of the run's inputs (training only adds files, and never over what it reads)."""
-    real = os.path.realpath(out)
+    """The real path of --output: TargetError when it is a folder no command may write (the
+    home folder, the current folder or one above it, ``/``: the check every writer makes),
+    TrainError when it, or a file the run writes into it, is one of the run's inputs
+    (training only adds files, and never over what it reads)."""
+    real = check_not_unsafe(out, "--output")
     written = [os.path.join(real, name) for name in (MODEL_DIR, FINAL_ADAPTER, ADAPTER_CONFIG,
                                                       METRICS)]  # fmt: skip
     for name in ("model", "data", "val_data"):

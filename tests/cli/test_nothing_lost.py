@@ -119,6 +119,7 @@ def scratch(tmp_path):
 def unsafe_cases(kit):
     a, b, m = kit / "a.safetensors", kit / "b.safetensors", kit / "model"
     empty = "the path is empty"
+    train = ["--model", m, "--data", kit / "data.jsonl", "--lora-rank", 4, "--iters", 1]
     return [
         ("merge", ["--output", "", a, b], empty),
         ("merge", ["--output", "", "--fuse-into", kit / "xbase", a], empty),
@@ -137,6 +138,11 @@ def unsafe_cases(kit):
         ),  # fmt: skip
         ("demo", ["--out", "."], "is the current folder"),
         ("demo", ["--out", ".."], "holds the current folder"),
+        # train only adds files, but nine of them into the home or the parent folder is no
+        # place for a run either: the same check as every writer's
+        ("train", [*train, "--output", "HOME"], "is the home folder"),
+        ("train", [*train, "--output", ".."], "holds the current folder"),
+        ("train", [*train, "--output", "."], "is the current folder"),
     ]
 
 
@@ -560,7 +566,8 @@ def test_train_adds_to_a_folder_but_never_over_files_it_did_not_write(kit, tmp_p
     (linked / "adapter_config.json").symlink_to(tmp_path / "precious.json")
     before = snapshot(tmp_path)
     args = ["--model", kit / "model", "--data", kit / "data.jsonl", "--lora-rank", 4]
-    refused(run_module("train", *args, "--output", ".", cwd=here), "holds ['metrics.jsonl']")
+    refused(run_module("train", *args, "--output", here.name, cwd=tmp_path),
+            "holds ['metrics.jsonl']")  # fmt: skip
     refused(
         run_module("train", *args, "--output", linked), "adapter_config.json is a symbolic link"
     )

@@ -6,30 +6,96 @@ when their bytes pass the budget (an attention block's KV cache counts with the 
 
 A cache holds the states of one model as it runs (its weights, adapter, dtype, quantization and
 KV window): whoever keeps several keeps one cache per such key. With a ``folder``, every state
-stored is also written there (one safetensors file each, atomically, under the key), evicted
-ones are deleted, and ``load`` brings back the states of the same key after a restart: a file
-that cannot be read is skipped with one warning. The first step of the server issue."""
+stored is also written there, and the folder is the truth that several processes share:
+
+- one safetensors file a state (arrays, tokens, key and scope), ``<32 hex>.safetensors``,
+  written under a temporary name and renamed into place (a kill leaves a whole file or none);
+  files 0600, the folder 0700 (they hold conversations' tokens);
+- ``load`` (at start) removes the temporary files of writers that died (``io/targets.py``'s
+  names, with their pid) and takes in the folder's states of its key: only their names, tokens
+  and sizes (read from the header), never a file held open; a state's arrays are read when a
+  lookup first lands on it. A file that cannot be read is skipped, with one warning for all;
+- every change (a state written or evicted) happens under an exclusive ``flock`` of
+  ``.mlx_rwkvx-cache-lock``, which also counts the changes: a cache that finds the count moved
+  takes in the other processes' new states and forgets the deleted ones first. So several
+  servers share one folder, and its files (every byte of them, header and tokens included)
+  stay within the budget: evicted states' files are deleted;
+- a state that cannot be written (a full disk, a file-size limit, no permission) stays in
+  memory only, with one warning for each cause; the cache serves on;
+- each cache holds a shared ``flock`` of ``.mlx_rwkvx-cache-live`` while it lives, so that
+  ``trim_cache_dir`` knows which folders of a ``--cache-dir`` nobody uses (other
+  configurations, earlier runs): their states go, least recently used first, while the whole
+  folder is over its budget. Nothing but our own files is ever removed.
+"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import re
+import struct
+import sys
 import warnings
+from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
-from mlx_rwkvx.io.atomic import atomic_target, save_safetensors
+from mlx_rwkvx.io.targets import reason, remove_stale, temp_path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 FILE_FORMAT = "mlx_rwkvx-prefix-state"
+LOCK_NAME = ".mlx_rwkvx-cache-lock"  # held a moment by each change; holds the change count
+LIVE_NAME = ".mlx_rwkvx-cache-live"  # held shared by every cache that uses the folder
+STATE_FILE = re.compile(r"[0-9a-f]{32}\.safetensors\Z")
+KEY_FOLDER = re.compile(r"[0-9a-f]{16}\Z")
+_COUNT_WIDTH = 20  # the change count, written in place at a fixed width
+_MAX_HEADER = 1 << 26  # a safetensors header larger than this is not one of ours
 
 
 def state_bytes(state) -> int:
     """The bytes of a state's arrays (a pytree of ``mx.array``)."""
     return sum(x.nbytes for _, x in tree_flatten(state))
+
+
+def folder_for(cache_dir: str, key: str) -> str:
+    """The folder of a key's states inside a ``--cache-dir`` (one per key: a restart reads
+    only its own states)."""
+    return os.path.join(cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+def read_state_header(path: str) -> tuple[dict, tuple[int, ...], int]:
+    """A saved state's metadata, its tokens and the file's size, from the header alone
+    (the file is closed again); ValueError when it is not a whole saved state."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(size - 8, _MAX_HEADER):
+            raise ValueError("cut short, or not a safetensors file")
+        header = json.loads(f.read(length))
+        meta = header.pop("__metadata__", None) or {}
+        if meta.get("format") != FILE_FORMAT:
+            raise ValueError("not a saved state")
+        end = max((t["data_offsets"][1] for t in header.values()), default=0)
+        if 8 + length + end != size:
+            raise ValueError("cut short")
+        entry = header.get("tokens")
+        if entry is None or entry["dtype"] != "I32":
+            raise ValueError("no tokens")
+        start, stop = entry["data_offsets"]
+        f.seek(8 + length + start)
+        tokens = array("i", f.read(stop - start))
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    return meta, tuple(tokens), size
 
 
 class _Node:
@@ -38,7 +104,11 @@ class _Node:
     def __init__(self, edge: tuple[int, ...], parent: _Node | None):
         self.edge, self.parent = edge, parent
         self.children: dict[int, _Node] = {}
-        self.state, self.nbytes, self.file = None, 0, None
+        self.state, self.nbytes, self.file = None, 0, None  # file: its name in the folder
+
+    def holds(self) -> bool:
+        """Whether a state is stored here (in memory, in the folder, or both)."""
+        return self.state is not None or self.file is not None
 
 
 class _Root(_Node):
@@ -55,7 +125,8 @@ class PrefixCache:
     """States by token prefix under ``max_bytes`` (see the module docstring). ``put(tokens,
     state)`` stores the state after ``tokens``; ``get(tokens)`` returns ``(n, state)`` for the
     longest stored prefix ``tokens[:n]`` (``(0, None)`` when none is). ``folder`` and ``key``:
-    where states persist, and what they are valid for (see the module docstring).
+    where states persist, and what they are valid for (see the module docstring). With a
+    folder, a state's bytes are its file's (what the disk holds); else its arrays'.
 
     ``scope`` (of ``put`` and ``get``): who may see a state. Each scope has a trie of its own,
     so that a lookup never finds (nor reveals the length of) another scope's prefix; all share
@@ -68,6 +139,12 @@ class PrefixCache:
         self.nbytes = 0
         self._roots: dict[str, _Root] = {}
         self._lru: OrderedDict[int, _Node] = OrderedDict()  # id -> node holding a state
+        self._files: dict[str, _Node] = {}  # name in the folder -> the node it holds
+        self._foreign: set[str] = set()  # names in the folder not ours to hold
+        self._live = self._lock = None  # the two lock files, open while the cache lives
+        self._seen = -1  # the folder's change count when this cache last looked
+        self._changed = False
+        self._warned: set = set()
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -83,21 +160,21 @@ class PrefixCache:
 
     def get(self, tokens: Sequence[int], *, scope: str = "") -> tuple[int, object | None]:
         tokens = tuple(tokens)
-        node, at = self._roots.get(scope), 0
-        if node is None:
-            return 0, None
-        best = (0, node if node.state is not None else None)  # the state after no tokens
-        while at < len(tokens):
-            child = node.children.get(tokens[at])
-            if child is None or tokens[at : at + len(child.edge)] != child.edge:
-                break
-            node, at = child, at + len(child.edge)
-            if node.state is not None:
-                best = (at, node)
-        if best[1] is None:
-            return 0, None
-        self._lru.move_to_end(id(best[1]))
-        return best[0], best[1].state
+        with self._changing():
+            while True:
+                at, node = self._longest(tokens, scope)
+                if node is None:
+                    return 0, None
+                if node.state is None and not self._read(node, tokens[:at], scope):
+                    self._drop(node)  # deleted by another process, or damaged
+                    continue
+                self._lru.move_to_end(id(node))
+                if node.file is not None:  # its place in the order survives a restart
+                    try:
+                        os.utime(os.path.join(self.folder, node.file))
+                    except OSError:
+                        pass
+                return at, node.state
 
     def put(self, tokens: Sequence[int], state, *, scope: str = "") -> bool:
         """Store ``state`` as the state after ``tokens`` in ``scope`` (replacing one stored
@@ -106,65 +183,229 @@ class PrefixCache:
         size = state_bytes(state)
         if size > self.max_bytes:
             return False
-        file = self._write(tokens, state, scope) if self.folder else None
-        node = self._insert(tokens, scope)
-        if node.state is not None:
-            self.nbytes -= node.nbytes
-        node.state, node.nbytes, node.file = state, size, file
-        self.nbytes += size
-        self._lru[id(node)] = node
-        self._lru.move_to_end(id(node))
-        while self.nbytes > self.max_bytes:
-            _, oldest = self._lru.popitem(last=False)
-            self._drop(oldest)
+        with self._changing():
+            saved = self._write(tokens, state, scope) if self._lock is not None else None
+            node = self._insert(tokens, scope)
+            if node.holds():
+                self.nbytes -= node.nbytes
+            node.state = state
+            if saved is not None:
+                node.file, node.nbytes = saved
+                self._files[node.file] = node
+            elif node.file is None:  # kept in memory only
+                node.nbytes = size
+            # (else the write failed and the file of these same tokens before stays)
+            self.nbytes += node.nbytes
+            self._lru[id(node)] = node
+            self._lru.move_to_end(id(node))
+            self._evict()
         return True
 
     def load(self) -> int:
-        """The states of this key saved in ``folder`` (by an earlier process), stored again;
-        returns how many. Files of other keys are left alone; one that cannot be read (cut
-        short by a kill, damaged) is skipped with one warning."""
-        if not self.folder or not os.path.isdir(self.folder):
+        """Take in the states of this key saved in ``folder`` (by an earlier process or one
+        running beside it), after removing the temporary files of writers that died; returns
+        how many. Their arrays are read when first used. Files of other keys are left alone;
+        one that cannot be read is skipped, with one warning for all such files. An OSError
+        when the folder cannot be made or locked (not writable, ...)."""
+        if not self.folder:
             return 0
-        loaded = 0
-        for name in sorted(os.listdir(self.folder)):
-            if not name.endswith(".safetensors") or name.startswith("."):
+        self._open()
+        with self._changing(fresh=True) as taken:
+            pass
+        return taken[0]
+
+    def close(self) -> None:
+        """Let go of the folder's lock files (the states stay; a later call opens them again)."""
+        for f in (self._lock, self._live):
+            if f is not None:
+                f.close()
+        self._lock = self._live = None
+
+    # ----- the folder --------------------------------------------------------------------
+
+    def _open(self) -> None:
+        """The folder made (0700, and its missing parents), its live lock held shared and its
+        change lock open. Retried where ``trim_cache_dir`` removed the folder meanwhile."""
+        if self._lock is not None:
+            return
+        for _ in range(10):
+            _make_private(self.folder)
+            live = _open_lock(os.path.join(self.folder, LIVE_NAME))
+            try:
+                fcntl.flock(live.fileno(), fcntl.LOCK_SH)
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    live.close()
+                    raise
+            if not _still_there(live, os.path.join(self.folder, LIVE_NAME)):
+                live.close()
                 continue
+            self._live = live
+            self._lock = _open_lock(os.path.join(self.folder, LOCK_NAME))
+            return
+        raise OSError(errno.EBUSY, "removed again and again while opened", self.folder)
+
+    @contextmanager
+    def _changing(self, fresh: bool = False) -> Iterator[list[int]]:
+        """The block under the folder's change lock (nothing without a folder), after taking
+        in what other processes changed since this cache last looked (everything: ``fresh``);
+        yields a list that holds how many states were taken in, once the block has run."""
+        taken = [0]
+        if not self.folder:
+            yield taken
+            return
+        if self._lock is None:
+            try:
+                self._open()
+            except OSError as e:
+                self._warn_once(("open", e.errno), f"cannot keep states there ({reason(e)})")
+                self.folder = None  # memory only from now on
+                yield taken
+                return
+        fd = self._lock.fileno()
+        locked = _flock(fd, fcntl.LOCK_EX)
+        if not locked:
+            self._warn_once("nolock", "this file system has no locks, so another process "
+                            "using the folder would not be noticed")  # fmt: skip
+        try:
+            count = _read_count(fd)
+            if fresh:
+                remove_stale(self.folder)
+            if fresh or count != self._seen:
+                taken[0] = self._rescan(warn=fresh)
+            self._changed = False
+            yield taken
+            self._evict()
+            if self._changed:
+                count += 1
+                _write_count(fd, count)
+            self._seen = count
+        finally:
+            if locked:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _rescan(self, warn: bool) -> int:
+        """Take in the folder's states of this key that this cache does not hold (oldest
+        first: least recently used), and forget those whose files are gone; how many."""
+        try:
+            names = {n for n in os.listdir(self.folder)
+                     if n.endswith(".safetensors") and not n.startswith(".")}  # fmt: skip
+        except OSError:
+            names = set()
+        for name in [n for n in self._files if n not in names]:
+            node = self._files.pop(name)
+            node.file = None
+            if node.state is None:
+                self._drop(node)
+            else:  # still in memory: kept there
+                self.nbytes += state_bytes(node.state) - node.nbytes
+                node.nbytes = state_bytes(node.state)
+        self._foreign &= names
+        found, bad = [], []
+        for name in names - self._files.keys() - self._foreign:
             path = os.path.join(self.folder, name)
             try:
-                arrays, meta = mx.load(path, return_metadata=True)
-                if meta.get("format") != FILE_FORMAT:
-                    raise ValueError("not a saved state")
-                if meta.get("key") != self.key:
-                    continue
-                scope = meta.get("scope", "")
-                tokens = [int(t) for t in arrays.pop("tokens").tolist()]
-                state = tree_unflatten(list(arrays.items()))
-            except (OSError, ValueError, RuntimeError, KeyError) as e:
-                warnings.warn(f"{path}: skipped, not a readable saved state ({e})", stacklevel=2)
+                meta, tokens, size = read_state_header(path)
+                mtime = os.stat(path).st_mtime_ns
+            except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+                self._foreign.add(name)
+                bad.append(f"{name} ({e})")
                 continue
-            node = self._insert(tuple(tokens), scope)
-            if node.state is None:
-                node.state, node.nbytes, node.file = state, state_bytes(state), path
-                self.nbytes += node.nbytes
-                self._lru[id(node)] = node
-                loaded += 1
-        while self.nbytes > self.max_bytes:
-            _, oldest = self._lru.popitem(last=False)
-            self._drop(oldest)
-        return loaded
+            if meta.get("key") != self.key or name != self._name(tokens, meta.get("scope", "")):
+                self._foreign.add(name)
+                continue
+            found.append((mtime, name, tokens, meta.get("scope", ""), size))
+        if bad and warn:
+            warnings.warn(f"{self.folder}: {len(bad)} files skipped, not readable saved "
+                          f"states: {', '.join(bad[:3])}" + (", ..." if len(bad) > 3 else ""),
+                          stacklevel=4)  # fmt: skip
+        for _, name, tokens, scope, size in sorted(found):
+            try:  # earlier versions wrote them readable by everyone
+                os.chmod(os.path.join(self.folder, name), 0o600)
+            except OSError:
+                pass
+            node = self._insert(tokens, scope)
+            if node.holds():
+                self.nbytes -= node.nbytes
+            node.file, node.nbytes = name, size
+            self._files[name] = node
+            self.nbytes += size
+            self._lru[id(node)] = node
+            self._lru.move_to_end(id(node))
+        return len(found)
 
-    def _write(self, tokens: tuple[int, ...], state, scope: str) -> str:
-        named = [self.key, tokens] if not scope else [self.key, scope, tokens]
-        name = hashlib.sha256(json.dumps(named).encode()).hexdigest()[:32]
-        path = os.path.join(self.folder, name + ".safetensors")
+    def _name(self, tokens: tuple[int, ...], scope: str) -> str:
+        named = [self.key, list(tokens)] if not scope else [self.key, scope, list(tokens)]
+        return hashlib.sha256(json.dumps(named).encode()).hexdigest()[:32] + ".safetensors"
+
+    def _write(self, tokens: tuple[int, ...], state, scope: str) -> tuple[str, int] | None:
+        """The state's file written (its name and size), or None: it could not be (one
+        warning a cause), or alone it is over the budget."""
+        name = self._name(tokens, scope)
+        path = os.path.join(self.folder, name)
+        tmp = temp_path(path)
         arrays = dict(tree_flatten(state))
         arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
         meta = {"format": FILE_FORMAT, "key": self.key, "scope": scope}
-        with atomic_target(path, folder=False) as tmp:
-            save_safetensors(tmp, arrays, meta)
-        return path
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+            mx.save_safetensors(tmp, arrays, metadata=meta)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            size = os.stat(tmp).st_size
+            if size > self.max_bytes:
+                os.remove(tmp)
+                return None
+            os.replace(tmp, path)  # a file of the same state another process wrote: replaced
+        except (OSError, RuntimeError) as e:  # RuntimeError: how MLX's writer reports one
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            cause = e.errno if isinstance(e, OSError) else "write"
+            text = reason(e) if isinstance(e, OSError) else f"{e}; is the disk full, or a " \
+                "file-size limit reached?"  # fmt: skip
+            self._warn_once(("write", cause), f"a state could not be saved ({text}); such "
+                            "states are kept in memory only, and this is said once")  # fmt: skip
+            return None
+        self._changed = True
+        return name, size
+
+    def _read(self, node: _Node, tokens: tuple[int, ...], scope: str) -> bool:
+        """A saved state's arrays read into ``node`` (the file closed again); False when the
+        file is gone or is not this state."""
+        try:
+            arrays, meta = mx.load(os.path.join(self.folder, node.file), return_metadata=True)
+            mx.eval(list(arrays.values()))  # every array read: MLX lets go of the file
+            saved = tuple(arrays.pop("tokens").tolist())
+        except (OSError, RuntimeError, ValueError, KeyError):
+            return False
+        if (saved != tokens or meta.get("format") != FILE_FORMAT or meta.get("key") != self.key
+                or meta.get("scope", "") != scope):  # fmt: skip
+            return False
+        node.state = tree_unflatten(list(arrays.items()))
+        return True
+
+    def _warn_once(self, cause, text: str) -> None:
+        if cause not in self._warned:
+            self._warned.add(cause)
+            warnings.warn(f"{self.folder}: {text}", stacklevel=4)
 
     # ----- the trie ----------------------------------------------------------------------
+
+    def _longest(self, tokens: tuple[int, ...], scope: str) -> tuple[int, _Node | None]:
+        node, at = self._roots.get(scope), 0
+        if node is None:
+            return 0, None
+        best = (0, node if node.holds() else None)  # the state after no tokens
+        while at < len(tokens):
+            child = node.children.get(tokens[at])
+            if child is None or tokens[at : at + len(child.edge)] != child.edge:
+                break
+            node, at = child, at + len(child.edge)
+            if node.holds():
+                best = (at, node)
+        return best
 
     def _insert(self, tokens: tuple[int, ...], scope: str) -> _Node:
         node, at = self._roots.get(scope), 0
@@ -190,16 +431,28 @@ class PrefixCache:
             node, at = child, at + common
         return node
 
+    def _evict(self) -> None:
+        while self.nbytes > self.max_bytes:
+            _, oldest = self._lru.popitem(last=False)
+            self._drop(oldest)
+
     def _drop(self, node: _Node) -> None:
-        """``node``'s state evicted; nodes left holding nothing are pruned or merged."""
+        """``node``'s state evicted (its file deleted); nodes left holding nothing are pruned
+        or merged."""
+        self._lru.pop(id(node), None)
         self.nbytes -= node.nbytes
         if node.file is not None:
+            self._files.pop(node.file, None)
             try:
-                os.remove(node.file)
+                os.remove(os.path.join(self.folder, node.file))
+                self._changed = True
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                self._warn_once(("remove", e.errno), f"a state's file could not be deleted "
+                                f"({reason(e)})")  # fmt: skip
         node.state, node.nbytes, node.file = None, 0, None
-        while node.parent is not None and node.state is None and len(node.children) <= 1:
+        while node.parent is not None and not node.holds() and len(node.children) <= 1:
             parent = node.parent
             if node.children:  # one child: merge it into this node's place
                 (child,) = node.children.values()
@@ -208,5 +461,148 @@ class PrefixCache:
                 return
             del parent.children[node.edge[0]]
             node = parent
-        if node.parent is None and node.state is None and not node.children:
+        if node.parent is None and not node.holds() and not node.children:
             del self._roots[node.scope]  # a scope left empty costs nothing
+
+
+def trim_cache_dir(cache_dir: str, max_bytes: int) -> int:
+    """Remove saved states from the folders of ``cache_dir`` that no running cache uses (other
+    configurations, earlier runs: their live lock is free), least recently used first, while
+    the states of all its folders together pass ``max_bytes``; also the temporary files of
+    writers that died, and folders left holding only our lock files. Only our own files go
+    (state files of our format inside key folders): nothing else there is touched. Returns
+    how many states were removed."""
+    try:
+        names = sorted(os.listdir(cache_dir))
+    except OSError:
+        return 0
+    total, unused, held = 0, [], []
+    try:
+        for name in names:
+            folder = os.path.join(cache_dir, name)
+            if not KEY_FOLDER.match(name) or os.path.islink(folder) or not os.path.isdir(folder):
+                continue
+            live = _try_exclusive(os.path.join(folder, LIVE_NAME))
+            if live is None:  # in use: counted, never touched
+                total += sum(s for _, s, _ in _state_files(folder, check=False))
+                continue
+            held.append((folder, live))
+            remove_stale(folder)
+            files = _state_files(folder, check=True)
+            total += sum(s for _, s, _ in files)
+            unused.extend(files)
+        removed = 0
+        for _, size, path in sorted(unused):
+            if total <= max_bytes:
+                break
+            try:
+                os.remove(path)
+            except OSError:
+                continue
+            total -= size
+            removed += 1
+        for folder, _ in held:  # a folder left with only our lock files goes too
+            if set(os.listdir(folder)) <= {LIVE_NAME, LOCK_NAME}:
+                for name in (LOCK_NAME, LIVE_NAME):
+                    try:
+                        os.remove(os.path.join(folder, name))
+                    except OSError:
+                        pass
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    pass
+        return removed
+    finally:
+        for _, live in held:
+            live.close()
+
+
+def _state_files(folder: str, check: bool) -> list[tuple[int, int, str]]:
+    """(mtime, size, path) of the saved states in ``folder``; ``check``: only files whose
+    header says they are ours."""
+    out = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return out
+    for entry in entries:
+        if not STATE_FILE.match(entry.name) or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            if check:
+                read_state_header(entry.path)
+            st = entry.stat(follow_symlinks=False)
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            continue
+        out.append((st.st_mtime_ns, st.st_size, entry.path))
+    return out
+
+
+def _make_private(folder: str) -> None:
+    """``folder`` and its missing parents made 0700; an existing ``folder`` made 0700 too (it
+    is the cache's own); an existing parent is left as it is."""
+    missing, path = [], os.path.abspath(folder)
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        if os.stat(folder).st_mode & 0o077:
+            os.chmod(folder, 0o700)
+    except OSError:  # another user's folder we may write to: left as it is
+        pass
+
+
+def _open_lock(path: str):
+    return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "r+b", 0)
+
+
+def _still_there(f, path: str) -> bool:
+    """Whether ``path`` is still the file ``f`` locked (not removed meanwhile)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _flock(fd: int, how: int) -> bool:
+    """``flock``; False where the file system has none."""
+    try:
+        fcntl.flock(fd, how)
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            return False
+        raise
+    return True
+
+
+def _try_exclusive(path: str):
+    """The live lock file of a folder, held exclusively, or None when a cache uses the folder
+    (or it cannot be locked: then it is left alone too)."""
+    try:
+        f = _open_lock(path)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    if not _still_there(f, path):
+        f.close()
+        return None
+    return f
+
+
+def _read_count(fd: int) -> int:
+    text = os.pread(fd, _COUNT_WIDTH, 0)
+    return int(text) if text.strip().isdigit() else 0
+
+
+def _write_count(fd: int, count: int) -> None:
+    os.pwrite(fd, f"{count % 10**_COUNT_WIDTH:0{_COUNT_WIDTH}d}".encode(), 0)

@@ -4,7 +4,14 @@ budget, and a trie that shrinks back as states go (no node leaks)."""
 
 from __future__ import annotations
 
+import errno
+import os
 import random
+import stat
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 from mlx_rwkvx.generation.prefix_cache import PrefixCache, state_bytes
 
@@ -108,10 +115,11 @@ def test_states_persist_in_a_folder_and_come_back(tmp_path):
         first.put(tokens, texts[tokens])
     PrefixCache(10**8, folder=str(tmp_path), key="model-b").put([1, 2], state(4))
     assert len(list(tmp_path.glob("*.safetensors"))) == 4
-    (tmp_path / "cut.safetensors").write_bytes(b"\x10\x00\x00")  # a write cut short
+    cut = tmp_path / ("0" * 32 + ".safetensors")
+    cut.write_bytes(b"\x10\x00\x00")  # a damaged file
 
     again = PrefixCache(10**8, folder=str(tmp_path), key="model-a")
-    with pytest.warns(UserWarning, match=r"cut\.safetensors: skipped, not a readable saved state"):
+    with pytest.warns(UserWarning, match=r"1 files skipped, not readable saved states: 0{32}"):
         assert again.load() == 3
     n, restored = again.get([1, 2, 3, 4, 5, 6])
     assert n == 5
@@ -121,31 +129,35 @@ def test_states_persist_in_a_folder_and_come_back(tmp_path):
     assert all(mx.array_equal(flat(restored)[k], v) for k, v in expected.items())
     assert again.get([1, 2]) == (0, None)  # model-b's state is not model-a's
 
-    budget = max(state_bytes(s) for s in texts.values())
+    budget = max(p.stat().st_size for p in tmp_path.glob("*.safetensors"))  # the files count
     small = PrefixCache(budget, folder=str(tmp_path), key="model-a")
     with pytest.warns(UserWarning):
         small.load()  # over the budget: states evicted until it fits, their files deleted
     assert 1 <= len(small) < 3 and small.nbytes <= budget
-    left = [p for p in tmp_path.glob("*.safetensors") if p.name != "cut.safetensors"]
+    left = [p for p in tmp_path.glob("*.safetensors") if p != cut]
     assert len(left) == len(small) + 1  # the kept ones and model-b's
 
 
 def test_a_scope_never_finds_another_scopes_states(tmp_path):
     """States stored in one scope are invisible to a lookup in another (nor is their prefix's
     length revealed); scopes share one budget; a saved state comes back into its own scope."""
-    cache = PrefixCache(3 * 40, folder=str(tmp_path), key="model")
-    cache.put([1, 2, 3], state(10, 1), scope="alice")
-    cache.put([1, 2], state(10, 2))
-    assert cache.get([1, 2, 3, 4], scope="bob") == (0, None)
-    assert cache.get([1, 2, 3, 4], scope="alice")[0] == 3
-    assert cache.get([1, 2, 3, 4])[0] == 2 and cache.get([1, 2, 3], scope="alice")[0] == 3
-    cache.put([5], state(10, 3), scope="bob")
-    cache.put([6], state(10, 4), scope="bob")  # one budget: the least recently used goes
-    assert len(cache) == 3 and cache.get([1, 2]) == (0, None)
+    for folder in (None, str(tmp_path)):
+        cache = PrefixCache(3 * 40 if folder is None else 10**6, folder=folder, key="model")
+        cache.put([1, 2, 3], state(10, 1), scope="alice")
+        cache.put([1, 2], state(10, 2))
+        assert cache.get([1, 2, 3, 4], scope="bob") == (0, None)
+        assert cache.get([1, 2, 3, 4], scope="alice")[0] == 3
+        assert cache.get([1, 2, 3, 4])[0] == 2 and cache.get([1, 2, 3], scope="alice")[0] == 3
+        cache.put([5], state(10, 3), scope="bob")
+        if folder is None:
+            cache.put([6], state(10, 4), scope="bob")  # one budget: the least recent goes
+            assert len(cache) == 3 and cache.get([1, 2]) == (0, None)
 
     again = PrefixCache(10**6, folder=str(tmp_path), key="model")
     assert again.load() == 3
-    assert again.get([1, 2, 3], scope="alice")[0] == 3 and again.get([1, 2, 3]) == (0, None)
+    n, restored = again.get([1, 2])
+    assert n == 2 and mx.array_equal(restored[0]["x"], state(10, 2)[0]["x"])
+    assert again.get([1, 2, 3], scope="alice")[0] == 3 and again.get([1, 2, 3])[0] == 2
     assert again.get([5], scope="bob")[0] == 1 and again.get([5], scope="alice") == (0, None)
 
 
@@ -154,3 +166,155 @@ def test_scopes_left_empty_are_pruned():
     for i in range(50):
         cache.put([i], state(10), scope=f"user-{i}")
     assert len(cache._roots) == 1 and cache.nodes() == 1
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _files(folder) -> dict[str, int]:
+    """Every file under ``folder`` and its size."""
+    return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_restored_states_hold_no_file_open(tmp_path):
+    """A restart on 300 saved states: no descriptor is held for any of them, before a lookup
+    lands on one or after (its arrays are read, then the file is closed)."""
+    first = PrefixCache(10**8, folder=str(tmp_path), key="m")
+    for i in range(300):
+        first.put([i, 1, 2], state(4, i))
+    before = _open_fds()
+    again = PrefixCache(10**8, folder=str(tmp_path), key="m")
+    assert again.load() == 300
+    for i in (0, 150, 299):
+        n, s = again.get([i, 1, 2, 3])
+        assert n == 3 and mx.array_equal(s[0]["x"], state(4, i)[0]["x"])
+    assert _open_fds() <= before + 2  # the folder's two lock files, whatever the states
+
+
+def test_load_under_a_low_descriptor_limit(tmp_path):
+    """400 saved states under a limit of 256 open files: every one loads, none is skipped."""
+    first = PrefixCache(10**8, folder=str(tmp_path), key="m")
+    for i in range(400):
+        first.put([i], state(2, i))
+    script = (
+        "import resource, warnings\n"
+        "from mlx_rwkvx.generation.prefix_cache import PrefixCache\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(\n"
+        "    resource.RLIMIT_NOFILE)[1]))\n"
+        "warnings.simplefilter('error')\n"
+        f"c = PrefixCache(10**8, folder={str(tmp_path)!r}, key='m')\n"
+        "print(c.load(), sum(c.get([i])[0] for i in range(400)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["400", "400"]
+
+
+def test_a_failed_write_keeps_the_state_in_memory_with_one_warning(tmp_path, monkeypatch):
+    """A full disk: the states are not saved (no file, no temporary left), stay in memory,
+    and one warning says so for all of them; once the disk has room, they are saved again."""
+    cache = PrefixCache(10**6, folder=str(tmp_path), key="m")
+    real = mx.save_safetensors
+
+    def full(path, *a, **kw):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(mx, "save_safetensors", full)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(5):
+            assert cache.put([i, 9], state(4, i))
+    assert [str(w.message) for w in caught if "No space left" in str(w.message)] == [
+        f"{tmp_path}: a state could not be saved (No space left on device); such states are "
+        "kept in memory only, and this is said once"]  # fmt: skip
+    assert len(caught) == 1 and len(cache) == 5 and cache.get([3, 9, 1])[0] == 2
+    assert not [f for f in _files(tmp_path) if f.endswith(".safetensors")]
+    monkeypatch.setattr(mx, "save_safetensors", real)
+    cache.put([7], state(4))
+    assert len([f for f in _files(tmp_path) if f.endswith(".safetensors")]) == 1
+
+
+def test_the_folder_obeys_its_budget_counting_every_byte(tmp_path):
+    """The files' bytes (arrays, tokens and header) stay within the budget, also with two
+    caches (two servers) writing one folder: each takes in the other's states and evicts
+    against the whole folder; a state the other evicted is missed, not an error."""
+    probe = PrefixCache(10**6, folder=str(tmp_path / "probe"), key="m")
+    probe.put([0, 0], state(16))
+    one = max(_files(tmp_path / "probe").values())  # a state's file: more than its arrays
+    assert one > state_bytes(state(16))
+    folder = tmp_path / "shared"
+    budget = 5 * one
+    a = PrefixCache(budget, folder=str(folder), key="m")
+    b = PrefixCache(budget, folder=str(folder), key="m")
+    a.load(), b.load()
+    for i in range(8):
+        (a if i % 2 else b).put([i, i], state(16, i))
+        on_disk = sum(s for f, s in _files(folder).items() if f.endswith(".safetensors"))
+        assert on_disk <= budget, (i, on_disk)
+    assert b.get([7, 7, 1])[0] == 2  # a's latest, found by b
+    assert a.get([3, 3])[0] == 2 and b.get([1, 1]) == (0, None)  # evicted by a; b forgets it
+
+
+def test_debris_of_dead_writers_is_removed_and_modes_are_private(tmp_path):
+    """A temporary file of a writer killed mid-write goes at the next load (one of a live
+    process stays); the folders made are 0700 and the files 0600 (they hold conversations),
+    also those an earlier version left readable by everyone."""
+    folder = tmp_path / "made" / "key"
+    cache = PrefixCache(10**6, folder=str(folder), key="m")
+    cache.put([1], state(2))
+    (name,) = [f for f in _files(folder) if f.endswith(".safetensors")]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    debris = folder / f".mlx_rwkvx-tmp-{dead}.new.{'a' * 32}.safetensors"
+    alive = folder / f".mlx_rwkvx-tmp-{os.getppid()}.new.{'b' * 32}.safetensors"
+    mine = folder / "notes.txt"
+    for p in (debris, alive, mine):
+        p.write_bytes(b"x")
+    os.chmod(folder / name, 0o644)
+    os.chmod(folder, 0o755)
+    again = PrefixCache(10**6, folder=str(folder), key="m")
+    assert again.load() == 1
+    assert not debris.exists() and alive.exists() and mine.exists()
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    assert mode(tmp_path / "made") == mode(folder) == 0o700
+    assert mode(folder / name) == 0o600
+    again.put([2], state(2))
+    saved = [f for f in _files(folder) if f.endswith(".safetensors") and f[0] != "."]
+    assert len(saved) == 2 and {mode(folder / f) for f in saved} == {0o600}
+
+
+def test_trim_cache_dir_removes_unused_folders_states_least_recent_first(tmp_path):
+    """Folders of configurations nobody serves lose their states, oldest first, while the
+    whole folder is over the budget; a folder in use and anything not ours are untouched; a
+    folder left with nothing is removed."""
+    from mlx_rwkvx.generation.prefix_cache import folder_for, trim_cache_dir
+
+    live = PrefixCache(10**6, folder=folder_for(str(tmp_path), "served"), key="served")
+    live.load()
+    live.put([1], state(16))
+    for key in ("old-a", "old-b"):
+        c = PrefixCache(10**6, folder=folder_for(str(tmp_path), key), key=key)
+        for i in range(3):
+            c.put([i], state(16, i))
+        c.close()
+    stamps = {}  # the least recently used: old-a's, then old-b's
+    for n, key in enumerate(("old-a", "old-b")):
+        for i, p in enumerate(sorted(Path(folder_for(str(tmp_path), key)).glob("*.safetensors"))):
+            stamps[p] = 1_000_000 + 10 * n + i
+            os.utime(p, (stamps[p], stamps[p]))
+    (tmp_path / "readme.txt").write_text("mine")
+    Path(folder_for(str(tmp_path), "old-b"), "mine.txt").write_text("mine")
+    one = max(_files(tmp_path).values())
+    assert trim_cache_dir(str(tmp_path), 3 * one) == 4  # 7 states, room for 3 (one in use)
+    left = [p for p in stamps if p.exists()]
+    assert left == sorted(stamps, key=stamps.get)[-2:]  # old-b's newest two
+    assert not os.path.exists(folder_for(str(tmp_path), "old-a"))  # emptied: removed
+    assert (tmp_path / "readme.txt").exists()
+    assert Path(folder_for(str(tmp_path), "old-b"), "mine.txt").exists()
+    assert live.get([1])[0] == 1 and trim_cache_dir(str(tmp_path), 0) == 2  # never the live one
+    assert live.get([1])[0] == 1

@@ -9,6 +9,7 @@ from mlx_rwkvx.generation.chat import (
     Chat,
     ChatFormat,
     chat_format,
+    encode_chat,
     is_conversation,
 )
 from mlx_rwkvx.generation.stream import (
@@ -31,6 +32,7 @@ __all__ = [
     "GenerationResponse",
     "Session",
     "chat_format",
+    "encode_chat",
     "generate",
     "is_conversation",
     "stream_generate",

@@ -1,13 +1,15 @@
 """A chat: ``Chat`` carries a conversation's state from turn to turn, so that each turn
 prefills only its new tokens, and saves it to one file and loads it back (``is_conversation``
 tells such a file); ``chat_format`` renders a conversation (the tokenizer's template, RWKV's
-``User:/Assistant:``, ChatML or a Jinja file)."""
+``User:/Assistant:``, ChatML or a Jinja file), and ``encode_chat`` encodes it with special
+tokens only where the template wrote them, never from a message's text."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -145,6 +147,103 @@ def _im_end_stop(tokenizer, template: str | None = None, force: bool = False) ->
     return [] if len(ids) == 1 and ids[0] in eos else ["<|im_end|>"]
 
 
+# ----- encoding a conversation -----------------------------------------------------------------
+
+_SLOT = "\ue000{}\ue001"  # private-use characters around a message's index: where its text goes
+_SLOTS = re.compile("\ue000(\\d+)\ue001")
+
+
+@dataclass
+class ChatText:
+    """A rendered conversation: its ``text``, and the spans of it (start, end) that are the text
+    of a message holding special-token text (a user writing ``<|im_end|>``), which
+    ``encode_chat_text`` spells as text."""
+
+    text: str
+    literal: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _holds_special_tokens(tokenizer, text) -> bool:
+    special = getattr(tokenizer, "special_token_ids", None)
+    return bool(
+        special and text and isinstance(text, str) and special & set(_encode(tokenizer, text))
+    )
+
+
+def render_chat(
+    tokenizer,
+    fmt: ChatFormat,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list | None = None,
+) -> ChatText:
+    """``fmt.apply(messages, ...)``, and where the messages' text lies in it when some of it
+    would encode to a special token. Found by rendering again with each such text replaced by
+    a slot, and kept only if filling the slots gives back the same text; where it does not (a
+    template that rewrites the text, or reads it), GenerationError: no way to tell the
+    template's special tokens from the message's."""
+    text = fmt.apply(messages, add_generation_prompt, tools=tools)
+    hostile = {
+        i for i, m in enumerate(messages) if _holds_special_tokens(tokenizer, m.get("content"))
+    }
+    if not hostile:
+        return ChatText(text)
+    slotted = [{**m, "content": _SLOT.format(i)} if i in hostile else m
+               for i, m in enumerate(messages)]  # fmt: skip
+    try:
+        pieces = _SLOTS.split(fmt.apply(slotted, add_generation_prompt, tools=tools))
+    except GenerationError:
+        pieces = []
+    filled, literal = [], []
+    for k, piece in enumerate(pieces):
+        if k % 2 and int(piece) in hostile:
+            start, piece = sum(map(len, filled)), messages[int(piece)]["content"]
+            literal.append((start, start + len(piece)))
+        elif k % 2:  # a message's own text that looks like a slot
+            piece = _SLOT.format(piece)
+        filled.append(piece)
+    if "".join(filled) != text:
+        raise GenerationError(
+            f"chat template {fmt.name}: a message holds special-token text (such as "
+            "<|im_end|>) and the template rewrites or reads the message's text, so its special "
+            "tokens cannot be told from the message's: take the special-token text out"
+        )
+    return ChatText(text, literal)
+
+
+def encode_chat_text(tokenizer, chat: ChatText, start: int = 0) -> list[int]:
+    """The token ids of ``chat.text[start:]``: the ``literal`` spans through the tokenizer's
+    ``encode_plain`` (special-token text as text), the rest as one text each (the template's
+    special tokens as special tokens, and the tokens of any other message as whole-text encoding
+    gives them, as before)."""
+    ids, at = [], start
+    for s, e in chat.literal:
+        s, e = max(s, start), max(e, start)
+        if s == e:
+            continue
+        if at < s:
+            ids += _encode(tokenizer, chat.text[at:s])
+        ids += tokenizer.encode_plain(chat.text[s:e])
+        at = e
+    if at < len(chat.text):
+        ids += _encode(tokenizer, chat.text[at:])
+    return ids
+
+
+def encode_chat(
+    tokenizer,
+    fmt: ChatFormat,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list | None = None,
+) -> list[int]:
+    """The prompt of a conversation as token ids: ``fmt`` renders it, and special tokens come
+    only from the template, never from a message's text (a user's ``<|im_end|>\\n<|im_start|>
+    system`` stays text: no role spoofing). Raises GenerationError as ``render_chat``."""
+    chat = render_chat(tokenizer, fmt, messages, add_generation_prompt, tools)
+    return encode_chat_text(tokenizer, chat)
+
+
 def model_identity(model: Model) -> str:
     """What a model's states are valid for: the base's fingerprint and a hash of any adapter
     tensors (LoRA, DoRA, a state-tuned initial state)."""
@@ -217,20 +316,20 @@ class Chat:
     def _fed_text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens) if tokens else ""
 
-    def _continue(self, text: str) -> list[int]:
-        """Bring the session to the latest held state whose text ``text`` continues (after
+    def _continue(self, chat: ChatText) -> list[int]:
+        """Bring the session to the latest held state whose text ``chat`` continues (after
         the previous answer, else before it, else the start); the ids still to feed."""
         held = [self.session.snapshot()]
         if self._before_answer is not None:
             held.append(self._before_answer)
         for snap in held:
             done = self._fed_text(snap[0])
-            if snap[0] and text.startswith(done) and len(text) > len(done):
-                ids = _encode(self.tokenizer, text[len(done) :])  # first: it may refuse
+            if snap[0] and chat.text.startswith(done) and len(chat.text) > len(done):
+                ids = encode_chat_text(self.tokenizer, chat, len(done))  # first: it may refuse
                 self.session.restore(snap)
                 self.reused = len(snap[0])
                 return ids
-        ids = _encode(self.tokenizer, text)
+        ids = encode_chat_text(self.tokenizer, chat)
         self.session.reset()
         self.reused = 0
         return ids
@@ -240,10 +339,10 @@ class Chat:
         early, by Ctrl-C or ``close()``, is kept as far as it came)."""
         if not isinstance(user, str):
             raise TypeError(f"chat: the message must be a str, got {type(user).__name__}")
-        text = self.format.apply(self._conversation(user))
+        chat = render_chat(self.tokenizer, self.format, self._conversation(user))
         opts = {**self.options, **options}
         stops = list(self.format.stops) + list(opts.pop("stop", ()))
-        ids = self._continue(text)
+        ids = self._continue(chat)
         self.prefilled = len(ids)
         responses = stream_generate(
             self.model, self.tokenizer, ids, stop=stops, session=self.session, **opts

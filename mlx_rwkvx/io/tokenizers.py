@@ -2,7 +2,8 @@
 ``tokenizer.json`` (through ``tokenizers``), and plain bytes for tiny models.
 
 Each has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``,
-``eos_token_ids`` and ``files`` (what ``save`` copies beside the weights), and the part of the
+``eos_token_ids``, ``files`` (what ``save`` copies beside the weights), ``special_token_ids``
+and ``encode_plain`` (special-token text as text: a chat message's), and the part of the
 Hugging Face tokenizer surface that mlx-lm reads, so ``mlx_lm.generate.stream_generate`` takes
 them as they are. The World and byte tokenizers also ``encode_bytes``/``decode_bytes``, which
 round-trip any byte string, invalid UTF-8 included.
@@ -60,6 +61,12 @@ class _MlxLmSurface:
     bos_token_id = None
     chat_template = None
     eos_token_ids: set[int] = set()
+    # no text spells a special token of World (id 0 has no bytes) or of bytes (NUL is a byte)
+    special_token_ids: frozenset[int] = frozenset()
+
+    def encode_plain(self, text: str) -> list[int]:
+        """``text`` with any special-token text in it spelled as text (as ``encode`` here)."""
+        return self.encode(text)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -209,8 +216,11 @@ class HFTokenizer(_MlxLmSurface):
             self._tok = Tokenizer.from_file(path)
         except Exception as e:  # the library raises its own Exception subclass for any problem
             raise ValueError(f"{path}: cannot load tokenizer ({e})") from e
-        self.folder, self._hf = folder, None
+        self.folder, self._hf, self._plain = folder, None, None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_token_ids = frozenset(
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        )
         self.eos_token_ids = self._eos_ids(folder)
         self.bos_token, self.bos_token_id = self._bos(folder)
         self.files = {
@@ -262,6 +272,17 @@ class HFTokenizer(_MlxLmSurface):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         _utf8(text)
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """``text`` with special-token text (``<|im_end|>``) spelled as text, not as the
+        special token. A second ``Tokenizer`` does it: ``encode_special_tokens`` is a setting
+        of the whole tokenizer, which other threads encode with at the same time."""
+        _utf8(text)
+        if self._plain is None:
+            plain = type(self._tok).from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids, **_) -> str:
         ids = [int(i) for i in ids]

@@ -224,6 +224,7 @@ def test_save_load_in_another_process(tmp_path):
     script = """
 import sys, numpy as np, mlx_rwkvx
 from mlx_rwkvx.generation import Chat
+from mlx_rwkvx.generation.chat import render_chat
 model, tok = mlx_rwkvx.load(sys.argv[1])
 chat = Chat(model, tok, max_tokens=8)
 if sys.argv[2] == "save":
@@ -232,7 +233,7 @@ if sys.argv[2] == "save":
     chat.save(sys.argv[3])
 else:
     chat.load(sys.argv[3])
-text = chat.format.render(chat._conversation("three"), True)
+text = render_chat(tok, chat.format, chat._conversation("three"))
 logits = chat.session.feed(chat._continue(text))
 np.save(sys.argv[4], np.array(logits))
 print(len(chat.session.tokens), len(chat.messages))

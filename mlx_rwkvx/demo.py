@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shlex
 import shutil
@@ -476,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     def body():
         # resolved: the printed commands run from any folder; never the current folder or one
         # above it, the home folder or /
-        out = Path(resolve_target(Path(args.out).expanduser(), what="--out"))
+        out = Path(os.path.realpath(resolve_target(Path(args.out).expanduser(), what="--out")))
         with output_lock(str(out), "--out"):
             remove_stale(str(out.parent), out.name)
             _prepare(out)

@@ -129,7 +129,8 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
         if not existed and os.path.lexists(path):
             raise CheckpointError(f"{path}: appeared while it was written (by another "
                                   "program?); left as it is, nothing written")  # fmt: skip
-        if folder and os.path.isdir(path) and not os.path.islink(path):
+        if folder and (os.path.isdir(path) or os.path.islink(path)):
+            # a folder cannot be renamed over a link: the link goes aside like an old folder
             old = temp_path(path, "old")
             os.rename(path, old)
         os.replace(tmp, path)

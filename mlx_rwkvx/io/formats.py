@@ -280,7 +280,7 @@ def _check_nothing_lost(path: str, extra: dict) -> None:
     """Replacing a folder must not drop a file the new checkpoint does not bring (another
     tokenizer's files, adapters, a backup of weights, notes): one CheckpointError naming
     them."""
-    if not os.path.isdir(path):
+    if not os.path.isdir(path) or os.path.islink(path):  # a link: replaced, its folder kept
         return
     lost = sorted(
         name

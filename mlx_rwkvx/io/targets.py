@@ -102,8 +102,10 @@ def check_not_unsafe(path, what: str = "output") -> str:
 
 
 def resolve_target(path, *, what: str = "output", inputs: Iterable = ()) -> str:
-    """The real path of the output ``path`` (see ``check_not_unsafe``); TargetError also when
-    it is, holds or lies inside one of ``inputs`` (paths the command reads; None skipped)."""
+    """Where the output ``path`` is written: its folder's real path and its own name, so that
+    a symbolic link there is replaced itself, never what it points to. TargetError when its
+    real path is unsafe (see ``check_not_unsafe``), or is, holds or lies inside one of
+    ``inputs`` (paths the command reads; None skipped)."""
     real = check_not_unsafe(path, what)
     shown = os.fspath(path)
     for given in inputs:
@@ -122,7 +124,8 @@ def resolve_target(path, *, what: str = "output", inputs: Iterable = ()) -> str:
             f"{what} {shown}: {relation} the input {os.fspath(given)}; write somewhere else "
             "(an output never replaces or goes into what the command reads)"
         )
-    return real
+    folder, name = os.path.split(os.path.abspath(shown))
+    return os.path.join(_real(folder), name)
 
 
 def _alive(pid: int) -> bool:
@@ -226,7 +229,7 @@ def output_lock(path: str, what: str = "output", *, inside: bool = False) -> Ite
     made = make_parents(os.path.join(path, LOCK_IN_FOLDER) if inside else path, what)
     folder, name = (path, None) if inside else os.path.split(path)
     lock = os.path.join(folder, LOCK_IN_FOLDER if inside else LOCK_PREFIX + name)
-    fd = None
+    fd, held = None, False
     try:
         while True:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -236,6 +239,7 @@ def output_lock(path: str, what: str = "output", *, inside: bool = False) -> Ite
                 if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     print(f"note: {what} {path}: this file system has no locks, so another "
                           "writer would not be noticed", file=sys.stderr)  # fmt: skip
+                    held = True
                     break
                 holder = _lock_holder(fd)
                 os.close(fd)
@@ -251,12 +255,18 @@ def output_lock(path: str, what: str = "output", *, inside: bool = False) -> Ite
             except FileNotFoundError:
                 same = False
             if same:
+                held = True
                 break
             os.close(fd)
             fd = None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
     except BaseException as e:
+        if held:  # ours (a full disk refused the pid): never left behind
+            try:
+                os.unlink(lock)
+            except OSError:
+                pass
         if fd is not None:
             os.close(fd)
         remove_empty(made)

@@ -343,7 +343,7 @@ def _is_adapter_folder(path: str) -> bool:
 def _check_adapter_folder(path: str, overwrite: bool) -> None:
     check_target(path, overwrite=overwrite, folder=True, recognise=_is_adapter_folder,
                  kind="an adapter folder")  # fmt: skip
-    if os.path.isdir(path):
+    if os.path.isdir(path) and not os.path.islink(path):  # a link: replaced, its folder kept
         lost = sorted(set(os.listdir(path)) - {FINAL_ADAPTER, ADAPTER_CONFIG, ".DS_Store"})
         if lost:
             raise CheckpointError(

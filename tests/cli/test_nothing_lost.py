@@ -232,6 +232,33 @@ def test_overwrite_replaces_only_what_the_command_writes(kit, tmp_path):
     assert max(len(x) for x in read_bin(str(out))) == 5
 
 
+def test_a_link_at_the_output_is_replaced_itself_never_what_it_points_to(kit, tmp_path):
+    shutil.copy(kit / "a.safetensors", tmp_path / "victim.safetensors")
+    shutil.copytree(kit / "model", tmp_path / "victim_model")
+    write_bin(str(tmp_path / "victim.bin"), [[1, 2, 3]])
+    for name, target in (("link.safetensors", "victim.safetensors"), ("link_model",
+                         "victim_model"), ("link.bin", "victim.bin")):  # fmt: skip
+        (tmp_path / name).symlink_to(target)
+    victims = snapshot(*(p for p in tmp_path.iterdir() if p.name.startswith("victim")))
+    cases = [
+        ("merge", ["--output", "link.safetensors", kit / "a.safetensors",
+                   kit / "b.safetensors", "--overwrite"]),  # fmt: skip
+        ("convert", [kit / "model", "link_model", "--overwrite"]),  # a folder over a link
+        ("pretokenize", ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output",
+                         "link.bin", "--overwrite"]),  # fmt: skip
+    ]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        procs = list(pool.map(lambda c: run_module(c[0], *c[1], cwd=tmp_path), cases))
+    for (module, _), proc in zip(cases, procs, strict=True):
+        assert proc.returncode == 0, f"{module}: {proc.stderr}"
+    assert snapshot(*(p for p in tmp_path.iterdir() if p.name.startswith("victim"))) == victims
+    for name in ("link.safetensors", "link_model", "link.bin"):
+        assert not (tmp_path / name).is_symlink(), name
+    mlx_rwkvx.load(tmp_path / "link_model")
+    assert len(read_bin(str(tmp_path / "link.bin"))) == 12
+    assert not debris(tmp_path)
+
+
 def test_chat_save_replaces_only_a_conversation(kit, tmp_path):
     model, tokenizer = mlx_rwkvx.load(kit / "model")
     chat = Chat(model, tokenizer, max_tokens=2)  # a short answer: the state is what matters
@@ -469,6 +496,28 @@ def test_an_unwritable_output_is_one_line(kit, tmp_path, monkeypatch, capsys, co
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and len(err) == 1, err
         assert f"cannot write there ({os.strerror(code)})" in err[0]
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_full_disk_at_the_lock_leaves_no_lock_file(kit, tmp_path, monkeypatch, capsys):
+    import mlx_rwkvx.io.targets as targets
+    from mlx_rwkvx import pretokenize as pretokenize_cli
+
+    def full(fd, data):  # the lock file was created; the disk has no block for its pid
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(targets.os, "write", full)
+    for main, args in [
+        (merge_cli.main,
+         ["--output", tmp_path / "m.safetensors", kit / "a.safetensors", kit / "b.safetensors"]),
+        (pretokenize_cli.main,
+         ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output", tmp_path / "x.bin"]),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            main(list(map(str, args)))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1, err
+        assert "No space left on device" in err[0]
     assert sorted(os.listdir(tmp_path)) == []
 
 

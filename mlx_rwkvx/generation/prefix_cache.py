@@ -24,8 +24,8 @@ stored is also written there, and the folder is the truth that several processes
   memory only, with one warning for each cause; the cache serves on;
 - each cache holds a shared ``flock`` of ``.mlx_rwkvx-cache-live`` while it lives, so that
   ``trim_cache_dir`` knows which folders of a ``--cache-dir`` nobody uses (other
-  configurations, earlier runs): their states go, least recently used first, while the whole
-  folder is over its budget. Nothing but our own files is ever removed.
+  configurations, earlier runs): their states go, least recently used first (a lookup that
+  lands on a state touches its file). Nothing but our own files is ever removed.
 """
 
 from __future__ import annotations
@@ -465,13 +465,16 @@ class PrefixCache:
             del self._roots[node.scope]  # a scope left empty costs nothing
 
 
-def trim_cache_dir(cache_dir: str, max_bytes: int) -> int:
+def trim_cache_dir(cache_dir: str, max_bytes: int = 0) -> int:
     """Remove saved states from the folders of ``cache_dir`` that no running cache uses (other
-    configurations, earlier runs: their live lock is free), least recently used first, while
-    the states of all its folders together pass ``max_bytes``; also the temporary files of
-    writers that died, and folders left holding only our lock files. Only our own files go
-    (state files of our format inside key folders): nothing else there is touched. Returns
-    how many states were removed."""
+    configurations, earlier runs: their live lock is free), least recently used first, until
+    they hold at most ``max_bytes`` together; also the temporary files of writers that died,
+    and folders left holding only our lock files. A folder in use is never touched. Only our
+    own files go (state files of our format inside key folders): nothing else there is.
+    Returns how many states were removed.
+
+    A server passes 0: each model it serves may fill its folder up to ``--cache-bytes``, so
+    other configurations' states would put the whole folder over its budget."""
     try:
         names = sorted(os.listdir(cache_dir))
     except OSError:
@@ -483,12 +486,11 @@ def trim_cache_dir(cache_dir: str, max_bytes: int) -> int:
             if not KEY_FOLDER.match(name) or os.path.islink(folder) or not os.path.isdir(folder):
                 continue
             live = _try_exclusive(os.path.join(folder, LIVE_NAME))
-            if live is None:  # in use: counted, never touched
-                total += sum(s for _, s, _ in _state_files(folder, check=False))
+            if live is None:  # in use
                 continue
             held.append((folder, live))
             remove_stale(folder)
-            files = _state_files(folder, check=True)
+            files = _state_files(folder)
             total += sum(s for _, s, _ in files)
             unused.extend(files)
         removed = 0
@@ -518,9 +520,8 @@ def trim_cache_dir(cache_dir: str, max_bytes: int) -> int:
             live.close()
 
 
-def _state_files(folder: str, check: bool) -> list[tuple[int, int, str]]:
-    """(mtime, size, path) of the saved states in ``folder``; ``check``: only files whose
-    header says they are ours."""
+def _state_files(folder: str) -> list[tuple[int, int, str]]:
+    """(mtime, size, path) of the saved states in ``folder`` (by name and header)."""
     out = []
     try:
         entries = list(os.scandir(folder))
@@ -530,8 +531,7 @@ def _state_files(folder: str, check: bool) -> list[tuple[int, int, str]]:
         if not STATE_FILE.match(entry.name) or not entry.is_file(follow_symlinks=False):
             continue
         try:
-            if check:
-                read_state_header(entry.path)
+            read_state_header(entry.path)
             st = entry.stat(follow_symlinks=False)
         except (OSError, ValueError, KeyError, TypeError, IndexError):
             continue

@@ -289,9 +289,9 @@ def test_debris_of_dead_writers_is_removed_and_modes_are_private(tmp_path):
 
 
 def test_trim_cache_dir_removes_unused_folders_states_least_recent_first(tmp_path):
-    """Folders of configurations nobody serves lose their states, oldest first, while the
-    whole folder is over the budget; a folder in use and anything not ours are untouched; a
-    folder left with nothing is removed."""
+    """Folders of configurations nobody serves lose their states, oldest first, until they
+    fit the budget; a folder in use and anything not ours are untouched; a folder left with
+    nothing is removed."""
     from mlx_rwkvx.generation.prefix_cache import folder_for, trim_cache_dir
 
     live = PrefixCache(10**6, folder=folder_for(str(tmp_path), "served"), key="served")
@@ -310,7 +310,7 @@ def test_trim_cache_dir_removes_unused_folders_states_least_recent_first(tmp_pat
     (tmp_path / "readme.txt").write_text("mine")
     Path(folder_for(str(tmp_path), "old-b"), "mine.txt").write_text("mine")
     one = max(_files(tmp_path).values())
-    assert trim_cache_dir(str(tmp_path), 3 * one) == 4  # 7 states, room for 3 (one in use)
+    assert trim_cache_dir(str(tmp_path), 2 * one) == 4  # 6 unused states, room for 2
     left = [p for p in stamps if p.exists()]
     assert left == sorted(stamps, key=stamps.get)[-2:]  # old-b's newest two
     assert not os.path.exists(folder_for(str(tmp_path), "old-a"))  # emptied: removed

@@ -39,14 +39,15 @@ class Params:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: none; k: the chosen token's and the top k
     grammar: str | None = None  # llguidance's grammar the answer keeps to (response_format)
+    scope: str = ""  # whose stored states it resumes from and adds to (its API key's)
 
 
-def resume(served, ids: list[int]) -> tuple[int, dict | None]:
-    """The longest stored prefix of ``ids`` and its entry: the whole prompt only where its
-    logits were stored too (else the last token is fed again, for them)."""
-    cached, entry = served.cache.get(ids)
+def resume(served, ids: list[int], scope: str) -> tuple[int, dict | None]:
+    """The longest prefix of ``ids`` stored in ``scope`` and its entry: the whole prompt only
+    where its logits were stored too (else the last token is fed again, for them)."""
+    cached, entry = served.cache.get(ids, scope=scope)
     if entry is not None and cached == len(ids) and "logits" not in entry:
-        cached, entry = served.cache.get(ids[:-1])
+        cached, entry = served.cache.get(ids[:-1], scope=scope)
     return cached, entry
 
 
@@ -103,7 +104,7 @@ def generate(engine, served, job, ids: list[int], params: Params,
     index, token, text, logprob, top)`` per token (logprob None unless asked), then
     ``("done", index, finish_reason, tokens)``."""
     session = Session(served.model, max_cache=engine.max_cache, prefill_step=engine.prefill_step)
-    cached, entry = resume(served, ids)
+    cached, entry = resume(served, ids, params.scope)
     if entry is not None:
         session.restore((ids[:cached], entry["state"]), entry.get("logits"))
     responses = stream_generate(
@@ -129,7 +130,8 @@ def generate(engine, served, job, ids: list[int], params: Params,
             job.emit("token", index, r.token, r.text, logprob, top)
             if not prompt_stored:  # the state after the prompt: after the first token is out
                 if cached < len(ids):
-                    served.cache.put(ids, {"state": session.state, "logits": session.logits})
+                    served.cache.put(ids, {"state": session.state, "logits": session.logits},
+                                     scope=params.scope)  # fmt: skip
                 prompt_stored = True
             if r.finish_reason is not None:
                 finish = r.finish_reason
@@ -142,7 +144,7 @@ def generate(engine, served, job, ids: list[int], params: Params,
             entry = {"state": session.state}
             if session.logits is not None:
                 entry["logits"] = session.logits
-            served.cache.put(session.tokens, entry)
+            served.cache.put(session.tokens, entry, scope=params.scope)
     if finish == "cancelled":  # its client went (nobody reads this), or the server stops
         raise ApiError(503, "the answer was stopped: the server is shutting down",
                        type="server_error")  # fmt: skip

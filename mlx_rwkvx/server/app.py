@@ -3,13 +3,19 @@ refusal (a bad body, a missing key, an unknown model or route, a full queue: 4xx
 whose body says only that), and server-sent events for ``stream``.
 
 ``create_app(engine, settings)``: ``settings`` holds the defaults of what a request may leave
-out and the server's limits (``ServerConfig`` of ``mlx_rwkvx.server.main``).
+out and the server's limits (``ServerConfig`` of ``mlx_rwkvx.server.main``), its API keys
+(``api_key``: a list, resolved by ``main.api_keys``), whose keys share stored states
+(``cache_scope``) and, on a loopback ``host``, the other ``Host`` names it answers
+(``allowed_hosts``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import hmac
+import ipaddress
 import json
 import logging
 import struct
@@ -17,7 +23,6 @@ from collections.abc import AsyncIterator
 from importlib import resources
 
 from mlx_rwkvx.errors import UserError
-from mlx_rwkvx.generation.chat import encode_chat
 from mlx_rwkvx.generation.stream import _encode
 from mlx_rwkvx.server import answers
 from mlx_rwkvx.server.answers import Params
@@ -45,6 +50,7 @@ from starlette.exceptions import HTTPException
 
 log = logging.getLogger("mlx_rwkvx.server")
 _PAGE = resources.files("mlx_rwkvx.server").joinpath("static", "chat.html")
+SCOPE_SALT = b"mlx_rwkvx cache scope"  # a key's scope: PBKDF2 of the key with this salt
 
 
 def create_app(engine: Engine, settings) -> FastAPI:
@@ -52,11 +58,18 @@ def create_app(engine: Engine, settings) -> FastAPI:
     app.state.engine, app.state.settings = engine, settings
     _errors(app)
 
+    keys = ApiKeys(settings.api_key or [], shared=settings.cache_scope == "shared")
+    local = loopback(settings.host)
+    if local:
+        app.add_middleware(LoopbackHosts, allowed=settings.allowed_hosts or [])
+
     async def authorised(request: Request) -> None:
-        key = settings.api_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
-            raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                           code="invalid_api_key")  # fmt: skip
+        """The request's key checked; its cache scope in ``request.state.scope``."""
+        scope = keys.scope(request.headers)
+        if scope is None:
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY, or "
+                           "x-api-key: KEY)", code="invalid_api_key")  # fmt: skip
+        request.state.scope = scope
 
     guard = [Depends(authorised)]
 
@@ -66,7 +79,12 @@ def create_app(engine: Engine, settings) -> FastAPI:
         return HTMLResponse(_PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        """"ok" to anyone (a start-up check); what is served and how busy only to a request
+        with a key, or, where none is configured, when the server listens on a loopback
+        address (then only this machine reaches it)."""
+        if keys.scope(request.headers) is None or not (keys.keys or local):
+            return {"status": "ok"}
         return {
             "status": "ok",
             "models": list(engine.served),
@@ -135,6 +153,81 @@ def create_app(engine: Engine, settings) -> FastAPI:
                 "usage": {"prompt_tokens": n, "total_tokens": n}}  # fmt: skip
 
     return app
+
+
+class ApiKeys:
+    """The keys a request may carry (none: every request is answered) and the cache scope
+    each stands for: a short hash of the key (never the key: a scope is written beside the
+    states on disk), or "" for every key with ``shared``."""
+
+    def __init__(self, keys: list[str], *, shared: bool = False):
+        if any(not k for k in keys):
+            raise ValueError("an empty API key")  # the command refuses them: a bug here
+        self.keys = [k.encode("latin-1") for k in keys]
+        self.scopes = ["" if shared else
+                       hashlib.pbkdf2_hmac("sha256", k, SCOPE_SALT, 10_000)[:8].hex()
+                       for k in self.keys]  # fmt: skip
+
+    def scope(self, headers) -> str | None:
+        """The scope of the key ``headers`` carry (``Authorization: Bearer KEY``, the scheme in
+        any case, or ``x-api-key: KEY``); None when they carry none of the keys, "" when no
+        key is configured. Each is compared with every key in constant time: how long it
+        takes says neither whether nor which key matched (only its length)."""
+        if not self.keys:
+            return ""
+        scheme, _, bearer = headers.get("authorization", "").strip().partition(" ")
+        given = [bearer.strip() if scheme.lower() == "bearer" else "",
+                 headers.get("x-api-key", "").strip()]  # fmt: skip
+        for candidate in (g.encode("latin-1") for g in given if g):
+            found = None
+            for key, scope in zip(self.keys, self.scopes, strict=True):
+                if hmac.compare_digest(candidate, key):
+                    found = scope
+            if found is not None:
+                return found
+        return None
+
+
+def loopback(host: str) -> bool:
+    """Whether a host name or address (as ``--host`` or a ``Host`` header's name gives it) is
+    this machine's own: localhost, 127.x.x.x, ::1."""
+    host = host.lower().rstrip(".")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _host_name(header: str) -> str:
+    """A ``Host`` header's name, without its port (``[::1]:8080`` -> ``::1``)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    return header.partition(":")[0] if header.count(":") == 1 else header
+
+
+class LoopbackHosts:
+    """ASGI middleware for a server on a loopback address: a request whose ``Host`` names
+    neither this machine nor one of ``allowed`` ('*': any) is refused (403). A web page the
+    user visits could otherwise reach the server through DNS rebinding: its own name, resolved
+    to 127.0.0.1 after the page loaded, is then the request's ``Host``."""
+
+    def __init__(self, app, allowed: list[str]):
+        self.app = app
+        self.allowed = {name.lower().rstrip(".") for name in allowed}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and "*" not in self.allowed:
+            header = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            name = _host_name(header)
+            if not (loopback(name) or name.rstrip(".") in self.allowed):
+                body = error_body(f"the Host {header!r} is not this machine's: a server on a "
+                                  "loopback address answers only localhost, 127.x.x.x and "
+                                  "[::1] (--allowed-hosts NAME widens it)",
+                                  "invalid_request_error", code="host_not_allowed")  # fmt: skip
+                await JSONResponse(body, 403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _encoded(vector: list[float], encoding: str):
@@ -301,7 +394,8 @@ def _chat_ids(served: Served, messages: list[Message], tools) -> list[int]:
             entry["tool_calls"] = calls
         rendered.append(entry)
     try:
-        return encode_chat(served.tokenizer, served.format, rendered, tools=tools)
+        text = served.format.apply(rendered, True, tools=tools)
+        return _encode(served.tokenizer, text)
     except UserError as e:
         raise bad(str(e), "messages") from None
 
@@ -436,6 +530,7 @@ def _answers(served: Served, batch: list[list[int]], params: Params) -> list:
 
 async def _answer(request: Request, engine: Engine, served: Served, body, batch, params,
                   *, kind: str, tools=None):  # fmt: skip
+    params.scope = request.state.scope  # its key's: it sees no other key's stored states
     job = Job(answers=_answers(served, batch, params))
     engine.submit(job)  # a full queue: 429 before anything is sent
     choices = [_Choice(served, kind, tools) for _ in batch]

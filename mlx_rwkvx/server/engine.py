@@ -205,7 +205,7 @@ def _keep(row: Row, layers, cache, tokens, logits: mx.array | None = None) -> No
     when known) into its model's prefix cache."""
     state, _ = read_caches(layers, cache, 1)
     entry = {"state": state} if logits is None else {"state": state, "logits": logits}
-    row.served.cache.put(list(tokens), entry)
+    row.served.cache.put(list(tokens), entry, scope=row.params.scope)
 
 
 class Engine:
@@ -323,7 +323,7 @@ class Engine:
         bad = next((i for i in ids if not 0 <= i < vocab), None)
         if bad is not None:
             raise ApiError(400, f"token id {bad} is outside the vocabulary (0 .. {vocab - 1})")
-        cached, entry = resume(served, ids)
+        cached, entry = resume(served, ids, params.scope)
         state = entry["state"] if entry is not None else served.model.init_state(1)
         logits = entry.get("logits") if entry is not None and cached == len(ids) else None
         procs = processors(params, served)

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from importlib import resources
 
 from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.generation.chat import encode_chat
 from mlx_rwkvx.generation.stream import _encode
 from mlx_rwkvx.server import answers
 from mlx_rwkvx.server.answers import Params
@@ -394,8 +395,7 @@ def _chat_ids(served: Served, messages: list[Message], tools) -> list[int]:
             entry["tool_calls"] = calls
         rendered.append(entry)
     try:
-        text = served.format.apply(rendered, True, tools=tools)
-        return _encode(served.tokenizer, text)
+        return encode_chat(served.tokenizer, served.format, rendered, tools=tools)
     except UserError as e:
         raise bad(str(e), "messages") from None
 

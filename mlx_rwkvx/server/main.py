@@ -12,7 +12,6 @@ Exit codes: 0 after Ctrl-C or SIGTERM; 2 a problem with what was given (one line
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import logging
 import os
@@ -20,13 +19,13 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx_rwkvx
 from mlx_rwkvx import cli, settings
 from mlx_rwkvx.errors import UsageError
 from mlx_rwkvx.generation import chat_format
-from mlx_rwkvx.generation.prefix_cache import PrefixCache
+from mlx_rwkvx.generation.prefix_cache import PrefixCache, folder_for, trim_cache_dir
 from mlx_rwkvx.generation.stream import DEFAULT_PREFILL_STEP, default_max_cache
 from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load
@@ -52,18 +51,8 @@ class ServerConfig:
     host: str = opt("the address to listen on (others than 127.0.0.1 reach it only if it is "
                     "not a loopback address)", default="127.0.0.1")  # fmt: skip
     port: int = opt("the port to listen on", default=8080)
-    api_key: list = opt("answer only requests that carry this key ('Authorization: Bearer "
-                        "KEY' or 'x-api-key: KEY'; repeatable, each key its own --cache-scope; "
-                        "default: $MLX_RWKVX_API_KEY, else none)")  # fmt: skip
-    api_key_file: str = opt("a file of keys as --api-key takes, one a line (blank lines and "
-                            "# comments skipped): kept out of the process list")  # fmt: skip
-    cache_scope: str = opt("who shares saved states: each key its own (a client never resumes, "
-                           "nor learns of, another key's conversation), or every client",
-                           default="key", choices=("key", "shared"))  # fmt: skip
-    allowed_hosts: list = opt("on a loopback --host, also answer requests whose Host header names "
-                              "this (repeatable; '*': any). Without it only localhost, 127.x.x.x "
-                              "and [::1]: a web page cannot reach the server by DNS "
-                              "rebinding")  # fmt: skip
+    api_key: str = opt("answer only requests that carry 'Authorization: Bearer KEY' (default: "
+                       "$MLX_RWKVX_API_KEY, else none)")  # fmt: skip
     quantize: str = opt("quantize the weights as they load (bare: int8)",
                         choices=("int8", "int4"), const="int8")  # fmt: skip
     dtype: str = opt("cast the float weights: float32, bfloat16, float16 (default: as stored)",
@@ -88,7 +77,10 @@ class ServerConfig:
                            "each adapter; least recently used go first; 0: none)",
                            default=DEFAULT_CACHE_BYTES)  # fmt: skip
     cache_dir: str = opt("also keep the saved states in this folder, so that a restart "
-                         "resumes every conversation")  # fmt: skip
+                         "resumes every conversation (private: 0700; several servers may "
+                         "share it; at start, the states of configurations no server serves "
+                         "are removed, so that it holds at most --cache-bytes per served "
+                         "model)")  # fmt: skip
     max_cache: int = opt("tokens the attention blocks' KV caches hold (default: the model's "
                          "own, else 2048)", "max_kv_size")  # fmt: skip
     embedding_pooling: str = opt("how /v1/embeddings pools the final hidden states: mean of "
@@ -116,6 +108,8 @@ def config_from(argv) -> ServerConfig:
     cfg = ServerConfig(**found)
     if not cfg.model:
         parser().error("--model is required (on the command line or in --config)")
+    if cfg.api_key is None:
+        cfg.api_key = os.environ.get("MLX_RWKVX_API_KEY") or None
     return cfg
 
 
@@ -143,37 +137,6 @@ def _check(cfg: ServerConfig) -> None:
                          "of their own inside it; nothing else there is touched)")  # fmt: skip
     if not 0 <= cfg.port < 65536:
         raise UsageError(f"--port must be in 0 .. 65535, got {cfg.port}")
-
-
-def api_keys(cfg: ServerConfig) -> list[str]:
-    """The keys a request may carry: each ``--api-key``, each key of ``--api-key-file``, else
-    ``$MLX_RWKVX_API_KEY``; none: every request is answered. An empty key (``--api-key ""``,
-    the variable set but empty, a file with no key) would switch the check off unseen, and a
-    key with a space or a character outside printable ASCII could never be sent as it was
-    written: each a ``UsageError``."""
-    given = [("--api-key", k) for k in cfg.api_key or []]
-    if cfg.api_key_file is not None:
-        where = f"--api-key-file {cfg.api_key_file}"
-        try:
-            with open(cfg.api_key_file, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"{where}: {getattr(e, 'strerror', None) or e}") from None
-        found = [(f"{where} line {n}", line.strip()) for n, line in enumerate(lines, 1)
-                 if line.strip() and not line.lstrip().startswith("#")]  # fmt: skip
-        if not found:
-            raise UsageError(f"{where}: no key in it (one a line; blank lines and # comments "
-                             "are skipped)")  # fmt: skip
-        given += found
-    if not given and "MLX_RWKVX_API_KEY" in os.environ:
-        given = [("$MLX_RWKVX_API_KEY", os.environ["MLX_RWKVX_API_KEY"])]
-    for where, key in given:
-        if not key:
-            raise UsageError(f"{where}: an empty key (it would answer every request; give a "
-                             "key, or none to serve without one)")  # fmt: skip
-        if not (key.isascii() and key.isprintable()) or any(c.isspace() for c in key):
-            raise UsageError(f"{where}: a key is printable ASCII without spaces")
-    return list(dict.fromkeys(key for _, key in given))
 
 
 def adapters(cfg: ServerConfig) -> list[tuple[str, str]]:
@@ -214,13 +177,14 @@ def build(cfg: ServerConfig, *, log=print) -> Engine:
         key = state_key(m, dtype=cfg.dtype, quantize=cfg.quantize, max_cache=max_cache)
         folder = None
         if cfg.cache_dir:  # one folder per key: a restart reads only its own states
-            folder = os.path.join(cfg.cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16])
-            os.makedirs(folder, exist_ok=True)
+            folder = folder_for(cfg.cache_dir, key)  # made by the cache, private
         cache = PrefixCache(cfg.cache_bytes, folder, key)
         loaded = cache.load()
         if loaded:
             log(f"{name}: {loaded} saved states loaded from {folder}")
         served[name] = Served(name, m, tokenizer, fmt, cache, adapter, tools)
+    if cfg.cache_dir:  # each served model may fill its budget: other configurations' go
+        trim_cache_dir(cfg.cache_dir)
     return Engine(served, max_queue=cfg.max_queue, max_cache=max_cache,
                   prefill_step=DEFAULT_PREFILL_STEP, pooling=cfg.embedding_pooling,
                   decode_concurrency=cfg.decode_concurrency)  # fmt: skip
@@ -239,7 +203,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(cfg: ServerConfig) -> None:
-    cfg = replace(cfg, api_key=api_keys(cfg), api_key_file=None)  # the keys create_app checks
     from mlx_rwkvx.server.app import create_app
 
     import uvicorn

@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx_rwkvx
 from mlx_rwkvx import cli, settings
@@ -51,8 +51,18 @@ class ServerConfig:
     host: str = opt("the address to listen on (others than 127.0.0.1 reach it only if it is "
                     "not a loopback address)", default="127.0.0.1")  # fmt: skip
     port: int = opt("the port to listen on", default=8080)
-    api_key: str = opt("answer only requests that carry 'Authorization: Bearer KEY' (default: "
-                       "$MLX_RWKVX_API_KEY, else none)")  # fmt: skip
+    api_key: list = opt("answer only requests that carry this key ('Authorization: Bearer "
+                        "KEY' or 'x-api-key: KEY'; repeatable, each key its own --cache-scope; "
+                        "default: $MLX_RWKVX_API_KEY, else none)")  # fmt: skip
+    api_key_file: str = opt("a file of keys as --api-key takes, one a line (blank lines and "
+                            "# comments skipped): kept out of the process list")  # fmt: skip
+    cache_scope: str = opt("who shares saved states: each key its own (a client never resumes, "
+                           "nor learns of, another key's conversation), or every client",
+                           default="key", choices=("key", "shared"))  # fmt: skip
+    allowed_hosts: list = opt("on a loopback --host, also answer requests whose Host header names "
+                              "this (repeatable; '*': any). Without it only localhost, 127.x.x.x "
+                              "and [::1]: a web page cannot reach the server by DNS "
+                              "rebinding")  # fmt: skip
     quantize: str = opt("quantize the weights as they load (bare: int8)",
                         choices=("int8", "int4"), const="int8")  # fmt: skip
     dtype: str = opt("cast the float weights: float32, bfloat16, float16 (default: as stored)",
@@ -108,8 +118,6 @@ def config_from(argv) -> ServerConfig:
     cfg = ServerConfig(**found)
     if not cfg.model:
         parser().error("--model is required (on the command line or in --config)")
-    if cfg.api_key is None:
-        cfg.api_key = os.environ.get("MLX_RWKVX_API_KEY") or None
     return cfg
 
 
@@ -137,6 +145,37 @@ def _check(cfg: ServerConfig) -> None:
                          "of their own inside it; nothing else there is touched)")  # fmt: skip
     if not 0 <= cfg.port < 65536:
         raise UsageError(f"--port must be in 0 .. 65535, got {cfg.port}")
+
+
+def api_keys(cfg: ServerConfig) -> list[str]:
+    """The keys a request may carry: each ``--api-key``, each key of ``--api-key-file``, else
+    ``$MLX_RWKVX_API_KEY``; none: every request is answered. An empty key (``--api-key ""``,
+    the variable set but empty, a file with no key) would switch the check off unseen, and a
+    key with a space or a character outside printable ASCII could never be sent as it was
+    written: each a ``UsageError``."""
+    given = [("--api-key", k) for k in cfg.api_key or []]
+    if cfg.api_key_file is not None:
+        where = f"--api-key-file {cfg.api_key_file}"
+        try:
+            with open(cfg.api_key_file, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"{where}: {getattr(e, 'strerror', None) or e}") from None
+        found = [(f"{where} line {n}", line.strip()) for n, line in enumerate(lines, 1)
+                 if line.strip() and not line.lstrip().startswith("#")]  # fmt: skip
+        if not found:
+            raise UsageError(f"{where}: no key in it (one a line; blank lines and # comments "
+                             "are skipped)")  # fmt: skip
+        given += found
+    if not given and "MLX_RWKVX_API_KEY" in os.environ:
+        given = [("$MLX_RWKVX_API_KEY", os.environ["MLX_RWKVX_API_KEY"])]
+    for where, key in given:
+        if not key:
+            raise UsageError(f"{where}: an empty key (it would answer every request; give a "
+                             "key, or none to serve without one)")  # fmt: skip
+        if not (key.isascii() and key.isprintable()) or any(c.isspace() for c in key):
+            raise UsageError(f"{where}: a key is printable ASCII without spaces")
+    return list(dict.fromkeys(key for _, key in given))
 
 
 def adapters(cfg: ServerConfig) -> list[tuple[str, str]]:
@@ -203,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(cfg: ServerConfig) -> None:
+    cfg = replace(cfg, api_key=api_keys(cfg), api_key_file=None)  # the keys create_app checks
     from mlx_rwkvx.server.app import create_app
 
     import uvicorn

@@ -14,12 +14,13 @@
    accuracy per task and stage.
 
 Every stage runs the command-line tools' own ``main`` with the arguments printed beside it.
-Everything lands in ``--out`` (default ``./mlx_rwkvx-demo``; an earlier run there is replaced):
-the model, the adapters, ``metrics.jsonl`` (a line per stage), ``loss.png`` (with matplotlib),
-and the data. Accuracy is exact match of the whole answer under greedy decoding (computed for a
-batch at once: the answer's tokens are each the argmax after the ones before them). ``--quick``
-runs the same stages at toy sizes (for the tests; accuracy meaningless): seconds, after the
-first run on a machine, which compiles MLX's CPU kernels (about a minute and a half on 2 cores).
+Everything lands in ``--out`` (default ``./mlx_rwkvx-demo``; what an earlier run wrote there is
+replaced, what else is there is kept): the model, the adapters, ``metrics.jsonl`` (a line per
+stage), ``loss.png`` (with matplotlib), and the data. Accuracy is exact match of the whole
+answer under greedy decoding (computed for a batch at once: the answer's tokens are each the
+argmax after the ones before them). ``--quick`` runs the same stages at toy sizes (for the
+tests; accuracy meaningless): seconds, after the first run on a machine, which compiles MLX's
+CPU kernels (about a minute and a half on 2 cores).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import json
 import os
 import random
 import shlex
-import shutil
 import string
 import time
 from dataclasses import asdict, dataclass
@@ -40,7 +40,7 @@ from mlx_rwkvx import cli
 from mlx_rwkvx import train as train_cli
 from mlx_rwkvx.cli import help_text
 from mlx_rwkvx.errors import UserError
-from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
+from mlx_rwkvx.io.targets import output_lock, remove_path, remove_stale, resolve_target
 from mlx_rwkvx.models import Model, ModelConfig
 from mlx_rwkvx.tuner.merge import merge_adapters
 from mlx_rwkvx.tuner.pretokenize import pretokenize
@@ -52,7 +52,10 @@ import numpy as np
 PROG = "mlx_rwkvx.demo"
 DEFAULT_OUT = "mlx_rwkvx-demo"
 TRAIN_SEED, HELD_OUT_SEED, VALID_SEED = 0, 1, 2  # the training texts never hold a held-out question
-MARKER = ".mlx_rwkvx-demo"  # in --out: a folder the demo wrote, which a rerun may replace
+MARKER = ".mlx_rwkvx-demo"  # in --out: the manifest of what the demo wrote, which a rerun removes
+# everything the demo writes in --out (its folders are its own: a rerun replaces them whole)
+ENTRIES = ("data", "model_config.json", "pretrain", "mac-1", "mac-2", "merged-fedavg", "merged",
+           "metrics.jsonl", "loss.png")  # fmt: skip
 SPLIT = "3,1"  # the fine-tuning data: 3 parts on the first Mac, 1 on the second
 ANSWER_DIGITS = 3  # a recall answer: 1 in 1000 by chance
 
@@ -445,8 +448,10 @@ def _plot(out: Path, steps: dict[str, list[tuple[int, float]]]) -> None:
 
 
 def _prepare(out: Path) -> None:
-    """Make ``out`` the demo's own empty folder: a new or empty one, or an earlier demo run
-    (its marker) replaced; anything else is refused. Called holding ``out``'s lock."""
+    """Make ``out`` ready for the demo: a new or empty folder, or an earlier demo's, whose
+    entries (its manifest, ``MARKER``, lists them) are removed and nothing else: what a user
+    added is kept, and said once. A folder without a manifest that is not empty is refused.
+    Called holding ``out``'s lock."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: not a folder")
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
@@ -454,11 +459,34 @@ def _prepare(out: Path) -> None:
                         "empty or new folder")  # fmt: skip
     try:
         if out.exists():
-            shutil.rmtree(out)  # an earlier demo's run: replaced
-        out.mkdir(parents=True)
-        (out / MARKER).write_text("written by python -m mlx_rwkvx.demo: a rerun replaces it\n")
+            for name in _written_before(out):
+                remove_path(str(out / name))
+            remove_stale(str(out))  # what a killed stage was writing
+        # (our own hidden files, such as a killed stage's lock, are no user's)
+        kept = sorted(p.name for p in out.iterdir()
+                      if not p.name.startswith(".mlx_rwkvx")) if out.exists() else []  # fmt: skip
+        out.mkdir(parents=True, exist_ok=True)
+        manifest = {"written_by": f"python -m {PROG}: a rerun removes these, nothing else",
+                    "entries": list(ENTRIES)}  # fmt: skip
+        (out / MARKER).write_text(json.dumps(manifest, indent=1) + "\n")
     except OSError as e:
-        raise UserError(f"--out {out}: {e.strerror}") from e
+        raise UserError(f"--out {out}: {e.strerror or e}") from e
+    if kept:
+        print(f"kept {len(kept)} thing{'s' if len(kept) > 1 else ''} of yours in {out}: "
+              f"{', '.join(kept[:8])}{' ...' if len(kept) > 8 else ''}")  # fmt: skip
+
+
+def _written_before(out: Path) -> list[str]:
+    """What an earlier demo wrote in ``out``: its manifest's entries, plain names in ``out``
+    (a marker of the first demos, plain text, stands for every entry the demo writes)."""
+    try:
+        entries = json.loads((out / MARKER).read_text())["entries"]
+    except (ValueError, KeyError, TypeError):
+        return list(ENTRIES)
+    if not isinstance(entries, list):
+        return []
+    plain = [e for e in entries if isinstance(e, str) and e not in ("", ".", "..", MARKER)]
+    return [e for e in plain if os.sep not in e and (os.altsep or os.sep) not in e]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,6 +69,41 @@ def test_printed_chat_command_runs(demo):
     assert proc.stdout.strip(), "the model answered nothing"
 
 
+def test_a_rerun_removes_only_what_the_demo_wrote(demo):
+    out, _, _ = demo
+    (out / "mynotes.txt").write_text("mine")
+    (out / "mylora").mkdir()
+    (out / "mylora" / "adapter.safetensors").write_text("my adapter")
+    (out / "data" / "stale.jsonl").write_text("{}")  # in the demo's own folder: the demo's
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_rwkvx.demo", "--quick", "--out", "run"],
+        capture_output=True, text=True, timeout=600, cwd=out.parent,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "mynotes.txt").read_text() == "mine"
+    assert (out / "mylora" / "adapter.safetensors").read_text() == "my adapter"
+    assert not (out / "data" / "stale.jsonl").exists()
+    said = [line for line in proc.stdout.splitlines() if line.startswith("kept ")]
+    assert said == [f"kept 2 things of yours in {out.resolve()}: mylora, mynotes.txt"]
+    assert (out / "merged" / "adapter_final.safetensors").is_file()
+    records = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(records) == 7  # this run's stages only: the earlier metrics went with it
+
+
+def test_a_manifest_names_only_entries_of_its_own_folder(tmp_path):
+    from mlx_rwkvx.demo import MARKER, _prepare
+
+    (tmp_path / "precious.txt").write_text("mine")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "data").mkdir()
+    entries = ["../precious.txt", "/etc", "..", ".", "data"]
+    (out / MARKER).write_text(json.dumps({"entries": entries}))
+    _prepare(out)
+    assert (tmp_path / "precious.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == [MARKER]
+
+
 def test_refuses_a_folder_it_did_not_write(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     proc = subprocess.run(

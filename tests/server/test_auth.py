@@ -187,3 +187,21 @@ def test_one_key_never_learns_of_anothers_conversation(keyed):
 def test_a_shared_cache_scope_shares_on_purpose(shared):
     assert cached(shared, SECRET, bearer(KEY_A)) == 0
     assert cached(shared, SECRET, bearer(KEY_B)) > 0
+
+
+def test_a_keys_states_stay_its_own_after_a_restart(model, tmp_path):
+    """The scope is saved with each state in ``--cache-dir``: after a restart A resumes its
+    conversation and B still learns nothing of it."""
+    args = ["--model", model, "--api-key", KEY_A, "--api-key", KEY_B, "--cache-dir",
+            tmp_path / "states"]  # fmt: skip
+    server = Server(args)
+    try:
+        assert cached(server, SECRET, bearer(KEY_A)) == 0
+    finally:
+        server.stop()
+    server = Server(args)
+    try:
+        assert cached(server, SECRET, bearer(KEY_B)) == 0
+        assert cached(server, SECRET, bearer(KEY_A)) > 0
+    finally:
+        server.stop()

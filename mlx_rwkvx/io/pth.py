@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import pickle
 import struct
 import zipfile
@@ -64,6 +65,12 @@ def _rebuild_tensor(storage, offset, size, stride, *_):
         data
     ):
         raise PthError(f"tensor of size {size} reaches past its storage (truncated file?)")
+    # a stride-0 or overlapping view passes that check with any shape, and its copy below
+    # would take shape-many elements: no view may hold more than its storage does
+    if math.prod(size) > len(data) - offset:
+        raise PthError(f"tensor of size {size} and stride {stride} holds {math.prod(size):,} "
+                       f"elements, its storage {len(data) - offset:,} from offset {offset} (a "
+                       "stride-0 or overlapping view: not a checkpoint's tensor)")  # fmt: skip
     view = np.lib.stride_tricks.as_strided(
         data[offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
     )

@@ -508,6 +508,62 @@ def test_pth_view_outside_its_storage_is_refused():
         _rebuild_tensor(storage, 0, (2,), (-1,))
 
 
+def _pth_of_one_view(path, size: tuple, stride: tuple, numel: int = 1) -> None:
+    """A ``torch.save`` zip, by hand, of one float32 tensor ``emb.weight`` viewing a storage of
+    ``numel`` elements with ``size`` and ``stride`` (write_pth writes only whole tensors)."""
+    import io
+    import pickle
+    import struct
+    import zipfile
+
+    body = io.BytesIO()
+    op = body.write
+
+    def text(s: str) -> None:
+        op(pickle.BINUNICODE + struct.pack("<I", len(s)) + s.encode())
+
+    def ints(values) -> None:
+        op(pickle.MARK + b"".join(pickle.BININT + struct.pack("<i", n) for n in values))
+        op(pickle.TUPLE)
+
+    op(pickle.PROTO + b"\x02" + pickle.GLOBAL + b"collections\nOrderedDict\n")
+    op(pickle.EMPTY_TUPLE + pickle.REDUCE + pickle.MARK)
+    text("emb.weight")
+    op(pickle.GLOBAL + b"torch._utils\n_rebuild_tensor_v2\n" + pickle.MARK + pickle.MARK)
+    text("storage")
+    op(pickle.GLOBAL + b"torch\nFloatStorage\n")
+    text("0")
+    text("cpu")
+    op(pickle.BININT + struct.pack("<i", numel) + pickle.TUPLE + pickle.BINPERSID)
+    op(pickle.BININT + struct.pack("<i", 0))
+    ints(size)
+    ints(stride)
+    op(pickle.NEWFALSE + pickle.GLOBAL + b"collections\nOrderedDict\n" + pickle.EMPTY_TUPLE)
+    op(pickle.REDUCE + pickle.TUPLE + pickle.REDUCE + pickle.SETITEMS + pickle.STOP)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("a/data.pkl", body.getvalue())
+        z.writestr("a/data/0", np.zeros(numel, np.float32).tobytes())
+
+
+def test_pth_stride_0_view_of_a_huge_shape_is_refused_before_allocating(tmp_path):
+    # a few hundred bytes that ask for 2**40 float32s (4 TiB): refused by the count of
+    # elements, not left to the allocator (15.6 GB was allocated for 2**32 of them)
+    from mlx_rwkvx.io.pth import PthError, read_pth
+
+    path = tmp_path / "hostile.pth"
+    _pth_of_one_view(path, (1 << 20, 1 << 20), (0, 0))
+    assert os.path.getsize(path) < 1024
+    with pytest.raises(PthError, match="stride-0 or overlapping view"):
+        read_pth(str(path))
+    with pytest.raises(CheckpointError, match="emb.weight|stride-0 or overlapping view"):
+        mlx_rwkvx.load(str(path))
+    _pth_of_one_view(path, (3, 4), (0, 1), numel=4)  # rows overlapping: 12 of 4 elements
+    with pytest.raises(PthError, match="holds 12 elements, its storage 4"):
+        read_pth(str(path))
+    _pth_of_one_view(path, (2, 2), (1, 2), numel=4)  # a transposed view: as many as stored
+    assert read_pth(str(path))["emb.weight"].array.shape == (2, 2)
+
+
 def _rewrite_config(folder, **changes):
     path = folder / "config.json"
     cfg = json.loads(path.read_text())

@@ -150,7 +150,7 @@ class PrefixCache:
         return len(self._lru)
 
     def nodes(self) -> int:
-        """Nodes in the trie besides its root (what its structure costs)."""
+        """Nodes in the tries besides their roots (what their structure costs)."""
         count, todo = 0, [c for root in self._roots.values() for c in root.children.values()]
         while todo:
             node = todo.pop()
@@ -605,4 +605,7 @@ def _read_count(fd: int) -> int:
 
 
 def _write_count(fd: int, count: int) -> None:
-    os.pwrite(fd, f"{count % 10**_COUNT_WIDTH:0{_COUNT_WIDTH}d}".encode(), 0)
+    try:  # overwrites its own bytes: no room is taken, but a failing disk may still refuse
+        os.pwrite(fd, f"{count % 10**_COUNT_WIDTH:0{_COUNT_WIDTH}d}".encode(), 0)
+    except OSError:  # the others see it with the next change that is counted
+        pass

@@ -318,3 +318,22 @@ def test_trim_cache_dir_removes_unused_folders_states_least_recent_first(tmp_pat
     assert Path(folder_for(str(tmp_path), "old-b"), "mine.txt").exists()
     assert live.get([1])[0] == 1 and trim_cache_dir(str(tmp_path), 0) == 2  # never the live one
     assert live.get([1])[0] == 1
+
+
+def test_a_state_another_server_wrote_meanwhile_is_no_error(tmp_path, monkeypatch):
+    """Two servers storing the same state at once: the file that appeared while this one was
+    written is replaced (the same state), not an error ("appeared while it was written")."""
+    cache = PrefixCache(10**6, folder=str(tmp_path), key="m")
+    real = mx.save_safetensors
+
+    def racing(path, arrays, metadata=None):
+        real(path, arrays, metadata=metadata)
+        final = os.path.join(os.path.dirname(path), os.path.basename(path).split(".new.")[1])
+        if not os.path.exists(final):  # the other server's copy lands first
+            real(final, arrays, metadata=metadata)
+
+    monkeypatch.setattr(mx, "save_safetensors", racing)
+    assert cache.put([1, 2], state(4, 1))
+    monkeypatch.undo()
+    again = PrefixCache(10**6, folder=str(tmp_path), key="m")
+    assert again.load() == 1 and again.get([1, 2])[0] == 2

@@ -9,6 +9,8 @@ safetensors file: no float copy of the base weights exists (a ``.pth`` is unpick
 
 from __future__ import annotations
 
+import re
+
 from mlx_rwkvx.io.formats import CheckpointError, checkpoint_path, read_checkpoint, write_native
 from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.tensors import read_rows
@@ -24,6 +26,7 @@ from mlx_rwkvx.models.quantize import (
 )
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -133,7 +136,7 @@ def _model_of(path: str, ckpt, bits: int | None, quantize, dtype) -> Model:
             tensors[n] = tensors[n].astype(dtype or mx.float32)
     if not bits:
         model.load_weights(list(tensors.items()), strict=True)
-        mx.eval(model.parameters())
+        _eval_finite(path, model)
         return model
 
     def read(layer: str, module):
@@ -143,8 +146,31 @@ def _model_of(path: str, ckpt, bits: int | None, quantize, dtype) -> Model:
 
     quantize_model(model, bits, GROUP_SIZE, read)
     model.load_weights(list(tensors.items()), strict=False)
-    mx.eval(model.parameters())
+    _eval_finite(path, model, quantized=True)
     return model
+
+
+def _eval_finite(path: str, model: Model, quantized: bool = False) -> None:
+    """Evaluate the loaded parameters, and refuse (CheckpointError naming the tensor) a
+    floating one holding NaN or infinite values: such a model answers junk or NaN losses.
+    Cheap: one sum per tensor, evaluated with the loading itself (a NaN or an infinity makes
+    the sum so; 4x faster than ``isfinite().all()`` on a CPU, 0.26 s for 1.2 GB here), and
+    the exact test only for a tensor whose sum is not finite (a float16 one may overflow).
+    A weight quantized as it was read is checked through its scales and biases, and named
+    as stored (``quantized``)."""
+    floating = [(n, x) for n, x in tree_flatten(model.parameters()) if _floating(x)]
+    if not floating:
+        mx.eval(model.parameters())
+        return
+    sums = mx.stack([mx.sum(x).astype(mx.float32) for _, x in floating])
+    mx.eval(model.parameters(), sums)
+    suspects = [floating[i] for i in np.flatnonzero(~np.isfinite(np.array(sums)))]
+    bad = [n for n, x in suspects if not mx.isfinite(x).all().item()]
+    if quantized:  # the stored tensor, not the scales and biases made of it
+        bad = list(dict.fromkeys(re.sub(r"\.(scales|biases)\Z", ".weight", n) for n in bad))
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointError(f"{path}: {bad[0]} holds NaN or infinite values{more}")
 
 
 def _floating(x: mx.array) -> bool:

@@ -7,7 +7,8 @@ Points: ``step`` (train: step ``<at>`` done, before its checkpoint), ``save`` (t
 tensors of checkpoint ``<at>`` written, its manifest not yet), ``commit`` (any atomic write of
 a file or folder named ``<at>``: the temporary written, not yet renamed into place: convert,
 merge, save, each file of a checkpoint), ``eval`` (the loss on a data set: batch ``<at>``
-evaluated, counting from 1: the trainer's validation and ``evaluate``).
+evaluated, counting from 1: the trainer's validation and ``evaluate``), ``window`` (train
+--carry-state: ``<step>.<n>``, the n-th window of that step evaluated).
 
 Under ``mlx.launch``, ``MLX_RWKVX_CRASH_RANK=<r>`` keeps the crash point to rank ``r`` (the
 launcher's ``MLX_RANK``): one Mac of several interrupted.

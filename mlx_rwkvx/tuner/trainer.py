@@ -2,8 +2,9 @@
 (``build``), reads the data (``run_data``), then loops over steps (``Step``: the loss and
 gradients of a step's micro-batches, summed over the ranks of a data-parallel run, then one
 AdamW update), logs, validates and checkpoints, and writes its results (``outputs``). Ctrl-C and
-SIGTERM finish the step, save a checkpoint and stop; ``--resume`` continues from the newest
-complete checkpoint with the losses of the run that was not interrupted."""
+SIGTERM finish the step, save a checkpoint and stop (a --carry-state step of many windows is
+dropped between two of them instead: nothing of it was applied yet); ``--resume`` continues from
+the newest complete checkpoint with the losses of the run that was not interrupted."""
 
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ class Single:
         return optim.clip_grad_norm(grads, clip if clip > 0 else math.inf)
 
 
+class WindowStop(Exception):
+    """A stop request between two windows of a --carry-state step: the step is dropped (nothing
+    was updated yet) and redone on --resume."""
+
+
 class Step:
     """One training step, compiled: ``loss_and_grad`` of each micro-batch (with --carry-state,
     segment by segment of ``max_seq_len`` columns, each starting from the state the previous
@@ -78,6 +84,9 @@ class Step:
     def __init__(self, model: Model, optimizer, cfg: TrainConfig, group=None):
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
         self.group = group if group is not None and group.size() > 1 else None
+        # between_windows(n), after the step's n-th window: True drops the step (WindowStop)
+        self.between_windows: Callable[[int], bool] = lambda n: False
+        self._windows = 0
         self.way = parallel.Stacked(cfg.parallel) if cfg.parallel > 1 else Single()
         grad_fn = nn.value_and_grad(model, self._loss_sum)
         state = [model.state, optimizer.state, mx.random.state]
@@ -120,6 +129,9 @@ class Step:
             if i + 1 < len(parts):
                 state = self.model.trim_state(after[0], cfg.max_cache)
                 mx.eval(loss, count, grads, state)
+                self._windows += 1
+                if self.between_windows(self._windows):  # a text of many windows: minutes
+                    raise WindowStop
         mx.eval(loss, count, grads)  # one micro-batch's graph alive at a time
         return loss, count, grads
 
@@ -127,6 +139,7 @@ class Step:
         """One optimizer step over ``micro_batches``; ``stop``: this process was asked to stop
         after it (decided with the other ranks in the step's collective)."""
         total_loss, total_count, grads = 0.0, 0, None
+        self._windows = 0
         for inputs, targets in micro_batches:
             loss, count, g = self.loss_and_grad(mx.array(inputs), mx.array(targets))
             grads = g if grads is None else tree_map(mx.add, grads, g)
@@ -363,6 +376,13 @@ def _loop(run: Run, step_fn, task: Task, total: int, out: Path, stop: _Interrupt
     started, seen = time.perf_counter(), 0
     bar = tqdm(total=total, initial=run.step, unit="step", dynamic_ncols=True, leave=False,
                disable=not lead)  # fmt: skip
+
+    def between_windows(n: int) -> bool:  # one process alone: ranks stop after a step together
+        crash_point("window", f"{run.step + 1}.{n}")
+        return step_fn.group is None and stop.requested
+
+    if isinstance(step_fn, Step):
+        step_fn.between_windows = between_windows
     try:
         while run.step < total:
             batch, position = zip(*[next(stream) for _ in range(cfg.grad_accum)], strict=True)
@@ -373,6 +393,8 @@ def _loop(run: Run, step_fn, task: Task, total: int, out: Path, stop: _Interrupt
             mx.random.seed((cfg.seed * 1_000_003 + run.step + 7_919 * run.rank) % 2**64)
             try:
                 result = step_fn(batch, stop=stop.requested)
+            except WindowStop:
+                raise _stopped_within(run, out, stop) from None
             except NonFinite as e:
                 last = newest_checkpoint(out)
                 kept = f"checkpoint_{last}" if last is not None else "no checkpoint yet"
@@ -417,6 +439,15 @@ def _loop(run: Run, step_fn, task: Task, total: int, out: Path, stop: _Interrupt
     finally:
         bar.close()
         metrics.close()
+
+
+def _stopped_within(run: Run, out: Path, stop: _Interrupt) -> Interrupted:
+    """The Interrupted of a step dropped between its windows, the steps before it saved."""
+    if run.step and newest_checkpoint(out) != run.step:
+        save_checkpoint(out, run)
+    saved = f"saved checkpoint_{run.step}" if run.step else "no step had finished: nothing saved"
+    return Interrupted(stop.signum or signal.SIGINT, f"{saved}; step {run.step + 1} was cut "
+                       "short between its windows (--resume redoes it)")  # fmt: skip
 
 
 def _evaluate(run: Run, examples, max_batches) -> float:

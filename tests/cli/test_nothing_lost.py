@@ -383,6 +383,26 @@ def test_sigterm_in_train_saves_like_ctrl_c(kit, tmp_path, crash, saved):
     assert (out / "adapter_final.safetensors").exists()
 
 
+def test_sigterm_within_a_long_carry_state_text_stops_between_windows(kit, tmp_path):
+    # one text of ~800 tokens in windows of 16: a step is 50 windows (of a 50 MB line, minutes)
+    text = " ".join(f"{i} + {i} = {2 * i};" for i in range(60))
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    out = tmp_path / "run"
+    args = ["--model", kit / "model", "--data", tmp_path / "long.jsonl", "--output", out,
+            "--lora-rank", 4, "--carry-state", "--max-seq-len", 16, "--batch-size", 1,
+            "--iters", 3, "--save-every", 100]  # fmt: skip
+    proc = run_module("train", *args, env={"MLX_RWKVX_CRASH_AT": "window:2.3:TERM"})
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "mlx_rwkvx.train: interrupted (saved checkpoint_1; step 2 was cut short between its "
+        "windows (--resume redoes it))"
+    )
+    assert _complete(out) == [1] and not debris(tmp_path)  # step 2's later windows never ran
+    again = run_module("train", *args, "--resume")
+    assert again.returncode == 0, again.stderr
+    assert _complete(out)[-1] == 3 and (out / "adapter_final.safetensors").is_file()
+
+
 def test_a_kill_while_saving_is_cleaned_up_by_the_next_run(kit, tmp_path):
     out = tmp_path / "run"
     crash = "commit:checkpoint_4.state.safetensors"  # killed between a file's write and rename

@@ -7,6 +7,7 @@ engine imports this module)."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 from mlx_rwkvx.generation import Session, stream_generate
@@ -68,23 +69,30 @@ def processors(params: Params, served) -> list:
 
 
 def sampler(params: Params):
-    """mlx-lm's sampler of the request; with a seed, one that draws from its own key, so that
-    the answer is the same whatever shares its batch."""
-    if params.seed is None or params.temp == 0:
-        return make_sampler(temp=params.temp, top_p=params.top_p, min_p=params.min_p,
-                            top_k=params.top_k)  # fmt: skip
-    key = mx.random.key(params.seed)
+    """The answer's sampler: greedy, or drawing from a key of its own (its seed's, else a
+    random one), so that the answer is the same whatever shares its batch, and no draw
+    depends on ``mx.random.state``. mlx-lm's filters take that state as a compiled input and
+    leave it unusable when they raise (then every later draw fails): a failure here resets
+    it."""
+    if params.temp == 0:
+        return make_sampler(temp=0.0)
+    seed = secrets.randbits(63) if params.seed is None else params.seed
+    key = mx.random.key(seed)
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
-        key, draw = mx.random.split(key)
-        if 0 < params.top_p < 1:
-            logprobs = apply_top_p(logprobs, params.top_p)
-        if params.min_p:
-            logprobs = apply_min_p(logprobs, params.min_p, 1)
-        if params.top_k > 0:
-            logprobs = apply_top_k(logprobs, params.top_k)
-        return mx.random.categorical(logprobs * (1 / params.temp), key=draw)
+        try:
+            key, draw = mx.random.split(key)
+            if 0 < params.top_p < 1:
+                logprobs = apply_top_p(logprobs, params.top_p)
+            if params.min_p:
+                logprobs = apply_min_p(logprobs, params.min_p, 1)
+            if params.top_k > 0:
+                logprobs = apply_top_k(logprobs, params.top_k)
+            return mx.random.categorical(logprobs * (1 / params.temp), key=draw)
+        except Exception:
+            mx.random.seed(secrets.randbits(63))
+            raise
 
     return sample
 

@@ -291,13 +291,17 @@ def _params(body: Sampling, settings, served: Served, max_tokens: int | None) ->
         bias[int(key)] = value
     if body.seed is not None and not 0 <= body.seed < 2**63:
         raise bad("seed must be in 0 .. 2^63 - 1", "seed")
+    if body.top_k is not None and body.top_k > vocab:
+        raise bad(f"top_k must be at most the vocabulary's {vocab} tokens, got {body.top_k}",
+                  "top_k")  # fmt: skip
+    top_k = settings.top_k if body.top_k is None else body.top_k
     top_p = settings.top_p if body.top_p is None else body.top_p
     return Params(
         max_tokens=max_tokens,
         temp=settings.temp if body.temperature is None else body.temperature,
         top_p=0.0 if top_p >= 1 else top_p,  # 1 keeps every token: off
         min_p=settings.min_p if body.min_p is None else body.min_p,
-        top_k=settings.top_k if body.top_k is None else body.top_k,
+        top_k=0 if top_k >= vocab else top_k,  # the whole vocabulary: off
         repetition_penalty=body.repetition_penalty,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,

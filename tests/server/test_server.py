@@ -249,6 +249,12 @@ def test_bad_requests_are_4xx_with_openai_errors(models):
              "role"),
             (dict(json={"model": path, "messages": USER, "top_logprobs": 2}), 400,
              "top_logprobs"),
+            # sampling fields within the model: a top_k over the vocabulary broke every later
+            # sampled answer (mlx-lm's compiled top-k left mx.random.state unusable)
+            (dict(json={"model": path, "messages": USER, "temperature": 1, "top_k": 10**9}),
+             400, "top_k"),
+            (dict(json={"model": path, "messages": USER, "temperature": 1, "top_k": 513}), 400,
+             "vocabulary's 512"),
         ]  # fmt: skip
         for kw, status, words in cases:
             r = _raw(server, "POST", "/v1/chat/completions", headers=auth, **kw)
@@ -263,8 +269,11 @@ def test_bad_requests_are_4xx_with_openai_errors(models):
         assert r.status_code == 404 and "error" in r.json()
         with pytest.raises(openai.BadRequestError, match="max-prompt-tokens"):
             c.completions.create(model=path, prompt="x " * 100, max_tokens=2)
-        # still answering
+        # still answering, sampled answers too
         assert c.chat.completions.create(model=path, messages=USER, max_tokens=2).choices
+        sampled = c.chat.completions.create(model=path, messages=USER, max_tokens=2,
+                                            temperature=1.0, extra_body={"top_k": 5})  # fmt: skip
+        assert sampled.choices
 
 
 def test_a_full_queue_a_hang_up_and_sigterm(models, tmp_path):

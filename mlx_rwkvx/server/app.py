@@ -104,7 +104,8 @@ def create_app(engine: Engine, settings) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=guard)
     async def chat(body: ChatRequest, request: Request):
         served = engine.model(body.model)
-        params = _params(body, settings, served, body.max_completion_tokens or body.max_tokens)
+        asked = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        params = _params(body, settings, served, getattr(body, asked), asked)
         params.logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs and not body.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
@@ -120,7 +121,7 @@ def create_app(engine: Engine, settings) -> FastAPI:
     @app.post("/v1/completions", dependencies=guard)
     async def completions(body: CompletionRequest, request: Request):
         served = engine.model(body.model)
-        params = _params(body, settings, served, body.max_tokens)
+        params = _params(body, settings, served, body.max_tokens, "max_tokens")
         params.logprobs = body.logprobs
         params.grammar = await _grammar(body.response_format, served)
         for name in ("echo", "suffix"):
@@ -273,12 +274,14 @@ def _model_entry(served: Served) -> dict:
 # ----- requests into work ----------------------------------------------------------------------
 
 
-def _params(body: Sampling, settings, served: Served, max_tokens: int | None) -> Params:
+def _params(body: Sampling, settings, served: Served, max_tokens: int | None,
+            asked: str) -> Params:  # fmt: skip
+    """The request's settings, checked (``asked``: the field that gave ``max_tokens``)."""
     if body.n > settings.max_n:
         raise bad(f"n must be at most {settings.max_n}", "n")
     max_tokens = settings.max_tokens if max_tokens is None else max_tokens
     if max_tokens < 1:
-        raise bad(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        raise bad(f"{asked} must be at least 1, got {max_tokens}", asked)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 16 or any(not s for s in stop):
         raise bad("stop: at most 16 strings, none of them empty", "stop")
@@ -388,14 +391,14 @@ def _chat_ids(served: Served, messages: list[Message], tools) -> list[int]:
         if m.tool_calls:  # templates take the arguments as a mapping, OpenAI sends JSON text
             calls = []
             for call in m.tool_calls:
-                function = dict(call.get("function") or {})
-                if isinstance(function.get("arguments"), str):
+                function = call.function.model_dump()
+                if isinstance(function["arguments"], str):
                     try:
                         function["arguments"] = json.loads(function["arguments"])
                     except ValueError:
                         raise bad("messages: a tool call's arguments are not JSON",
                                   "messages") from None  # fmt: skip
-                calls.append({**call, "function": function})
+                calls.append({**call.model_dump(exclude_none=True), "function": function})
             entry["tool_calls"] = calls
         rendered.append(entry)
     try:

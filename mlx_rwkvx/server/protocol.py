@@ -5,8 +5,11 @@ log-probabilities.
 Every field OpenAI defines for chat and text completions is named here, with its bounds
 (``temperature`` 0..2, ``top_p`` 0..1, ``top_logprobs`` 0..20, penalties -2..2,
 ``logit_bias`` -100..100); mlx-lm's server extensions (``top_k``, ``min_p``,
-``repetition_penalty``) likewise. A field this server cannot honour is refused by the handler
-with a 400 naming it, never ignored; unknown fields are ignored, as OpenAI's own server does.
+``repetition_penalty``) likewise, and with OpenAI's types taken strictly (``"10"`` or
+``true`` is no ``max_tokens``). What depends on the model or the server's limits (``top_k``
+within the vocabulary, ``max_tokens`` within ``--max-request-tokens``) the handlers check. A
+field this server cannot honour is refused by the handler with a 400 naming it, never
+ignored; unknown fields are ignored, as OpenAI's own server does.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-Probability = Annotated[float, Field(ge=0.0, le=1.0)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+# OpenAI's schema types these strictly: "10" or true is no integer, 1 no boolean
+Probability = Annotated[float, Field(strict=True, ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(strict=True, ge=-2.0, le=2.0)]
+TokenIds = list[StrictInt]
 
 
 class ApiError(Exception):
@@ -55,36 +60,36 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class Sampling(_Request):
     """What chat and text completions share."""
 
     model: str
-    max_tokens: int | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] | None = None
     top_p: Probability | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
-    stream: bool = False
+    n: Annotated[StrictInt, Field(ge=1, le=128)] = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(strict=True, ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     # mlx-lm's server's extensions
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
     min_p: Probability | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    repetition_penalty: Annotated[float, Field(strict=True, gt=0.0)] | None = None
 
 
 class ToolFunction(_Request):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(_Request):
@@ -97,11 +102,24 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text; a mapping is taken too
+
+
+class ToolCall(_Request):
+    """A call an assistant turn made (as OpenAI's ``message.tool_calls`` hold them)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
 
@@ -109,7 +127,7 @@ class JsonSchema(_Request):
     name: str = "schema"
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(_Request):
@@ -119,29 +137,29 @@ class ResponseFormat(_Request):
 
 class ChatRequest(Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    echo: bool = False
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
     response_format: ResponseFormat | None = None
 
 
 class EmbeddingRequest(_Request):
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None
     user: str | None = None
 
 

@@ -255,6 +255,17 @@ def test_bad_requests_are_4xx_with_openai_errors(models):
              400, "top_k"),
             (dict(json={"model": path, "messages": USER, "temperature": 1, "top_k": 513}), 400,
              "vocabulary's 512"),
+            (dict(json={"model": path, "messages": USER, "max_completion_tokens": 0}), 400,
+             "max_completion_tokens"),
+            # OpenAI's types, strictly
+            (dict(json={"model": path, "messages": USER, "max_tokens": "10"}), 400,
+             "max_tokens"),
+            (dict(json={"model": path, "messages": USER, "max_tokens": True}), 400,
+             "max_tokens"),
+            (dict(json={"model": path, "messages": USER, "stream": "yes"}), 400, "stream"),
+            (dict(json={"model": path, "messages": USER, "top_p": "0.5"}), 400, "top_p"),
+            (dict(json={"model": path, "messages": USER + [{"role": "assistant",
+             "content": "", "tool_calls": [{"function": "f"}]}]}), 400, "tool_calls"),
         ]  # fmt: skip
         for kw, status, words in cases:
             r = _raw(server, "POST", "/v1/chat/completions", headers=auth, **kw)

@@ -1,9 +1,9 @@
 """One answer's work, apart from the batch: its settings (``Params``), its logits processors
 and sampler, the log-probabilities it reports, where it resumes from in its model's cache of
 states (``resume``); an answer run alone through the generation layer (``generate``: one the
-batches cannot hold whole), and an embedding (``embed``). ``served``, ``job`` and ``engine``
-arguments are the engine module's ``Served``, ``Job`` and ``Engine`` (not imported here: the
-engine imports this module)."""
+batches cannot hold whole), and a request's embeddings (``Embedding``, a piece at a time).
+``served``, ``job`` and ``engine`` arguments are the engine module's ``Served``, ``Job`` and
+``Engine`` (not imported here: the engine imports this module)."""
 
 from __future__ import annotations
 
@@ -159,18 +159,39 @@ def generate(engine, served, job, ids: list[int], params: Params,
     job.emit("done", index, "length" if finish == "cache" else finish, n)
 
 
-def embed(engine, served, ids: list[int]) -> list[float]:
-    """The text's final normalised hidden states pooled (their mean, or the last token's:
-    ``engine.pooling``) and scaled to unit length."""
-    model, state = served.model, None
-    total = None
-    for start in range(0, len(ids), engine.prefill_step):
-        piece = mx.array([ids[start : start + engine.prefill_step]], dtype=mx.int32)
-        h, state = model.hidden(piece, state, check=False)
-        h = h[0].astype(mx.float32)
-        total = (h[-1] if engine.pooling == "last" else
-                 h.sum(axis=0) + (0 if total is None else total))  # fmt: skip
-        mx.eval(total, state)
-    pooled = total if engine.pooling == "last" else total / len(ids)
-    pooled = pooled / mx.maximum(mx.linalg.norm(pooled), 1e-12)
-    return pooled.tolist()
+class Embedding:
+    """The embeddings of one request's inputs, made a piece at a time (``step``) so that the
+    engine can run them between steps of its batches and stop them between pieces. Each
+    text's final normalised hidden states pooled (their mean, or the last token's:
+    ``pooling``) and scaled to unit length."""
+
+    def __init__(self, served, texts: list[list[int]], pooling: str):
+        self.served, self.texts, self.pooling = served, texts, pooling
+        self.index, self.start = 0, 0  # the text being fed and its tokens fed so far
+        self.state, self.total = None, None
+
+    @property
+    def done(self) -> bool:
+        return self.index == len(self.texts)
+
+    def step(self, budget: int) -> list[tuple[int, list[float]]]:
+        """Feed up to ``budget`` tokens (the rest of a text, then the next texts'); the
+        (index, vector) of each text finished."""
+        out = []
+        while budget > 0 and not self.done:
+            ids = self.texts[self.index]
+            piece = ids[self.start : self.start + budget]
+            h, self.state = self.served.model.hidden(mx.array([piece], dtype=mx.int32),
+                                                     self.state, check=False)  # fmt: skip
+            h = h[0].astype(mx.float32)
+            self.total = (h[-1] if self.pooling == "last" else
+                          h.sum(axis=0) + (0 if self.total is None else self.total))  # fmt: skip
+            mx.eval(self.total, self.state)
+            self.start += len(piece)
+            budget -= len(piece)
+            if self.start == len(ids):
+                pooled = self.total if self.pooling == "last" else self.total / len(ids)
+                pooled = pooled / mx.maximum(mx.linalg.norm(pooled), 1e-12)
+                out.append((self.index, pooled.tolist()))
+                self.index, self.start, self.state, self.total = self.index + 1, 0, None, None
+        return out

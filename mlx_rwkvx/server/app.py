@@ -1,6 +1,9 @@
 """The HTTP surface: a FastAPI application with OpenAI's routes, its error JSON for every
 refusal (a bad body, a missing key, an unknown model or route, a full queue: 4xx; a bug: a 500
-whose body says only that), and server-sent events for ``stream``.
+whose body says only that), and server-sent events for ``stream``. What one request may ask
+is bounded (``--max-request-tokens``, ``--max-inputs``, ``--max-body-bytes``: a body is
+measured before it is read), and its work is cancelled as soon as its client goes, whatever
+flows meanwhile.
 
 ``create_app(engine, settings)``: ``settings`` holds the defaults of what a request may leave
 out and the server's limits (``ServerConfig`` of ``mlx_rwkvx.server.main``), its API keys
@@ -58,6 +61,7 @@ def create_app(engine: Engine, settings) -> FastAPI:
     app = FastAPI(title="mlx_rwkvx", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.settings = engine, settings
     _errors(app)
+    app.add_middleware(BodyLimit, most=settings.max_body_bytes)
 
     keys = ApiKeys(settings.api_key or [], shared=settings.cache_scope == "shared")
     local = loopback(settings.host)
@@ -91,6 +95,7 @@ def create_app(engine: Engine, settings) -> FastAPI:
             "models": list(engine.served),
             "waiting": engine.waiting,
             "decoding": engine.decoding,
+            "embedding": engine.embedding,
         }
 
     @app.get("/v1/models", dependencies=guard)
@@ -129,7 +134,8 @@ def create_app(engine: Engine, settings) -> FastAPI:
                 raise bad(f"{name} is not supported by this server", name)
         if body.best_of not in (None, 1, body.n):
             raise bad("best_of must equal n (no answers are generated and dropped)", "best_of")
-        prompts = [_prompt_ids(served, p, "prompt") for p in _prompts(body.prompt)]
+        prompts = [_prompt_ids(served, p, "prompt") for p in
+                   _prompts(body.prompt, "prompt", settings, body.n)]  # fmt: skip
         for ids in prompts:
             _check_prompt(ids, settings)
         batch = [ids for ids in prompts for _ in range(body.n)]
@@ -141,15 +147,15 @@ def create_app(engine: Engine, settings) -> FastAPI:
         if body.dimensions is not None and body.dimensions != served.model.config.hidden_size:
             raise bad(f"dimensions: this model's embeddings have "
                       f"{served.model.config.hidden_size}", "dimensions")  # fmt: skip
-        texts = [_prompt_ids(served, p, "input") for p in _prompts(body.input)]
+        texts = [_prompt_ids(served, p, "input") for p in _prompts(body.input, "input", settings)]
         for ids in texts:
             _check_prompt(ids, settings)
-        vectors: list = []
-        job = Job(lambda job: vectors.extend(answers.embed(engine, served, ids) for ids in texts))
+        job = Job(embedding=answers.Embedding(served, texts, engine.pooling))
         engine.submit(job)
-        await _events_until_end(job, request)
-        data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
-                for i, v in enumerate(vectors)]  # fmt: skip
+        vectors = dict(event[1:] for event in await _events_until_end(job, request))
+        data = [{"object": "embedding", "index": i,
+                 "embedding": _encoded(vectors[i], body.encoding_format)}
+                for i in range(len(texts))]  # fmt: skip
         n = sum(len(ids) for ids in texts)
         return {"object": "list", "data": data, "model": served.name,
                 "usage": {"prompt_tokens": n, "total_tokens": n}}  # fmt: skip
@@ -232,6 +238,51 @@ class LoopbackHosts:
         await self.app(scope, receive, send)
 
 
+class BodyLimit:
+    """ASGI middleware: a request body of more than ``most`` bytes is refused (413) before it
+    is parsed or its key checked: by its ``Content-Length`` before a byte of it is read, or,
+    sent in chunks, as soon as the chunks pass the limit (the body is then read here)."""
+
+    def __init__(self, app, most: int):
+        self.app, self.most = app, most
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.most:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.most:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, given = b"".join(chunks), False
+
+        async def replay():
+            nonlocal given
+            if given:
+                return await receive()
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send):
+        body = error_body(f"the request body is larger than this server takes ({self.most} "
+                          "bytes, --max-body-bytes)", "invalid_request_error",
+                          code="request_too_large")  # fmt: skip
+        await JSONResponse(body, 413, headers={"Connection": "close"})(scope, receive, send)
+
+
 def _encoded(vector: list[float], encoding: str):
     """A vector as OpenAI sends it: a list, or ``base64`` of its little-endian float32s."""
     if encoding == "float":
@@ -282,6 +333,9 @@ def _params(body: Sampling, settings, served: Served, max_tokens: int | None,
     max_tokens = settings.max_tokens if max_tokens is None else max_tokens
     if max_tokens < 1:
         raise bad(f"{asked} must be at least 1, got {max_tokens}", asked)
+    if max_tokens > settings.max_request_tokens:
+        raise bad(f"{asked} must be at most {settings.max_request_tokens} (this server's "
+                  "--max-request-tokens)", asked)  # fmt: skip
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 16 or any(not s for s in stop):
         raise bad("stop: at most 16 strings, none of them empty", "stop")
@@ -407,10 +461,17 @@ def _chat_ids(served: Served, messages: list[Message], tools) -> list[int]:
         raise bad(str(e), "messages") from None
 
 
-def _prompts(prompt) -> list:
-    """One prompt or several (a text, token ids, a list of either)."""
+def _prompts(prompt, param: str, settings, n: int = 1) -> list:
+    """One prompt or several (a text, token ids, a list of either): at least one, and, times
+    the answers to each (``n``), at most ``--max-inputs``."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [prompt]
+        prompt = [prompt]
+    if not prompt:
+        raise bad(f"{param}: an empty list", param)
+    if len(prompt) * n > settings.max_inputs:
+        times = f" times n = {n}" if n > 1 else ""
+        raise bad(f"{param}: {len(prompt)}{times}, more than this server takes in one request "
+                  f"({settings.max_inputs}, --max-inputs)", param)  # fmt: skip
     return list(prompt)
 
 
@@ -502,26 +563,43 @@ class _Choice:
         }
 
 
+async def _cancel_when_gone(job: Job, request: Request) -> None:
+    """Cancel ``job`` as soon as its client goes (the body is read: the next message is the
+    disconnect), whatever events flow meanwhile: the engine stops it at its next step."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
+
+
+class _watching:
+    """``_cancel_when_gone`` for the block (until a response starts: then Starlette's own
+    watch of a streamed response takes over)."""
+
+    def __init__(self, job: Job, request: Request):
+        self.job, self.request = job, request
+
+    async def __aenter__(self):
+        self.task = asyncio.create_task(_cancel_when_gone(self.job, self.request))
+
+    async def __aexit__(self, kind, e, tb):
+        self.task.cancel()
+        if kind is not None and issubclass(kind, asyncio.CancelledError):
+            self.job.cancelled.set()
+
+
 async def _events_until_end(job: Job, request: Request) -> list[tuple]:
     """Every event of a job up to its end; the job is cancelled if the client goes. An error
     event raises (as the 4xx or 500 the engine made of it)."""
     events = []
-    while True:
-        try:
-            event = await asyncio.wait_for(job.events.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
+    async with _watching(job, request):
+        while True:
+            event = await job.events.get()
+            if event[0] == "error":
                 job.cancelled.set()
-            continue
-        except asyncio.CancelledError:
-            job.cancelled.set()
-            raise
-        if event[0] == "error":
-            job.cancelled.set()
-            raise event[1]
-        if event[0] == "end":
-            return events
-        events.append(event)
+                raise event[1]
+            if event[0] == "end":
+                return events
+            events.append(event)
 
 
 def _answers(served: Served, batch: list[list[int]], params: Params) -> list:
@@ -548,7 +626,8 @@ async def _answer(request: Request, engine: Engine, served: Served, body, batch,
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         stream = _stream(job, choices, head, kind, prompt_tokens, include, n)
-        first = await _first_event(job, stream)  # an error before the first token: a 4xx
+        async with _watching(job, request):  # the client may go before the first token
+            first = await _first_event(job, stream)  # an error before it: a 4xx
         return StreamingResponse(first, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
     for event in await _events_until_end(job, request):

@@ -18,7 +18,9 @@ DoRA adapter has its own, and the batches take turns. The state after the prompt
 next-token logits, so that the same prompt again feeds nothing) and the state after the answer
 are stored as they are reached. An answer the attention blocks' KV window cannot hold whole
 (prompt and ``max_tokens`` over ``--max-cache``) runs alone through the generation layer,
-whose window slides (``generate``).
+whose window slides (``generate``). An embeddings request takes its turn between the steps of
+the batches, a piece of its inputs at a time. Whatever a job's client left stops at its next
+step or piece.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from mlx_rwkvx.generation.stream import StopStrings, detokenizer, vocab_mask
 from mlx_rwkvx.models.cache import read_caches, write_caches
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.server.answers import (
+    Embedding,
     Params,
     generate,
     processors,
@@ -118,14 +121,15 @@ class Served:
 
 
 class Job:
-    """Work for the engine's loop, either ``run(job)`` (called once; it calls ``job.emit(event)``
-    as it goes and checks ``job.cancelled``) or ``answers``, ``(served, ids, params)`` for
-    each answer to decode in the batch. The events arrive in ``job.events`` on the event loop,
-    the last one ``("end", None)``."""
+    """Work for the engine's loop, either ``answers``, ``(served, ids, params)`` for each
+    answer to decode in the batch, or an ``embedding`` (its inputs a piece at a time, between
+    steps of the batches; an ``("embedding", index, vector)`` event for each). The events
+    arrive in ``job.events`` on the event loop, the last one ``("end", None)``; the work
+    stops at the next step once ``cancelled`` is set (its client went)."""
 
-    def __init__(self, run: Callable[[Job], None] | None = None,
-                 answers: list[tuple[Served, list[int], Params]] | None = None):  # fmt: skip
-        self.run, self.answers = run, answers or []
+    def __init__(self, answers: list[tuple[Served, list[int], Params]] | None = None,
+                 embedding: Embedding | None = None):  # fmt: skip
+        self.answers, self.embedding = answers or [], embedding
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -225,6 +229,7 @@ class Engine:
         self._current: Job | None = None
         self._batches: dict[tuple, Batch] = {}
         self._pending: collections.deque[Row] = collections.deque()  # prompts being prefilled
+        self._embeddings: collections.deque[Job] = collections.deque()  # they take turns
         self._weights = {name: _weights(s.model) for name, s in served.items()}
 
     def model(self, name: str) -> Served:
@@ -254,10 +259,16 @@ class Engine:
         """Answers being prefilled or decoded now."""
         return len(self._pending) + sum(len(b.rows) for b in self._batches.values())
 
+    @property
+    def embedding(self) -> int:
+        """Embeddings requests being run now."""
+        return len(self._embeddings)
+
     def run(self, until: Callable[[], bool]) -> None:
-        """Run jobs as they come until ``until()`` is true and none waits or runs."""
+        """Run jobs as they come until ``until()`` is true and none waits or runs: in turn, a
+        piece of an embeddings request, a piece of prefill, a step of every batch."""
         while True:
-            rows = self.decoding
+            rows = self.decoding + self.embedding
             busy, full = rows > 0, rows >= self.decode_concurrency  # full: the rest wait
             try:
                 job = (
@@ -270,6 +281,8 @@ class Engine:
             if job is not None:
                 self._start(job)
             elif busy:
+                if self._embeddings:
+                    self._embed()
                 if self._pending:
                     self._prefill()
                 self._step()
@@ -282,17 +295,12 @@ class Engine:
         if job.cancelled.is_set():
             job.fail(ApiError(503, "the request was cancelled", type="server_error"))
             return
-        if job.run is not None:
-            self._current = job
-            with _failures(job):
-                job.run(job)
-            self._current = None
-            mx.clear_cache()
-            if not job.ended:
-                job.ended = True
-                job.emit("end", None)
+        if job.embedding is not None:
+            self._embeddings.append(job)
             return
         job.open = len(job.answers)
+        if not job.answers:  # nothing to answer (the handlers refuse such requests)
+            job.answered()
         for index, (served, ids, params) in enumerate(job.answers):
             if job.ended:
                 return
@@ -304,6 +312,26 @@ class Engine:
                     generate(self, served, job, ids, params, index)
                     self._current = None
                     job.answered()
+
+    def _embed(self) -> None:
+        """A piece (``prefill_step`` tokens) of the first embeddings request, which then goes
+        last: a request of many long inputs holds neither the batches nor the others up."""
+        job = self._embeddings[0]
+        if job.cancelled.is_set() or job.ended:
+            job.fail(ApiError(503, "the request was stopped: its client went, or the server "
+                              "is shutting down", type="server_error"))  # fmt: skip
+        else:
+            with _failures(job):
+                for index, vector in job.embedding.step(self.prefill_step):
+                    job.emit("embedding", index, vector)
+            if job.embedding.done and not job.ended:
+                job.ended = True
+                job.emit("end", None)
+        self._embeddings.popleft()
+        if not job.ended:
+            self._embeddings.append(job)
+        else:
+            mx.clear_cache()
 
     def _batch(self, served: Served) -> Batch:
         key = self._weights[served.name]
@@ -525,8 +553,8 @@ class Engine:
         current = self._current
         if current is not None:
             current.cancelled.set()
-        for row in self._pending:
-            row.job.cancelled.set()
+        for job in (*self._embeddings, *(row.job for row in self._pending)):
+            job.cancelled.set()
         for batch in self._batches.values():
             for row in batch.rows.values():
                 row.job.cancelled.set()

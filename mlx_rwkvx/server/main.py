@@ -70,6 +70,9 @@ class ServerConfig:
     chat_template: str = opt("rwkv, chatml, or a Jinja template file (default: the "
                              "tokenizer's own, else rwkv)")  # fmt: skip
     max_tokens: int = opt("the most tokens of an answer that does not say", default=512)
+    max_request_tokens: int = opt("refuse (400) a request whose max_tokens (or "
+                                  "max_completion_tokens) is more than this: the most one "
+                                  "answer may ask for", default=8192)  # fmt: skip
     temp: float = opt("sampling temperature of a request that does not say (0: greedy)",
                       "temperature", default=0.0)  # fmt: skip
     top_p: float = opt("nucleus sampling of a request that does not say (0 or 1: off)",
@@ -79,6 +82,10 @@ class ServerConfig:
     max_prompt_tokens: int = opt("refuse (400) a prompt of more tokens than this",
                                  default=DEFAULT_MAX_PROMPT_TOKENS)  # fmt: skip
     max_n: int = opt("the most answers one request may ask for (n)", default=8)
+    max_inputs: int = opt("refuse (400) a request of more prompts than this (text completions: "
+                          "prompts times n) or more inputs (embeddings)", default=256)  # fmt: skip
+    max_body_bytes: int = opt("refuse (413) a request body of more bytes than this, before it "
+                              "is read", default=16 << 20)  # fmt: skip
     decode_concurrency: int = opt("the most answers decoded together, in one batch (more "
                                   "wait their turn)", default=32)  # fmt: skip
     max_queue: int = opt("requests that may wait while one runs; more are refused (429)",
@@ -127,7 +134,8 @@ def _check(cfg: ServerConfig) -> None:
     except ValueError as e:
         raise UsageError(str(e)) from None
     for name in ("max_tokens", "max_prompt_tokens", "max_n", "max_queue", "max_cache",
-                 "decode_concurrency"):  # fmt: skip
+                 "decode_concurrency", "max_request_tokens", "max_inputs",
+                 "max_body_bytes"):  # fmt: skip
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -136,6 +144,9 @@ def _check(cfg: ServerConfig) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")
     if cfg.top_p > 1 or cfg.min_p > 1:
         raise UsageError("--top-p and --min-p must be at most 1")
+    if cfg.max_tokens > cfg.max_request_tokens:
+        raise UsageError(f"--max-tokens {cfg.max_tokens} is more than --max-request-tokens "
+                         f"{cfg.max_request_tokens} (the most a request may ask for)")  # fmt: skip
     if (
         cfg.cache_dir is not None
         and os.path.exists(cfg.cache_dir)
@@ -255,7 +266,7 @@ def _main(cfg: ServerConfig) -> None:
               "it can use it", file=sys.stderr)  # fmt: skip
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s: %(message)s")
     config = uvicorn.Config(create_app(engine, cfg), host=cfg.host, port=cfg.port,
-                            log_level=cfg.log_level,
+                            log_level=cfg.log_level, lifespan="off",  # no start-up work
                             timeout_graceful_shutdown=cfg.shutdown_timeout)  # fmt: skip
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # the main thread's handlers below
@@ -269,6 +280,7 @@ def _main(cfg: ServerConfig) -> None:
         (a second signal: at once); then whatever still runs or waits is cancelled."""
         if stop.is_set():
             engine.cancel_all()
+            server.force_exit = True  # uvicorn waits no more for connections to close
             return
         stop.set()
         engine.closing = True

@@ -104,7 +104,8 @@ def test_the_stop_button_ends_an_answer(browser, tmp_path):
     path = str(tmp_path / "a")  # says "a" for ever: only the stop button ends its answer
     mlx_rwkvx.save(constant(tiny_model("rwkv7", seed=42, vocab_size=512), tok.encode("a")[0]),
                    path, tokenizer=tok)  # fmt: skip
-    with serving("--model", path, "--max-tokens", "1000000") as server:
+    with serving("--model", path, "--max-tokens", "1000000", "--max-request-tokens",
+                 "1000000") as server:  # fmt: skip
         browser.get(server.url.removesuffix("/v1") + "/")
         _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#model option"))
         browser.find_element(By.ID, "new").click()

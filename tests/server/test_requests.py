@@ -1,13 +1,155 @@
-"""What one request may cost the others: a sampler that fails leaves the random state usable
-for every other answer."""
+"""What one request may cost the others, against ``python -m mlx_rwkvx.server`` on a free
+localhost port (one server for the module): a client that goes (a raw socket closed mid-request)
+stops its work, whatever flows meanwhile; an embeddings request shares the engine's turns and
+stops when its client goes; a body over ``--max-body-bytes`` is refused before it is read or
+its key checked; a sampler that fails leaves the random state usable for every other answer;
+a second SIGTERM stops the server at once. Overlap and order are checked by the server's own
+counts (``/health``), never by durations; the deadlines are safety nets."""
 
 from __future__ import annotations
 
+import json
+import select
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+
+import mlx_rwkvx
+
 import mlx.core as mx
 import pytest
+from helpers import chatml_tokenizer, tiny_model
 from helpers.parity import import_parity_extra
+from helpers.serving import Server
 
 import_parity_extra(("fastapi", "uvicorn"), extra="server")
+
+KEY = "sesame"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = [{"role": "user", "content": "Hello, world!"}]
+MAX_BODY = 1 << 20
+WAIT = 60.0  # seconds: a safety net for what the server's counts show long before
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("requests")
+    path = root / "rwkv7"
+    mlx_rwkvx.save(tiny_model("rwkv7", seed=20, vocab_size=512), path,
+                   tokenizer=chatml_tokenizer(root / "tok"))  # fmt: skip
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    server = Server(["--model", model, "--api-key", KEY, "--max-request-tokens", "1000000",
+                     "--max-inputs", "8", "--max-body-bytes", MAX_BODY])  # fmt: skip
+    yield server
+    server.stop()
+
+
+def _open(server: Server, route: str, body: dict, headers: dict | None = None) -> socket.socket:
+    """A request sent on a raw socket, its answer not read (closing the socket hangs up)."""
+    data = json.dumps(body).encode()
+    head = {"Host": "127.0.0.1", "Content-Type": "application/json", "Connection": "close",
+            "Content-Length": str(len(data)), **AUTH, **(headers or {})}  # fmt: skip
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT)
+    lines = [f"POST {route} HTTP/1.1", *(f"{k}: {v}" for k, v in head.items()), "", ""]
+    sock.sendall("\r\n".join(lines).encode() + data)
+    return sock
+
+
+def _reply(sock: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of the answer on ``sock`` (``Connection: close``)."""
+    raw = b""
+    while chunk := sock.recv(1 << 16):
+        raw += chunk
+    sock.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def _health(server: Server) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{server.port}/health", headers=AUTH)
+    with urllib.request.urlopen(request, timeout=WAIT) as r:
+        return json.loads(r.read())
+
+
+def _wait_for(server: Server, what: str, test) -> None:
+    deadline = time.monotonic() + WAIT
+    while not test(health := _health(server)):
+        assert time.monotonic() < deadline, f"still {what}: {health}"
+        time.sleep(0.05)
+
+
+def _chat(server: Server, model: str, **kw) -> tuple[int, dict]:
+    return _reply(_open(server, "/v1/chat/completions",
+                        {"model": model, "messages": CHAT, "max_tokens": 4, **kw}))  # fmt: skip
+
+
+def test_a_client_that_goes_stops_its_answers_while_tokens_flow(server, model):
+    """Answers of a million tokens, not streamed: their clients hang up while every step
+    sends a token; the server stops them (its count of answers decoding falls to 0)."""
+    socks = [_open(server, "/v1/chat/completions", {"model": model, "messages": CHAT,
+                                                    "max_tokens": 1_000_000})
+             for _ in range(4)]  # fmt: skip
+    _wait_for(server, "not decoding", lambda h: h["decoding"] == 4)
+    for sock in socks:
+        sock.close()
+    _wait_for(server, "decoding", lambda h: h["decoding"] == 0)
+    status, body = _chat(server, model)
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_embeddings_take_turns_with_answers_and_stop_when_their_client_goes(server, model):
+    """A long embeddings request (eight inputs of 20,000 tokens) is running when a short chat
+    arrives: the chat is answered while the embeddings still run; their client then hangs up
+    and they stop."""
+    sock = _open(server, "/v1/embeddings", {"model": model, "input": [[7] * 20_000] * 8})
+    _wait_for(server, "not embedding", lambda h: h["embedding"] == 1)
+    status, _ = _chat(server, model)
+    assert status == 200
+    # the chat did not wait for the embeddings: they run on, their answer not yet sent
+    assert _health(server)["embedding"] == 1 and not select.select([sock], [], [], 0)[0]
+    sock.close()
+    _wait_for(server, "embedding", lambda h: h["embedding"] == 0)
+    status, body = _reply(_open(server, "/v1/embeddings", {"model": model, "input": ["hi"]}))
+    assert status == 200 and len(body["data"]) == 1
+
+
+def _raw_head(server: Server, head: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT)
+    sock.sendall(head.replace("\n", "\r\n").encode())
+    return sock
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server, model):
+    """413 with OpenAI's error JSON, before the key is checked (none is sent): by its
+    Content-Length, the body never sent; sent in chunks, once they pass the limit."""
+    sock = _raw_head(server, f"POST /v1/chat/completions HTTP/1.1\nHost: 127.0.0.1\n"
+                             f"Content-Length: {10**12}\nConnection: close\n\n")  # fmt: skip
+    status, body = _reply(sock)
+    assert status == 413 and "--max-body-bytes" in body["error"]["message"]
+    sock = _raw_head(server, "POST /v1/embeddings HTTP/1.1\nHost: 127.0.0.1\n"
+                             "Transfer-Encoding: chunked\nConnection: close\n\n")  # fmt: skip
+    chunk = b"x" * (64 << 10)
+    for _ in range(MAX_BODY // len(chunk)):
+        sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    sock.sendall(b"1\r\nx\r\n")  # one byte past the limit: all it was sent is read, then 413
+    status, body = _reply(sock)
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    # within the limit, in chunks: read and answered
+    data = json.dumps({"model": model, "input": "hi"}).encode()
+    sock = _raw_head(server, f"POST /v1/embeddings HTTP/1.1\nHost: 127.0.0.1\n"
+                             f"Authorization: Bearer {KEY}\nContent-Type: application/json\n"
+                             "Transfer-Encoding: chunked\n"
+                             "Connection: close\n\n")  # fmt: skip
+    sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+    status, body = _reply(sock)
+    assert status == 200 and len(body["data"][0]["embedding"]) > 0
 
 
 def test_a_failed_sampler_leaves_the_random_state_to_the_others():
@@ -24,3 +166,33 @@ def test_a_failed_sampler_leaves_the_random_state_to_the_others():
         token = sampler(params)(logprobs)
         assert 0 <= token.item() < 512
     assert mx.random.uniform().item() < 1  # mx.random.state itself is usable
+
+
+def test_a_second_sigterm_stops_at_once(model):
+    """The first SIGTERM lets requests in flight finish (here for ten minutes); the second
+    cancels them and the process ends, with a long embeddings request in flight."""
+    server = Server(["--model", model, "--shutdown-timeout", "600"])
+    try:
+        sock = _open(server, "/v1/embeddings", {"model": model, "input": [[7] * 30_000] * 8})
+        reader = threading.Thread(target=lambda: sock.recv(1), daemon=True)
+        reader.start()
+        _wait_for(server, "not embedding", lambda h: h["embedding"] == 1)
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + WAIT  # the first signal taken: no new connections
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
+            except OSError:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server was still running 30 s after the second SIGTERM")
+        assert server.proc.returncode == 0
+        sock.close()
+    finally:
+        out = server.stop()
+    assert "stopped" in out and "Traceback" not in out, out

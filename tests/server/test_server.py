@@ -255,8 +255,12 @@ def test_bad_requests_are_4xx_with_openai_errors(models):
              400, "top_k"),
             (dict(json={"model": path, "messages": USER, "temperature": 1, "top_k": 513}), 400,
              "vocabulary's 512"),
+            (dict(json={"model": path, "messages": USER, "max_tokens": 10**9}), 400,
+             "--max-request-tokens"),
             (dict(json={"model": path, "messages": USER, "max_completion_tokens": 0}), 400,
              "max_completion_tokens"),
+            (dict(json={"model": path, "messages": USER, "max_completion_tokens": 10**6}), 400,
+             "--max-request-tokens"),
             # OpenAI's types, strictly
             (dict(json={"model": path, "messages": USER, "max_tokens": "10"}), 400,
              "max_tokens"),
@@ -273,6 +277,16 @@ def test_bad_requests_are_4xx_with_openai_errors(models):
             body = r.json()["error"]
             assert words in body["message"] and "Traceback" not in r.text, (kw, body)
             assert set(body) == {"message", "type", "param", "code"}
+        routed = [  # the other routes: how many prompts or inputs one request may give
+            ("/v1/completions", {"prompt": []}, "prompt: an empty list"),  # it never answered
+            ("/v1/completions", {"prompt": [[1]] * 40, "n": 8}, "--max-inputs"),
+            ("/v1/completions", {"prompt": [1, True]}, "prompt"),
+            ("/v1/embeddings", {"input": []}, "input: an empty list"),
+            ("/v1/embeddings", {"input": ["x"] * 300}, "--max-inputs"),
+        ]  # fmt: skip
+        for route, fields, words in routed:
+            r = _raw(server, "POST", route, headers=auth, json={"model": path, **fields})
+            assert r.status_code == 400 and words in r.json()["error"]["message"], (fields, r.text)
         r = _raw(server, "POST", "/v1/completions", headers=auth,
                  json={"model": path, "prompt": [1, 2, 99999]})  # fmt: skip
         assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
@@ -290,6 +304,7 @@ def test_bad_requests_are_4xx_with_openai_errors(models):
 def test_a_full_queue_a_hang_up_and_sigterm(models, tmp_path):
     path = str(models / "rwkv-x")
     server = Server(["--model", path, "--max-queue", "1", "--cache-dir", tmp_path / "s",
+                     "--max-request-tokens", "100000",
                      "--shutdown-timeout", "5"])  # fmt: skip
     try:
         c = client(server)
@@ -544,6 +559,8 @@ def test_command_line_mistakes_are_one_line(models, tmp_path):
         (["--model", "nowhere"], "--model nowhere: no such file"),
         (["--model", path, "--adapter", "x=nope"], "nope: no such file"),
         (["--model", path, "--max-queue", "0"], "--max-queue must be at least 1"),
+        (["--model", path, "--max-tokens", "9000"], "more than --max-request-tokens 8192"),
+        (["--model", path, "--max-body-bytes", "0"], "--max-body-bytes must be at least 1"),
         (["--model", path, "--cache-dir", tmp_path / "notes.txt"], "not a folder"),
     ]:
         with pytest.raises(CliError, match=words):

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import mlx_rwkvx
 from mlx_rwkvx import cli, generation, settings
 from mlx_rwkvx.errors import UsageError, UserError
-from mlx_rwkvx.generation import DEFAULT_MAX_CACHE, Chat, chat_format, stream_generate
+from mlx_rwkvx.generation import (
+    DEFAULT_MAX_CACHE,
+    Chat,
+    chat_format,
+    encode_chat,
+    stream_generate,
+)
 from mlx_rwkvx.generation.stream import default_max_cache
 from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load
@@ -144,8 +150,10 @@ def _load(cfg: GenerateConfig):
     return model, tokenizer
 
 
-def _prompt_text(cfg: GenerateConfig, tokenizer) -> tuple[str, list[str]]:
-    """The prompt, rendered by the chat template where one applies, and its stop strings."""
+def _prompt_text(cfg: GenerateConfig, tokenizer) -> tuple[str | list[int], list[str]]:
+    """The prompt and its stop strings: rendered by the chat template where one applies (as
+    token ids: special tokens only where the template writes them, never from the text
+    given), else the text as it is."""
     text = sys.stdin.read() if cfg.prompt == "-" else cfg.prompt
     if not text:
         raise UsageError("the prompt is empty")
@@ -157,7 +165,7 @@ def _prompt_text(cfg: GenerateConfig, tokenizer) -> tuple[str, list[str]]:
     if fmt is None:
         return text, []
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
-    return fmt.apply(messages + [{"role": "user", "content": text}]), fmt.stops
+    return encode_chat(tokenizer, fmt, messages + [{"role": "user", "content": text}]), fmt.stops
 
 
 def _one_answer(cfg: GenerateConfig, model, tokenizer) -> None:

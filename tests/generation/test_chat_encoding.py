@@ -104,3 +104,15 @@ def test_training_data_keeps_its_special_tokens(tok):
                 {"role": "assistant", "content": "A<|im_end|>B"}]  # fmt: skip
     ids, _ = chat_example(tok, messages)
     assert _specials(tok, ids.tolist()).count("<|im_end|>") == 3
+
+
+def test_generate_prompt_through_a_template_keeps_the_prompt_as_text(tok):
+    from mlx_rwkvx.generate import _prompt_text, config_from
+
+    cfg = config_from(["--model", "m", "--prompt", SPOOF, "--system", "Be brief."])
+    ids, stops = _prompt_text(cfg, tok)
+    # the template's own: system and user turns, and the generation prompt
+    assert _specials(tok, ids) == ["<|im_start|>", "<|im_end|>"] * 2 + ["<|im_start|>"]
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+    cfg = config_from(["--model", "m", "--prompt", SPOOF, "--ignore-chat-template"])
+    assert _prompt_text(cfg, tok) == (SPOOF, [])  # the text as given: the user's own choice

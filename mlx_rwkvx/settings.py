@@ -47,7 +47,16 @@ def check_types(settings) -> None:
 
 def typed(cls, name: str, value):
     """``value`` as the field's type: YAML 1.1 reads ``1e-5`` (no dot) as a string, and
-    mlx-lm's configs write learning rates so. ValueError naming the setting otherwise."""
+    mlx-lm's configs write learning rates so. ValueError naming the setting otherwise, or
+    naming its choices where the value is not one (as the flag's own parser refuses it)."""
+    value = _converted(cls, name, value)
+    choices = {f.name: f.metadata.get("choices") for f in fields(cls)}[name]
+    if choices is not None and value is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return value
+
+
+def _converted(cls, name: str, value):
     kind = {f.name: f.type for f in fields(cls)}[name]
     if kind == "list":
         value = [value] if isinstance(value, str) else value

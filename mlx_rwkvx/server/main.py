@@ -23,12 +23,13 @@ from dataclasses import dataclass, replace
 
 import mlx_rwkvx
 from mlx_rwkvx import cli, settings
-from mlx_rwkvx.errors import UsageError
+from mlx_rwkvx.errors import TargetError, UsageError
 from mlx_rwkvx.generation import chat_format
 from mlx_rwkvx.generation.prefix_cache import PrefixCache, folder_for, trim_cache_dir
 from mlx_rwkvx.generation.stream import DEFAULT_PREFILL_STEP, default_max_cache
 from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load
+from mlx_rwkvx.io.targets import check_not_unsafe
 from mlx_rwkvx.ops import prepare
 from mlx_rwkvx.server.engine import Engine, Served, share_weights, state_key
 from mlx_rwkvx.server.tools import ToolCalls
@@ -147,6 +148,11 @@ def _check(cfg: ServerConfig) -> None:
     if cfg.max_tokens > cfg.max_request_tokens:
         raise UsageError(f"--max-tokens {cfg.max_tokens} is more than --max-request-tokens "
                          f"{cfg.max_request_tokens} (the most a request may ask for)")  # fmt: skip
+    if cfg.cache_dir is not None:  # the one check of every command's outputs
+        try:
+            check_not_unsafe(cfg.cache_dir, "--cache-dir")
+        except TargetError as e:
+            raise UsageError(str(e)) from None
     if (
         cfg.cache_dir is not None
         and os.path.exists(cfg.cache_dir)

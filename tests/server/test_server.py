@@ -332,16 +332,15 @@ def test_a_full_queue_a_hang_up_and_sigterm(models, tmp_path):
         assert not isinstance(results["w"], Exception), results["w"]
         assert results["w"].choices[0].finish_reason in ("stop", "length")
 
-        # SIGTERM during a streamed answer: it ends within the timeout, the states are written
+        # SIGTERM during a streamed answer: it is cut off unfinished once --shutdown-timeout
+        # passed (the stream breaks off, no finish reason), the states are written
         stream = c.chat.completions.create(**{**long, "max_tokens": 100000})
         next(iter(stream))
-        tic = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         with pytest.raises(Exception):  # noqa: B017 (the connection ends, however the client says it)
             for _ in stream:
                 pass
-        server.proc.wait(timeout=30)
-        assert time.monotonic() - tic < 20
+        server.proc.wait(timeout=60)  # a safety net: 100,000 tokens would take far longer
         assert server.proc.returncode == 0
     finally:
         out = server.stop()
@@ -569,7 +568,13 @@ def test_command_line_mistakes_are_one_line(models, tmp_path):
         (["--model", path, "--max-tokens", "9000"], "more than --max-request-tokens 8192"),
         (["--model", path, "--max-body-bytes", "0"], "--max-body-bytes must be at least 1"),
         (["--model", path, "--cache-dir", tmp_path / "notes.txt"], "not a folder"),
+        (["--model", path, "--cache-dir", "."], "--cache-dir .*is the current folder"),
+        (["--model", path, "--cache-dir", os.path.expanduser("~")], "is the home folder"),
     ]:
         with pytest.raises(CliError, match=words):
             cli(main, *args)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    config = tmp_path / "server.yaml"
+    config.write_text(f"model: {path}\ncache_scope: everyone\n")
+    with pytest.raises(CliError, match="cache_scope must be one of key, shared"):
+        cli(main, "--config", config)

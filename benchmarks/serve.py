@@ -2,8 +2,9 @@
 localhost. The second turn of a long conversation (time to its first streamed token) against
 prefilling its new tokens on the restored state in this process (the server's overhead), in
 one process and after a restart with ``--cache-dir``, for RWKV-7, RWKV-X and RFA; aggregate
-tokens/s of 1, 2, 4 and 8 concurrent streams; decode with a JSON schema against without; and
-the long load test (16 clients, streamed, not, and hanging up): no 5xx, memory."""
+tokens/s of 1, 2, 4 and 8 concurrent streams; decode with a JSON schema against without; the
+long load test (16 clients, streamed, not, and hanging up): no 5xx, memory; and the soak
+(``serve_soak``: every kind of request a shared server meets, good and bad, at once)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from benchmarks.common import (
     with_goals,
 )
 from benchmarks.serve_client import Server, load_test, streams, words
+from benchmarks.serve_soak import soak, soak_goals, soak_lines
 from mlx_rwkvx.generation import Session, chat_format, stream_generate
 from mlx_rwkvx.io.load import load
 from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config, rwkv_x_block_types
@@ -32,10 +34,14 @@ import numpy as np
 SERVE = {
     "full": dict(width=768, layers=12, history=1500, new=48, answer=8, variants=6,
                  stream_tokens=48, streams=(1, 2, 4, 8), schema_tokens=96,
-                 load=dict(requests=320, clients=16, cache_bytes=256 << 20)),
+                 load=dict(requests=320, clients=16, cache_bytes=256 << 20),
+                 soak=dict(clients=16, requests=50, answer=12, prompts=12, cache_bytes=16 << 20,
+                           deadline=120.0, walk_away=1.0)),
     "quick": dict(width=64, layers=2, history=40, new=8, answer=4, variants=1,
                   stream_tokens=4, streams=(1, 2), schema_tokens=8,
-                  load=dict(requests=12, clients=4, cache_bytes=16 << 20)),
+                  load=dict(requests=12, clients=4, cache_bytes=16 << 20),
+                  soak=dict(clients=4, requests=8, answer=4, prompts=3, cache_bytes=1 << 20,
+                            deadline=60.0, walk_away=0.5)),
 }  # fmt: skip
 VOCAB = 65536  # RWKV World's: the tokenizer the models load with, and the schema's vocabulary
 # at least 40 items: an answer of a hundred tokens or more, whatever the model
@@ -186,6 +192,7 @@ def measure(quick: bool = False) -> dict:
             out.update(turns.pop("then", {}))
             out["turns"][name] = turns
         out["schema"] = _schema_overhead(paths["rwkv7"], c)
+        out["soak"] = soak(paths["rwkv7"], os.path.join(tmp, "soak.states"), c["soak"])
     return out
 
 
@@ -258,6 +265,9 @@ def render(r: dict) -> Rendered:
     goals.append(Goal("load test 5xx answers", ld["5xx"] + (0 if ld["alive"] else 1), 0, False))
     goals.append(Goal("load test resident memory growth / --cache-bytes",
                       growth * 2**20 / ld["cache_bytes"], 1.5, False))  # fmt: skip
+    if "soak" in r:  # measured since the server's hardening (issue 33)
+        lines += ["", *soak_lines(r["soak"])]
+        goals += soak_goals(r["soak"])
     return with_goals(lines, goals)
 
 

@@ -63,10 +63,10 @@ class Server:
             conn.close()
 
     def stream(self, route: str, body: dict, hang_up_after: int | None = None) -> dict:
-        """A streamed request: status, seconds to the first token, tokens, usage."""
+        """A streamed request: status, seconds to the first token, tokens, usage, text."""
         conn = self._conn()
         tic = time.perf_counter()
-        first, chunks, usage, status = None, 0, None, None
+        first, chunks, usage, status, text = None, 0, None, None, []
         try:
             conn.request("POST", route, json.dumps({**body, "stream": True,
                          "stream_options": {"include_usage": True}}),
@@ -86,12 +86,14 @@ class Server:
                     if first is None:
                         first = time.perf_counter() - tic
                     chunks += 1
+                    choice = event["choices"][0]
+                    text.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
                     if hang_up_after is not None and chunks >= hang_up_after:
                         break
         finally:
             conn.close()
         return {"status": status, "first": first, "chunks": chunks, "usage": usage,
-                "time": time.perf_counter() - tic}  # fmt: skip
+                "time": time.perf_counter() - tic, "text": "".join(text)}  # fmt: skip
 
     def rss(self, field: str = "VmRSS") -> int:
         """The server's resident memory now (``VmHWM``: its peak) in bytes."""

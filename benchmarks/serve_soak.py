@@ -1,0 +1,210 @@
+"""The serve section's soak: many clients, each sending a mix of what a shared server meets —
+plain and streamed answers, clients that hang up mid-stream, clients that ask for the longest
+answer the server allows and go away, embeddings, seeded sampling and malformed requests —
+against a small state cache kept on disk. What must hold: no 5xx; every good request answered
+within its deadline and equal to its answer alone (asked one at a time, before the soak, on
+the same server); every bad one a 4xx; nothing left decoding once the clients are gone; the
+server's resident memory, open descriptors and state folder flat."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+
+from benchmarks.common import Goal
+from benchmarks.serve_client import Server, concurrently, words
+
+import numpy as np
+
+KINDS = ("chat", "stream", "hang-up", "walk-away", "embed", "bad", "seeded", "text")
+# Malformed or over-limit requests: each must be refused with a 4xx, none may hurt the others.
+BAD = (
+    {"messages": [{"role": "user", "content": "hi"}], "temperature": 1, "top_k": 10**9},
+    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "10"},
+    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9},
+    {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+    {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": "f"}]}]},
+    {"messages": []},
+    {"prompt": []},
+    {"prompt": "hi", "n": 10**6},
+)
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _folder_bytes(folder: str) -> int:
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:  # removed while counted
+                pass
+    return total
+
+
+def _walk_away(server: Server, body: dict, after: float) -> None:
+    """A request whose client closes its connection ``after`` seconds, answered or not."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=after)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        conn.getresponse().read()
+    except OSError:  # the timeout too: the client goes
+        pass
+    finally:
+        conn.close()
+
+
+class _Reference:
+    """Each good request's answer alone, asked one at a time before the soak."""
+
+    def __init__(self, server: Server, path: str, prompts: list[str]):
+        self.server, self.path, self.prompts = server, path, prompts
+        self.answers: dict = {}
+
+    def body(self, kind: str, p: int, max_tokens: int) -> tuple[str, dict]:
+        user = [{"role": "user", "content": self.prompts[p]}]
+        if kind == "embed":
+            return "/v1/embeddings", {"model": self.path, "input": [self.prompts[p], "and more"]}
+        if kind == "text":
+            return "/v1/completions", {"model": self.path, "prompt": self.prompts[p],
+                                       "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+        seeded = {"temperature": 0.8, "seed": p} if kind == "seeded" else {"temperature": 0}
+        return "/v1/chat/completions", {"model": self.path, "messages": user,
+                                        "max_tokens": max_tokens, **seeded}  # fmt: skip
+
+    def answer_of(self, kind: str, r: dict):
+        if kind == "embed":
+            return [np.array(d["embedding"]) for d in r["data"]]
+        if kind == "text":
+            return r["choices"][0]["text"]
+        return r["choices"][0]["message"]["content"]
+
+    def get(self, kind: str, p: int, max_tokens: int):
+        key = ("chat" if kind == "stream" else kind, p)
+        if key not in self.answers:
+            route, body = self.body(key[0], p, max_tokens)
+            status, r = self.server.post(route, body)
+            if status != 200:
+                raise RuntimeError(f"the reference {key}: {status} {r}")
+            self.answers[key] = self.answer_of(key[0], r)
+        return self.answers[key]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(np.allclose(x, y, rtol=1e-4, atol=1e-5)
+                                        for x, y in zip(a, b, strict=True))  # fmt: skip
+    return a == b
+
+
+def soak(path: str, folder: str, spec: dict) -> dict:
+    """``spec``: clients, requests (a client), answer (tokens of a good answer), prompts
+    (distinct ones), cache_bytes, deadline (seconds a good request may take), walk_away
+    (seconds before such a client hangs up)."""
+    server = Server("--model", path, "--cache-dir", folder,
+                    "--cache-bytes", str(spec["cache_bytes"]),
+                    "--max-queue", str(spec["clients"] * 4))  # fmt: skip
+    try:
+        rng = np.random.default_rng(7)
+        prompts = [words(rng, 6 + 5 * i) for i in range(spec["prompts"])]
+        ref = _Reference(server, path, prompts)
+        for kind in ("chat", "embed", "seeded", "text"):  # answers alone, and a warm server
+            for p in range(spec["prompts"]):
+                ref.get(kind, p, spec["answer"])
+        pid = server.proc.pid
+        before = {"rss": server.rss(), "fds": _fds(pid), "folder": _folder_bytes(folder)}
+        counts = {k: 0 for k in ("good", "bad", "5xx", "late", "wrong", "not_4xx")}
+        lock = threading.Lock()
+
+        def note(**inc):
+            with lock:
+                for k, v in inc.items():
+                    counts[k] += v
+
+        def client(k: int) -> None:
+            for j in range(spec["requests"]):
+                i = k * spec["requests"] + j
+                kind, p = KINDS[i % len(KINDS)], (i // len(KINDS)) % spec["prompts"]
+                if kind == "walk-away":
+                    _walk_away(server, {"model": path, "max_tokens": 8192, "messages": [
+                        {"role": "user", "content": prompts[p]}]}, spec["walk_away"])  # fmt: skip
+                    continue
+                if kind == "bad":
+                    body = {"model": path, **BAD[i // len(KINDS) % len(BAD)]}
+                    route = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+                    status = server.post(route, body)[0]
+                    note(bad=1, **{"5xx": int(status >= 500),
+                                   "not_4xx": int(not 400 <= status < 500)})  # fmt: skip
+                    continue
+                tic = time.monotonic()
+                if kind in ("stream", "hang-up"):
+                    _, body = ref.body("chat", p, spec["answer"])
+                    s = server.stream("/v1/chat/completions", body,
+                                      hang_up_after=2 if kind == "hang-up" else None)  # fmt: skip
+                    status, answer = s["status"], s.get("text")
+                else:
+                    route, body = ref.body(kind, p, spec["answer"])
+                    status, r = server.post(route, body)
+                    answer = ref.answer_of(kind, r) if status == 200 else None
+                late = time.monotonic() - tic > spec["deadline"]
+                wrong = status == 200 and kind != "hang-up" and not _same(
+                    answer, ref.get(kind, p, spec["answer"]))  # fmt: skip
+                note(good=1, late=int(late), wrong=int(wrong),
+                     **{"5xx": int(status is None or status >= 500)})  # fmt: skip
+
+        wall = concurrently(client, spec["clients"])
+        idle_after = None
+        settle = time.monotonic()
+        while time.monotonic() - settle < 60:  # the walked-away answers are cancelled
+            health = server.get("/health")
+            if not health.get("decoding") and not health.get("waiting"):
+                idle_after = time.monotonic() - settle
+                break
+            time.sleep(0.2)
+        after = {"rss": server.rss(), "fds": _fds(pid), "folder": _folder_bytes(folder)}
+        alive = server.post(*ref.body("chat", 0, spec["answer"]))[0] == 200
+    finally:
+        server.stop()
+    return {**counts, "clients": spec["clients"], "requests": spec["requests"], "wall": wall,
+            "idle_after": idle_after, "alive": alive, "before": before, "after": after,
+            "cache_bytes": spec["cache_bytes"], "deadline": spec["deadline"]}  # fmt: skip
+
+
+def soak_lines(s: dict) -> list[str]:
+    grew = (s["after"]["rss"] - s["before"]["rss"]) / 2**20
+    idle = "never" if s["idle_after"] is None else f"{s['idle_after']:.1f} s after the last"
+    return [
+        f"Soak: {s['clients']} clients x {s['requests']} requests in {s['wall']:.0f} s, each "
+        f"client cycling through {', '.join(KINDS)} (walk-away: the longest answer allowed, "
+        f"the client gone before it ends; bad: {len(BAD)} kinds of malformed or over-limit "
+        f"requests), a {s['cache_bytes'] / 2**20:.0f} MiB state cache kept on disk. "
+        f"{s['good']} good requests: {s['5xx']} 5xx, {s['late']} past their "
+        f"{s['deadline']:.0f} s deadline, {s['wrong']} unlike their answer alone; {s['bad']} "
+        f"bad ones: {s['not_4xx']} not a 4xx. Nothing decoding: {idle}. "
+        f"Resident memory {s['before']['rss'] / 2**20:.0f} -> {s['after']['rss'] / 2**20:.0f} "
+        f"MiB ({grew:+.0f}), open descriptors {s['before']['fds']} -> {s['after']['fds']}, "
+        f"state folder {s['before']['folder'] / 2**20:.1f} -> "
+        f"{s['after']['folder'] / 2**20:.1f} MiB; the server "
+        f"{'answering' if s['alive'] else 'NOT answering'} after."
+    ]
+
+
+def soak_goals(s: dict) -> list[Goal]:
+    idle = 0 if s["idle_after"] is not None and s["alive"] else 1
+    return [
+        Goal("soak: 5xx answers, late or wrong good answers, bad requests not a 4xx, "
+             "answers still running or a server not answering at the end",
+             s["5xx"] + s["late"] + s["wrong"] + s["not_4xx"] + idle, 0, False),
+        Goal("soak: open descriptors grown", s["after"]["fds"] - s["before"]["fds"], 4, False),
+        Goal("soak: resident memory growth / --cache-bytes",
+             (s["after"]["rss"] - s["before"]["rss"]) / s["cache_bytes"], 1.5, False),
+        Goal("soak: state folder on disk / --cache-bytes",
+             s["after"]["folder"] / s["cache_bytes"], 1.0, False),
+    ]

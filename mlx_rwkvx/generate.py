@@ -150,7 +150,7 @@ def _load(cfg: GenerateConfig):
     return model, tokenizer
 
 
-def _prompt_text(cfg: GenerateConfig, tokenizer) -> tuple[str | list[int], list[str]]:
+def _prompt(cfg: GenerateConfig, tokenizer) -> tuple[str | list[int], list[str]]:
     """The prompt and its stop strings: rendered by the chat template where one applies (as
     token ids: special tokens only where the template writes them, never from the text
     given), else the text as it is."""
@@ -169,7 +169,7 @@ def _prompt_text(cfg: GenerateConfig, tokenizer) -> tuple[str | list[int], list[
 
 
 def _one_answer(cfg: GenerateConfig, model, tokenizer) -> None:
-    prompt, stops = _prompt_text(cfg, tokenizer)
+    prompt, stops = _prompt(cfg, tokenizer)
     if cfg.stop:
         stops = [*stops, cfg.stop]
     last = None

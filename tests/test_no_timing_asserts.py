@@ -13,12 +13,10 @@ module's syntax tree and fails on an ``assert`` (or an ``if`` that raises or cal
 A deadline inside a loop passes: ``while not ready(): assert time.monotonic() < deadline``
 bounds a wait, a safety net that a correct program on a slow machine never reaches when the
 bound is generous. So does a timeout given to a call (``proc.wait(timeout=30)``,
-``t.join(timeout=120)``): the call's own safety net, not an assertion.
-
-tests/server/test_server.py's ``assert time.monotonic() - tic < 20`` after SIGTERM (the server
-stops within its ``--shutdown-timeout``) is a duration asserted as the result, not a safety
-net: ``server.proc.wait(timeout=30)`` just before it already bounds the wait; that the stop
-honoured the timeout is an event the server reports (the answers it cancelled)."""
+``t.join(timeout=120)``): the call's own safety net, not an assertion. (``assert
+time.monotonic() - tic < 20`` after a SIGTERM, which the server's test had, is a duration
+asserted as the result: the wait before it was already bounded, and that the stop cut the
+answer off is an event, the stream breaking off unfinished.)"""
 
 from __future__ import annotations
 

@@ -107,12 +107,12 @@ def test_training_data_keeps_its_special_tokens(tok):
 
 
 def test_generate_prompt_through_a_template_keeps_the_prompt_as_text(tok):
-    from mlx_rwkvx.generate import _prompt_text, config_from
+    from mlx_rwkvx.generate import _prompt, config_from
 
     cfg = config_from(["--model", "m", "--prompt", SPOOF, "--system", "Be brief."])
-    ids, stops = _prompt_text(cfg, tok)
+    ids, stops = _prompt(cfg, tok)
     # the template's own: system and user turns, and the generation prompt
     assert _specials(tok, ids) == ["<|im_start|>", "<|im_end|>"] * 2 + ["<|im_start|>"]
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
     cfg = config_from(["--model", "m", "--prompt", SPOOF, "--ignore-chat-template"])
-    assert _prompt_text(cfg, tok) == (SPOOF, [])  # the text as given: the user's own choice
+    assert _prompt(cfg, tok) == (SPOOF, [])  # the text as given: the user's own choice

@@ -1,8 +1,9 @@
 """The HTTP surface: a FastAPI application with OpenAI's routes, its error JSON for every
 refusal (a bad body, a missing key, an unknown model or route, a full queue: 4xx; a bug: a 500
 whose body says only that), and server-sent events for ``stream``. What one request may ask
-is bounded (``--max-request-tokens``, ``--max-inputs``, ``--max-body-bytes``: a body is
-measured before it is read), and its work is cancelled as soon as its client goes, whatever
+is bounded (``--max-request-tokens``: the tokens of all its answers; ``--max-prompt-tokens``:
+of all its prompts; ``--max-inputs``, ``--max-body-bytes``: a body is measured before it is
+read), and its work is cancelled as soon as its client goes, whatever
 flows meanwhile.
 
 ``create_app(engine, settings)``: ``settings`` holds the defaults of what a request may leave
@@ -119,7 +120,8 @@ def create_app(engine: Engine, settings) -> FastAPI:
             body.response_format, served
         )
         ids = _chat_ids(served, body.messages, tools)
-        _check_prompt(ids, settings)
+        _check_prompts([ids], settings, "messages")
+        _check_answers(body.n, params.max_tokens, asked, settings)
         return await _answer(request, engine, served, body, [ids] * body.n, params,
                              kind="chat", tools=tools)  # fmt: skip
 
@@ -136,8 +138,8 @@ def create_app(engine: Engine, settings) -> FastAPI:
             raise bad("best_of must equal n (no answers are generated and dropped)", "best_of")
         prompts = [_prompt_ids(served, p, "prompt") for p in
                    _prompts(body.prompt, "prompt", settings, body.n)]  # fmt: skip
-        for ids in prompts:
-            _check_prompt(ids, settings)
+        _check_prompts(prompts, settings, "prompt")
+        _check_answers(len(prompts) * body.n, params.max_tokens, "max_tokens", settings)
         batch = [ids for ids in prompts for _ in range(body.n)]
         return await _answer(request, engine, served, body, batch, params, kind="text")
 
@@ -148,8 +150,7 @@ def create_app(engine: Engine, settings) -> FastAPI:
             raise bad(f"dimensions: this model's embeddings have "
                       f"{served.model.config.hidden_size}", "dimensions")  # fmt: skip
         texts = [_prompt_ids(served, p, "input") for p in _prompts(body.input, "input", settings)]
-        for ids in texts:
-            _check_prompt(ids, settings)
+        _check_prompts(texts, settings, "input")
         job = Job(embedding=answers.Embedding(served, texts, engine.pooling))
         engine.submit(job)
         vectors = dict(event[1:] for event in await _events_until_end(job, request))
@@ -333,9 +334,6 @@ def _params(body: Sampling, settings, served: Served, max_tokens: int | None,
     max_tokens = settings.max_tokens if max_tokens is None else max_tokens
     if max_tokens < 1:
         raise bad(f"{asked} must be at least 1, got {max_tokens}", asked)
-    if max_tokens > settings.max_request_tokens:
-        raise bad(f"{asked} must be at most {settings.max_request_tokens} (this server's "
-                  "--max-request-tokens)", asked)  # fmt: skip
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 16 or any(not s for s in stop):
         raise bad("stop: at most 16 strings, none of them empty", "stop")
@@ -491,11 +489,27 @@ def _prompt_ids(served: Served, prompt, param: str) -> list[int]:
     return ids
 
 
-def _check_prompt(ids: list[int], settings) -> None:
-    if len(ids) > settings.max_prompt_tokens:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens, more than this server takes "
-                       f"({settings.max_prompt_tokens}, --max-prompt-tokens)", param="messages",
+def _check_prompts(prompts: list[list[int]], settings, param: str) -> None:
+    """A request's prompts (or inputs) hold at most ``--max-prompt-tokens`` in all: what one
+    request costs to prefill is bounded, however many prompts it gives."""
+    total = sum(len(ids) for ids in prompts)
+    if total > settings.max_prompt_tokens:
+        what = (f"the prompt has {total} tokens" if len(prompts) == 1 else
+                f"the {len(prompts)} prompts have {total} tokens in all")  # fmt: skip
+        raise ApiError(400, f"{what}, more than this server takes in one request "
+                       f"({settings.max_prompt_tokens}, --max-prompt-tokens)", param=param,
                        code="context_length_exceeded")  # fmt: skip
+
+
+def _check_answers(answers: int, max_tokens: int, asked: str, settings) -> None:
+    """A request's answers (prompts times ``n``) ask for at most ``--max-request-tokens`` in
+    all: what one request costs to decode is bounded, however it is split."""
+    total = answers * max_tokens
+    if total > settings.max_request_tokens:
+        times = f" times {answers} answers = {total}" if answers > 1 else ""
+        raise bad(f"{asked} {max_tokens}{times}: more tokens than this server generates for "
+                  f"one request ({settings.max_request_tokens}, --max-request-tokens)",
+                  asked)  # fmt: skip
 
 
 # ----- answers ---------------------------------------------------------------------------------

@@ -71,16 +71,17 @@ class ServerConfig:
     chat_template: str = opt("rwkv, chatml, or a Jinja template file (default: the "
                              "tokenizer's own, else rwkv)")  # fmt: skip
     max_tokens: int = opt("the most tokens of an answer that does not say", default=512)
-    max_request_tokens: int = opt("refuse (400) a request whose max_tokens (or "
-                                  "max_completion_tokens) is more than this: the most one "
-                                  "answer may ask for", default=8192)  # fmt: skip
+    max_request_tokens: int = opt("refuse (400) a request whose answers ask for more tokens "
+                                  "than this in all (max_tokens, or max_completion_tokens, "
+                                  "times n times its prompts)", default=8192)  # fmt: skip
     temp: float = opt("sampling temperature of a request that does not say (0: greedy)",
                       "temperature", default=0.0)  # fmt: skip
     top_p: float = opt("nucleus sampling of a request that does not say (0 or 1: off)",
                        default=0.0)  # fmt: skip
     top_k: int = opt("top-k sampling of a request that does not say (0: off)", default=0)
     min_p: float = opt("min-p sampling of a request that does not say (0: off)", default=0.0)
-    max_prompt_tokens: int = opt("refuse (400) a prompt of more tokens than this",
+    max_prompt_tokens: int = opt("refuse (400) a request whose prompts (or embeddings inputs) "
+                                 "hold more tokens than this in all",
                                  default=DEFAULT_MAX_PROMPT_TOKENS)  # fmt: skip
     max_n: int = opt("the most answers one request may ask for (n)", default=8)
     max_inputs: int = opt("refuse (400) a request of more prompts than this (text completions: "

@@ -46,7 +46,8 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model):
     server = Server(["--model", model, "--api-key", KEY, "--max-request-tokens", "1000000",
-                     "--max-inputs", "8", "--max-body-bytes", MAX_BODY])  # fmt: skip
+                     "--max-prompt-tokens", "1000000", "--max-inputs", "8",
+                     "--max-body-bytes", MAX_BODY])  # fmt: skip
     yield server
     server.stop()
 
@@ -171,7 +172,8 @@ def test_a_failed_sampler_leaves_the_random_state_to_the_others():
 def test_a_second_sigterm_stops_at_once(model):
     """The first SIGTERM lets requests in flight finish (here for ten minutes); the second
     cancels them and the process ends, with a long embeddings request in flight."""
-    server = Server(["--model", model, "--shutdown-timeout", "600"])
+    server = Server(["--model", model, "--shutdown-timeout", "600",
+                     "--max-prompt-tokens", "1000000"])  # fmt: skip
     try:
         sock = _open(server, "/v1/embeddings", {"model": model, "input": [[7] * 30_000] * 8})
         reader = threading.Thread(target=lambda: sock.recv(1), daemon=True)

@@ -261,6 +261,9 @@ def test_bad_requests_are_4xx_with_openai_errors(models):
              "max_completion_tokens"),
             (dict(json={"model": path, "messages": USER, "max_completion_tokens": 10**6}), 400,
              "--max-request-tokens"),
+            # what one request asks in all: n answers of 5000 tokens, each within the cap
+            (dict(json={"model": path, "messages": USER, "n": 2, "max_tokens": 5000}), 400,
+             "2 answers = 10000"),
             # OpenAI's types, strictly
             (dict(json={"model": path, "messages": USER, "max_tokens": "10"}), 400,
              "max_tokens"),
@@ -283,6 +286,11 @@ def test_bad_requests_are_4xx_with_openai_errors(models):
             ("/v1/completions", {"prompt": [1, True]}, "prompt"),
             ("/v1/embeddings", {"input": []}, "input: an empty list"),
             ("/v1/embeddings", {"input": ["x"] * 300}, "--max-inputs"),
+            # in all, over the request's prompts and answers (each within its own cap)
+            ("/v1/completions", {"prompt": [[1] * 30, [2] * 30]}, "60 tokens in all"),
+            ("/v1/embeddings", {"input": [[1] * 30, [2] * 30]}, "--max-prompt-tokens"),
+            ("/v1/completions", {"prompt": [[1]] * 4, "n": 2, "max_tokens": 1100},
+             "--max-request-tokens"),
         ]  # fmt: skip
         for route, fields, words in routed:
             r = _raw(server, "POST", route, headers=auth, json={"model": path, **fields})
@@ -294,6 +302,9 @@ def test_bad_requests_are_4xx_with_openai_errors(models):
         assert r.status_code == 404 and "error" in r.json()
         with pytest.raises(openai.BadRequestError, match="max-prompt-tokens"):
             c.completions.create(model=path, prompt="x " * 100, max_tokens=2)
+        within = c.completions.create(model=path, prompt=[[1] * 15, [2] * 15], n=2,
+                                      max_tokens=2)  # fmt: skip
+        assert len(within.choices) == 4 and within.usage.prompt_tokens == 30
         # still answering, sampled answers too
         assert c.chat.completions.create(model=path, messages=USER, max_tokens=2).choices
         sampled = c.chat.completions.create(model=path, messages=USER, max_tokens=2,

@@ -52,10 +52,10 @@ class Tensor:
     bfloat16: bool
 
 
-def _rebuild_tensor(storage, offset, size, stride, *_):
-    data, bf16 = storage
-    if data is None:  # names only: no bytes were read
-        return Tensor(np.zeros(0, np.uint8), bf16)
+def _view(storage, offset, size, stride) -> np.ndarray:
+    """The strided view a tensor takes of its storage, refused unless it lies inside it and
+    holds no more elements than the storage does (nothing is copied yet)."""
+    data = storage[0]
     itemsize = data.itemsize
     size, stride = tuple(size), tuple(stride)
     # as_strided does no bounds check: refuse any view reaching outside the storage
@@ -65,25 +65,30 @@ def _rebuild_tensor(storage, offset, size, stride, *_):
         data
     ):
         raise PthError(f"tensor of size {size} reaches past its storage (truncated file?)")
-    # a stride-0 or overlapping view passes that check with any shape, and its copy below
+    # a stride-0 or overlapping view passes that check with any shape, and its copy
     # would take shape-many elements: no view may hold more than its storage does
     if math.prod(size) > len(data) - offset:
         raise PthError(f"tensor of size {size} and stride {stride} holds {math.prod(size):,} "
                        f"elements, its storage {len(data) - offset:,} from offset {offset} (a "
                        "stride-0 or overlapping view: not a checkpoint's tensor)")  # fmt: skip
-    view = np.lib.stride_tricks.as_strided(
-        data[offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
+    return np.lib.stride_tricks.as_strided(
+        data[offset:], shape=size, strides=tuple(s * itemsize for s in stride)
     )
-    return Tensor(np.array(view), bf16)  # a copy: the storage buffer may be shared
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_):
+    if storage[0] is None:  # names only: no bytes were read
+        return Tensor(np.zeros(0, np.uint8), storage[1])
+    # a copy: the storage buffer may be shared
+    return Tensor(np.array(_view(storage, offset, size, stride)), storage[1])
 
 
 def _rebuild_parameter(tensor, *_):
     return tensor
 
 
+_REBUILD_TENSOR = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")}
 _ALLOWED = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("collections", "OrderedDict"): collections.OrderedDict,
 }
@@ -94,11 +99,16 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(file)
         self.archive, self.prefix, self.path = archive, prefix, path
         self.storages: dict[str, tuple[np.ndarray, bool]] = {}
+        self.views: dict[tuple, Tensor] = {}
+        self.stored_bytes = 0  # of the storages read so far
+        self.copied_bytes = 0  # of the distinct views copied so far
         self.names_only = False
 
     def find_class(self, module, name):
         if module == "torch" and name in _STORAGES:
             return _StorageType(name)
+        if (module, name) in _REBUILD_TENSOR:
+            return self.rebuild_tensor
         if (module, name) in _ALLOWED:
             return _ALLOWED[(module, name)]
         raise PthError(
@@ -106,22 +116,67 @@ class _Unpickler(pickle.Unpickler):
             "checkpoints are read (no code from the file is run)"
         )
 
+    def rebuild_tensor(self, storage, offset, size, stride, *_):
+        """Each distinct view copied once (tied weights share that copy), and all of them
+        together no larger than the storages: pickle memo references can point many tensors
+        at one storage, and each bound alone would let them copy it many times over."""
+        if self.names_only:
+            return _rebuild_tensor(storage, offset, size, stride)
+        # id(): the storage tuple lives in self.storages for the whole load
+        key = (id(storage), offset, tuple(size), tuple(stride))
+        if key not in self.views:
+            view = _view(storage, offset, size, stride)
+            self.copied_bytes += view.nbytes
+            if self.copied_bytes > self.stored_bytes:
+                raise PthError(
+                    f"{self.path}: its distinct tensors hold more than its storages (at least "
+                    f"{self.copied_bytes:,} bytes of {self.stored_bytes:,}): views that overlap "
+                    "or repeat a storage, not a checkpoint's tensors"
+                )
+            self.views[key] = Tensor(np.array(view), storage[1])  # a copy: storages are shared
+        return self.views[key]
+
     def persistent_load(self, pid):
         if self.names_only:
             return None, False
         if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
             raise PthError(f"{self.path}: unexpected persistent id {pid!r}")
-        _, storage_type, key, _location, _numel = pid
+        _, storage_type, key, _location, numel = pid
         if not isinstance(storage_type, _StorageType):
             raise PthError(f"{self.path}: unsupported storage type {storage_type!r}")
         if key not in self.storages:
             dtype, bf16 = _STORAGES[storage_type.name]
-            try:
-                raw = self.archive.read(f"{self.prefix}/data/{key}")
-            except KeyError as e:
-                raise PthError(f"{self.path}: storage {key} is missing (truncated file?)") from e
+            raw = self._read_storage(f"{self.prefix}/data/{key}", numel, np.dtype(dtype))
+            self.stored_bytes += len(raw)
             self.storages[key] = (np.frombuffer(raw, dtype=dtype), bf16)
         return self.storages[key]
+
+    def _read_storage(self, name: str, numel, dtype: np.dtype) -> bytes:
+        """The bytes of one storage entry, read only once its zip record is known to hold
+        exactly the ``numel`` elements the pickle declares, uncompressed."""
+        try:
+            info = self.archive.getinfo(name)
+        except KeyError as e:
+            raise PthError(f"{self.path}: storage {name} is missing (truncated file?)") from e
+        _refuse_compressed(self.path, info)
+        if not isinstance(numel, int) or numel < 0:
+            raise PthError(f"{self.path}: storage {name} declares {numel!r} elements")
+        if info.file_size != numel * dtype.itemsize:
+            raise PthError(
+                f"{self.path}: storage {name} holds {info.file_size:,} bytes, its declared "
+                f"{numel:,} elements of {dtype} take {numel * dtype.itemsize:,}"
+            )
+        return self.archive.read(name)
+
+
+def _refuse_compressed(path: str, info: zipfile.ZipInfo) -> None:
+    """torch.save stores every record uncompressed; a compressed one can inflate to any
+    size (a few MB of deflated zeros are GBs), so it is refused before it is read."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise PthError(
+            f"{path}: entry {info.filename} is compressed (zip method {info.compress_type}); "
+            "torch.save never compresses, so this is not a checkpoint it wrote"
+        )
 
 
 def read_pth(path: str) -> dict[str, Tensor]:
@@ -145,6 +200,7 @@ def _load(path: str, names_only: bool) -> dict:
         if len(pickles) != 1:
             raise PthError(f"{path}: expected one */data.pkl in the archive, found {pickles}")
         prefix = pickles[0][: -len("/data.pkl")]
+        _refuse_compressed(path, archive.getinfo(pickles[0]))  # a compressed pickle inflates too
         with archive.open(pickles[0]) as f:
             try:
                 unpickler = _Unpickler(f, archive, prefix, path)

@@ -161,13 +161,19 @@ class PrefixCache:
     def get(self, tokens: Sequence[int], *, scope: str = "") -> tuple[int, object | None]:
         tokens = tuple(tokens)
         with self._changing():
+            unreadable: set[int] = set()  # states that could not be read now: kept, passed over
             while True:
-                at, node = self._longest(tokens, scope)
+                at, node = self._longest(tokens, scope, unreadable)
                 if node is None:
                     return 0, None
-                if node.state is None and not self._read(node, tokens[:at], scope):
-                    self._drop(node)  # deleted by another process, or damaged
-                    continue
+                if node.state is None:
+                    read = self._read(node, tokens[:at], scope)
+                    if read is None:
+                        unreadable.add(id(node))
+                        continue
+                    if not read:
+                        self._drop(node)  # deleted by another process, or damaged
+                        continue
                 self._lru.move_to_end(id(node))
                 if node.file is not None:  # its place in the order survives a restart
                     try:
@@ -371,15 +377,28 @@ class PrefixCache:
         self._changed = True
         return name, size
 
-    def _read(self, node: _Node, tokens: tuple[int, ...], scope: str) -> bool:
-        """A saved state's arrays read into ``node`` (the file closed again); False when the
-        file is gone or is not this state."""
+    def _read(self, node: _Node, tokens: tuple[int, ...], scope: str) -> bool | None:
+        """A saved state's arrays read into ``node`` (the file closed again): True; False when
+        the file is gone or is not this state (damaged, another key's); None when it cannot be
+        read now (too many open files, an I/O error, no memory): kept for a later lookup, with
+        one warning a cause. The file is opened here, not by MLX, whose error would not tell
+        a missing file from a descriptor limit."""
         try:
-            arrays, meta = mx.load(os.path.join(self.folder, node.file), return_metadata=True)
-            mx.eval(list(arrays.values()))  # every array read: MLX lets go of the file
-            saved = tuple(arrays.pop("tokens").tolist())
-        except (OSError, RuntimeError, ValueError, KeyError):
+            with open(os.path.join(self.folder, node.file), "rb") as f:
+                arrays, meta = mx.load(f, format="safetensors", return_metadata=True)
+                mx.eval(list(arrays.values()))  # every array read while the file is open
+        except FileNotFoundError:
             return False
+        except (OSError, MemoryError) as e:
+            text = reason(e) if isinstance(e, OSError) else "out of memory"
+            self._warn_once(("read", getattr(e, "errno", None)), f"a saved state could not "
+                            f"be read now ({text}); it is kept for later lookups")  # fmt: skip
+            return None
+        except (RuntimeError, ValueError):  # how MLX reports a damaged file
+            return False
+        if "tokens" not in arrays:
+            return False
+        saved = tuple(arrays.pop("tokens").tolist())
         if (saved != tokens or meta.get("format") != FILE_FORMAT or meta.get("key") != self.key
                 or meta.get("scope", "") != scope):  # fmt: skip
             return False
@@ -393,17 +412,21 @@ class PrefixCache:
 
     # ----- the trie ----------------------------------------------------------------------
 
-    def _longest(self, tokens: tuple[int, ...], scope: str) -> tuple[int, _Node | None]:
+    def _longest(
+        self, tokens: tuple[int, ...], scope: str, skip: set[int] = frozenset()
+    ) -> tuple[int, _Node | None]:
+        """The longest stored prefix of ``tokens`` in ``scope`` and its node, passing over
+        the nodes whose ids are in ``skip``."""
         node, at = self._roots.get(scope), 0
         if node is None:
             return 0, None
-        best = (0, node if node.holds() else None)  # the state after no tokens
+        best = (0, node if node.holds() and id(node) not in skip else None)  # after no tokens
         while at < len(tokens):
             child = node.children.get(tokens[at])
             if child is None or tokens[at : at + len(child.edge)] != child.edge:
                 break
             node, at = child, at + len(child.edge)
-            if node.holds():
+            if node.holds() and id(node) not in skip:
                 best = (at, node)
         return best
 

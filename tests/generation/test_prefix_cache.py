@@ -239,6 +239,33 @@ def test_a_failed_write_keeps_the_state_in_memory_with_one_warning(tmp_path, mon
     assert len([f for f in _files(tmp_path) if f.endswith(".safetensors")]) == 1
 
 
+def test_a_state_that_cannot_be_read_now_is_kept_for_the_next_lookup(tmp_path, monkeypatch):
+    """Too many open files while a lookup reads a saved state: that lookup passes over it
+    (to a shorter prefix) with one warning; the file stays and the next lookup finds it (the
+    old cache took any read error for a damaged file and deleted it)."""
+    first = PrefixCache(10**6, folder=str(tmp_path), key="m")
+    first.put([1], state(4, 1))
+    first.put([1, 2], state(4, 2))
+    again = PrefixCache(10**6, folder=str(tmp_path), key="m")
+    assert again.load() == 2
+    real, calls = mx.load, []
+
+    def emfile_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mx, "load", emfile_once)
+    saved = _files(tmp_path)
+    with pytest.warns(UserWarning, match=r"could not be read now \(Too many open files\)"):
+        n, s = again.get([1, 2, 3])
+    assert n == 1 and mx.array_equal(s[0]["x"], state(4, 1)[0]["x"])
+    assert _files(tmp_path) == saved and len(again) == 2
+    n, s = again.get([1, 2, 3])
+    assert n == 2 and mx.array_equal(s[0]["x"], state(4, 2)[0]["x"])
+
+
 def test_the_folder_obeys_its_budget_counting_every_byte(tmp_path):
     """The files' bytes (arrays, tokens and header) stay within the budget, also with two
     caches (two servers) writing one folder: each takes in the other's states and evicts

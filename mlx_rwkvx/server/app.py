@@ -586,8 +586,7 @@ async def _cancel_when_gone(job: Job, request: Request) -> None:
 
 
 class _watching:
-    """``_cancel_when_gone`` for the block (until a response starts: then Starlette's own
-    watch of a streamed response takes over)."""
+    """``_cancel_when_gone`` for the block."""
 
     def __init__(self, job: Job, request: Request):
         self.job, self.request = job, request
@@ -640,9 +639,8 @@ async def _answer(request: Request, engine: Engine, served: Served, body, batch,
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         stream = _stream(job, choices, head, kind, prompt_tokens, include, n)
-        async with _watching(job, request):  # the client may go before the first token
-            first = await _first_event(job, stream)  # an error before it: a 4xx
-        return StreamingResponse(first, media_type="text/event-stream",
+        body = await _streamed(job, stream, request)  # an error before the first event: a 4xx
+        return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
     for event in await _events_until_end(job, request):
         _apply(choices, event)
@@ -682,13 +680,22 @@ def _apply(choices: list[_Choice], event: tuple) -> _Choice:
     return c
 
 
-async def _first_event(job: Job, stream: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _streamed(job: Job, stream: AsyncIterator[str], request: Request
+                    ) -> AsyncIterator[str]:  # fmt: skip
     """``stream`` once its first piece is known: an error before any token is raised here
-    (so that the response is a 4xx, not a stream that starts with 200)."""
+    (so that the response is a 4xx, not a stream that starts with 200). The job is cancelled
+    as soon as its client goes, for the stream's whole life: Starlette notices a disconnect
+    by itself only under ASGI before 2.4, and else only when a send fails, which never comes
+    while nothing is sent (a tool call's text is held)."""
+    watcher = asyncio.create_task(_cancel_when_gone(job, request))
     try:
         first = await stream.__anext__()
     except StopAsyncIteration:
         first = None
+    except BaseException:
+        watcher.cancel()
+        job.cancelled.set()
+        raise
 
     async def rest():
         try:
@@ -697,6 +704,7 @@ async def _first_event(job: Job, stream: AsyncIterator[str]) -> AsyncIterator[st
             async for piece in stream:
                 yield piece
         finally:
+            watcher.cancel()
             job.cancelled.set()  # a client that went: its slot is freed at the next token
 
     return rest()

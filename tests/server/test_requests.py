@@ -198,3 +198,39 @@ def test_a_second_sigterm_stops_at_once(model):
     finally:
         out = server.stop()
     assert "stopped" in out and "Traceback" not in out, out
+
+
+def test_a_stream_is_cancelled_when_its_client_goes_while_nothing_is_sent():
+    """A streamed answer whose text is held (a tool call's: nothing is sent) is cancelled when
+    its client goes, whether or not the ASGI server's Starlette watches for the disconnect
+    itself (from ASGI 2.4 it learns of one only when a send fails, and none is tried)."""
+    import asyncio
+
+    from mlx_rwkvx.server.app import _streamed
+    from mlx_rwkvx.server.engine import Job
+
+    async def go():
+        job, gone = Job(), asyncio.Event()
+
+        class Request:  # the client's messages: its body was read, then it goes
+            async def receive(self):
+                await gone.wait()
+                return {"type": "http.disconnect"}
+
+        async def held():
+            yield "data: first\n\n"
+            await job.events.get()  # nothing more to send until the job ends
+            yield "data: never\n\n"
+
+        body = await _streamed(job, held(), Request())
+        assert await body.__anext__() == "data: first\n\n"
+        waiting = asyncio.create_task(body.__anext__())  # the response waits for a piece
+        await asyncio.sleep(0)
+        assert not job.cancelled.is_set()
+        gone.set()
+        cancelled = await asyncio.to_thread(job.cancelled.wait, WAIT)
+        waiting.cancel()
+        return cancelled
+
+    assert asyncio.run(go()), "the job ran on after its client went"
+

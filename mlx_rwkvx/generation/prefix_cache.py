@@ -492,7 +492,8 @@ def trim_cache_dir(cache_dir: str, max_bytes: int = 0) -> int:
     """Remove saved states from the folders of ``cache_dir`` that no running cache uses (other
     configurations, earlier runs: their live lock is free), least recently used first, until
     they hold at most ``max_bytes`` together; also the temporary files of writers that died,
-    and folders left holding only our lock files. A folder in use is never touched. Only our
+    and folders left holding only our lock files. A folder in use is never touched, nor one
+    without our change lock (a cache made it first: a folder without it is not ours). Only our
     own files go (state files of our format inside key folders): nothing else there is.
     Returns how many states were removed.
 
@@ -507,6 +508,8 @@ def trim_cache_dir(cache_dir: str, max_bytes: int = 0) -> int:
         for name in names:
             folder = os.path.join(cache_dir, name)
             if not KEY_FOLDER.match(name) or os.path.islink(folder) or not os.path.isdir(folder):
+                continue
+            if not os.path.isfile(os.path.join(folder, LOCK_NAME)):  # not made by a cache
                 continue
             live = _try_exclusive(os.path.join(folder, LIVE_NAME))
             if live is None:  # in use
@@ -581,8 +584,9 @@ def _make_private(folder: str) -> None:
         pass
 
 
-def _open_lock(path: str):
-    return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "r+b", 0)
+def _open_lock(path: str, create: bool = True):
+    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+    return os.fdopen(os.open(path, flags, 0o600), "r+b", 0)
 
 
 def _still_there(f, path: str) -> bool:
@@ -606,9 +610,9 @@ def _flock(fd: int, how: int) -> bool:
 
 def _try_exclusive(path: str):
     """The live lock file of a folder, held exclusively, or None when a cache uses the folder
-    (or it cannot be locked: then it is left alone too)."""
+    (or it cannot be locked, or there is none: not ours, or being made: left alone too)."""
     try:
-        f = _open_lock(path)
+        f = _open_lock(path, create=False)
     except OSError:
         return None
     try:

@@ -347,6 +347,21 @@ def test_trim_cache_dir_removes_unused_folders_states_least_recent_first(tmp_pat
     assert live.get([1])[0] == 1
 
 
+def test_trim_cache_dir_leaves_folders_it_did_not_make_untouched(tmp_path):
+    """A user's folders in ``--cache-dir`` named like ours (16 hex digits), one empty and one
+    holding a file: no lock file is made in them and neither is removed (the old trim made
+    its live lock in each, then removed the empty one with it)."""
+    from mlx_rwkvx.generation.prefix_cache import trim_cache_dir
+
+    empty, full = tmp_path / ("a" * 16), tmp_path / ("b" * 16)
+    empty.mkdir()
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    assert trim_cache_dir(str(tmp_path), 0) == 0
+    assert empty.is_dir() and not list(empty.iterdir())
+    assert [p.name for p in full.iterdir()] == ["notes.txt"]
+
+
 def test_a_state_another_server_wrote_meanwhile_is_no_error(tmp_path, monkeypatch):
     """Two servers storing the same state at once: the file that appeared while this one was
     written is replaced (the same state), not an error ("appeared while it was written")."""

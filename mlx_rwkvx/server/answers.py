@@ -7,7 +7,9 @@ batches cannot hold whole), and a request's embeddings (``Embedding``, a piece a
 
 from __future__ import annotations
 
+import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlx_rwkvx.generation import Session, stream_generate
@@ -21,6 +23,8 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
     make_sampler,
 )
+
+log = logging.getLogger("mlx_rwkvx.server")
 
 
 @dataclass
@@ -95,6 +99,22 @@ def sampler(params: Params):
             raise
 
     return sample
+
+
+def guarded(sample: Callable, fail: Callable[[], None]) -> Callable:
+    """``sample`` for a row of a batch: where it raises, its answer alone fails (``fail``,
+    the traceback in the log) and the most likely token stands in, so that the batch's other
+    rows go on; the failed row leaves the batch with that token."""
+
+    def draw(logprobs: mx.array) -> mx.array:
+        try:
+            return sample(logprobs)
+        except Exception:
+            log.exception("a sampler failed")
+            fail()
+            return mx.argmax(logprobs, axis=-1)
+
+    return draw
 
 
 def top_logprobs(logprobs: mx.array, k: int) -> list[tuple[int, float]]:

@@ -46,6 +46,7 @@ from mlx_rwkvx.server.answers import (
     Embedding,
     Params,
     generate,
+    guarded,
     processors,
     resume,
     sampler,
@@ -358,9 +359,11 @@ class Engine:
         known = getattr(served.tokenizer, "vocab_size", None)
         if known is not None and known < vocab:  # never sample an id the tokenizer lacks
             procs.insert(0, vocab_mask(known, vocab))
+        failed = ApiError(500, "internal error (see the server's log)", type="server_error")
+        sample = guarded(sampler(params), lambda: job.fail(failed))  # its answer alone fails
         self._pending.append(Row(job, served, ids, params, index, cached,
                                  detokenizer(served.tokenizer), StopStrings(params.stop),
-                                 state, logits, ids[cached:], sampler(params), procs))  # fmt: skip
+                                 state, logits, ids[cached:], sample, procs))  # fmt: skip
 
     def _prefill(self) -> None:
         """Prompts a piece further, between two steps of the batches: the prompts with at

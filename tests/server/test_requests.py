@@ -2,9 +2,10 @@
 localhost port (one server for the module): a client that goes (a raw socket closed mid-request)
 stops its work, whatever flows meanwhile; an embeddings request shares the engine's turns and
 stops when its client goes; a body over ``--max-body-bytes`` is refused before it is read or
-its key checked; a sampler that fails leaves the random state usable for every other answer;
-a second SIGTERM stops the server at once. Overlap and order are checked by the server's own
-counts (``/health``), never by durations; the deadlines are safety nets."""
+its key checked; a sampler that fails leaves the random state usable for every other answer
+and fails its answer alone, not its batch; a stream whose client goes is cancelled while
+nothing is sent; a second SIGTERM stops the server at once. Overlap and order are checked by
+the server's own counts (``/health``), never by durations; the deadlines are safety nets."""
 
 from __future__ import annotations
 
@@ -234,3 +235,56 @@ def test_a_stream_is_cancelled_when_its_client_goes_while_nothing_is_sent():
 
     assert asyncio.run(go()), "the job ran on after its client went"
 
+
+def test_a_failed_sampler_fails_its_answer_alone(model, monkeypatch):
+    """Two answers decode in one batch; the sampler of one raises at its second token: that
+    answer is a 500, the other (in the same batch) is answered in full."""
+    import asyncio
+
+    from mlx_rwkvx.server import engine as engine_module
+    from mlx_rwkvx.server.answers import Params, sampler
+    from mlx_rwkvx.server.engine import Job
+    from mlx_rwkvx.server.main import ServerConfig, build
+
+    def failing_at_second(params):
+        made, calls = sampler(params), []
+
+        def sample(logprobs):
+            calls.append(1)
+            if params.seed == 13 and len(calls) == 2:
+                raise RuntimeError("a sampler's bug")
+            return made(logprobs)
+
+        return sample
+
+    monkeypatch.setattr(engine_module, "sampler", failing_at_second)
+    engine = build(ServerConfig(model=model), log=lambda line: None)
+    served = engine.served[model]
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def job(seed):
+        return Job(answers=[(served, [1, 2, 3], Params(max_tokens=6, seed=seed))])
+
+    async def events(job):
+        out = []
+        while not job.events.empty():
+            out.append(job.events.get_nowait())
+        return out
+
+    try:
+        bad, good = (asyncio.run_coroutine_threadsafe(job(s), loop).result() for s in (13, 1))
+        engine.submit(bad)
+        engine.submit(good)
+        engine.run(until=lambda: bad.ended and good.ended)
+        got = {name: asyncio.run_coroutine_threadsafe(events(j), loop).result(timeout=WAIT)
+               for name, j in (("bad", bad), ("good", good))}  # fmt: skip
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=WAIT)
+    errors = [e[1] for e in got["bad"] if e[0] == "error"]
+    assert len(errors) == 1 and errors[0].status == 500
+    assert not [e for e in got["good"] if e[0] == "error"]
+    assert [e[2] for e in got["good"] if e[0] == "done"] == ["length"]
+    assert len([e for e in got["good"] if e[0] == "token"]) == 6

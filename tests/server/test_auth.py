@@ -137,11 +137,14 @@ def test_every_key_is_compared(monkeypatch):
         return a == b
 
     monkeypatch.setattr(app.hmac, "compare_digest", compare)
-    keys = app.ApiKeys(["k1", "k2", "k3"])
-    assert keys.scope({"authorization": "Bearer k1"}) == keys.scopes[0]
-    assert compared == [b"k1", b"k2", b"k3"]
-    assert keys.scope({"authorization": "Bearer k4"}) is None
-    assert len(set(keys.scopes)) == 3 and not any("k" in s for s in keys.scopes)
+    names = ["key-one", "key-two", "key-three"]  # not hex: a scope never holds them by chance
+    keys = app.ApiKeys(names)
+    assert keys.scope({"authorization": "Bearer key-one"}) == keys.scopes[0]
+    assert compared == [b"key-one", b"key-two", b"key-three"]
+    assert keys.scope({"authorization": "Bearer key-four"}) is None
+    assert len(set(keys.scopes)) == 3
+    for name, scope in zip(names, keys.scopes, strict=True):  # a hash, never the key
+        assert name not in scope and not scope.startswith(name.encode().hex()[:8]), scope
     assert app.ApiKeys(["k1", "k2"], shared=True).scopes == ["", ""]
     assert app.ApiKeys([]).scope({}) == ""  # no key configured: every request, one scope
     with pytest.raises(ValueError):

@@ -26,76 +26,45 @@ stored is also written there, and the folder is the truth that several processes
   ``trim_cache_dir`` knows which folders of a ``--cache-dir`` nobody uses (other
   configurations, earlier runs): their states go, least recently used first (a lookup that
   lands on a state touches its file). Nothing but our own files is ever removed.
+
+The folder's side (its files' names and headers, the two locks, ``trim_cache_dir``) lives in
+``cache_dir.py``; ``folder_for``, ``trim_cache_dir`` and ``read_state_header`` are importable
+from here as well.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import json
 import os
-import re
-import struct
-import sys
 import warnings
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from mlx_rwkvx.generation.cache_dir import (
+    FILE_FORMAT,
+    folder_for,
+    open_locks,
+    read_change_count,
+    read_state_header,
+    take_flock,
+    trim_cache_dir,
+    write_change_count,
+)
 from mlx_rwkvx.io.targets import reason, remove_stale, temp_path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-FILE_FORMAT = "mlx_rwkvx-prefix-state"
-LOCK_NAME = ".mlx_rwkvx-cache-lock"  # held a moment by each change; holds the change count
-LIVE_NAME = ".mlx_rwkvx-cache-live"  # held shared by every cache that uses the folder
-STATE_FILE = re.compile(r"[0-9a-f]{32}\.safetensors\Z")
-KEY_FOLDER = re.compile(r"[0-9a-f]{16}\Z")
-_COUNT_WIDTH = 20  # the change count, written in place at a fixed width
-_MAX_HEADER = 1 << 26  # a safetensors header larger than this is not one of ours
+# the folder's names, where the server and older callers import them from
+__all__ = ["PrefixCache", "folder_for", "read_state_header", "state_bytes", "trim_cache_dir"]
 
 
 def state_bytes(state) -> int:
     """The bytes of a state's arrays (a pytree of ``mx.array``)."""
     return sum(x.nbytes for _, x in tree_flatten(state))
-
-
-def folder_for(cache_dir: str, key: str) -> str:
-    """The folder of a key's states inside a ``--cache-dir`` (one per key: a restart reads
-    only its own states)."""
-    return os.path.join(cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16])
-
-
-def read_state_header(path: str) -> tuple[dict, tuple[int, ...], int]:
-    """A saved state's metadata, its tokens and the file's size, from the header alone
-    (the file is closed again); ValueError when it is not a whole saved state."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > min(size - 8, _MAX_HEADER):
-            raise ValueError("cut short, or not a safetensors file")
-        header = json.loads(f.read(length))
-        meta = header.pop("__metadata__", None) or {}
-        if meta.get("format") != FILE_FORMAT:
-            raise ValueError("not a saved state")
-        end = max((t["data_offsets"][1] for t in header.values()), default=0)
-        if 8 + length + end != size:
-            raise ValueError("cut short")
-        entry = header.get("tokens")
-        if entry is None or entry["dtype"] != "I32":
-            raise ValueError("no tokens")
-        start, stop = entry["data_offsets"]
-        f.seek(8 + length + start)
-        tokens = array("i", f.read(stop - start))
-    if sys.byteorder == "big":
-        tokens.byteswap()
-    return meta, tuple(tokens), size
 
 
 class _Node:
@@ -230,26 +199,9 @@ class PrefixCache:
     # ----- the folder --------------------------------------------------------------------
 
     def _open(self) -> None:
-        """The folder made (0700, and its missing parents), its live lock held shared and its
-        change lock open. Retried where ``trim_cache_dir`` removed the folder meanwhile."""
-        if self._lock is not None:
-            return
-        for _ in range(10):
-            _make_private(self.folder)
-            live = _open_lock(os.path.join(self.folder, LIVE_NAME))
-            try:
-                fcntl.flock(live.fileno(), fcntl.LOCK_SH)
-            except OSError as e:
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                    live.close()
-                    raise
-            if not _still_there(live, os.path.join(self.folder, LIVE_NAME)):
-                live.close()
-                continue
-            self._live = live
-            self._lock = _open_lock(os.path.join(self.folder, LOCK_NAME))
-            return
-        raise OSError(errno.EBUSY, "removed again and again while opened", self.folder)
+        """The folder's locks taken (see ``cache_dir.open_locks``), once."""
+        if self._lock is None:
+            self._live, self._lock = open_locks(self.folder)
 
     @contextmanager
     def _changing(self, fresh: bool = False) -> Iterator[list[int]]:
@@ -269,12 +221,12 @@ class PrefixCache:
                 yield taken
                 return
         fd = self._lock.fileno()
-        locked = _flock(fd, fcntl.LOCK_EX)
+        locked = take_flock(fd, fcntl.LOCK_EX)
         if not locked:
             self._warn_once("nolock", "this file system has no locks, so another process "
                             "using the folder would not be noticed")  # fmt: skip
         try:
-            count = _read_count(fd)
+            count = read_change_count(fd)
             if fresh:
                 remove_stale(self.folder)
             if fresh or count != self._seen:
@@ -284,7 +236,7 @@ class PrefixCache:
             self._evict()
             if self._changed:
                 count += 1
-                _write_count(fd, count)
+                write_change_count(fd, count)
             self._seen = count
         finally:
             if locked:
@@ -486,153 +438,3 @@ class PrefixCache:
             node = parent
         if node.parent is None and not node.holds() and not node.children:
             del self._roots[node.scope]  # a scope left empty costs nothing
-
-
-def trim_cache_dir(cache_dir: str, max_bytes: int = 0) -> int:
-    """Remove saved states from the folders of ``cache_dir`` that no running cache uses (other
-    configurations, earlier runs: their live lock is free), least recently used first, until
-    they hold at most ``max_bytes`` together; also the temporary files of writers that died,
-    and folders left holding only our lock files. A folder in use is never touched, nor one
-    without our change lock (a cache made it first: a folder without it is not ours). Only our
-    own files go (state files of our format inside key folders): nothing else there is.
-    Returns how many states were removed.
-
-    A server passes 0: each model it serves may fill its folder up to ``--cache-bytes``, so
-    other configurations' states would put the whole folder over its budget."""
-    try:
-        names = sorted(os.listdir(cache_dir))
-    except OSError:
-        return 0
-    total, unused, held = 0, [], []
-    try:
-        for name in names:
-            folder = os.path.join(cache_dir, name)
-            if not KEY_FOLDER.match(name) or os.path.islink(folder) or not os.path.isdir(folder):
-                continue
-            if not os.path.isfile(os.path.join(folder, LOCK_NAME)):  # not made by a cache
-                continue
-            live = _try_exclusive(os.path.join(folder, LIVE_NAME))
-            if live is None:  # in use
-                continue
-            held.append((folder, live))
-            remove_stale(folder)
-            files = _state_files(folder)
-            total += sum(s for _, s, _ in files)
-            unused.extend(files)
-        removed = 0
-        for _, size, path in sorted(unused):
-            if total <= max_bytes:
-                break
-            try:
-                os.remove(path)
-            except OSError:
-                continue
-            total -= size
-            removed += 1
-        for folder, _ in held:  # a folder left with only our lock files goes too
-            if set(os.listdir(folder)) <= {LIVE_NAME, LOCK_NAME}:
-                for name in (LOCK_NAME, LIVE_NAME):
-                    try:
-                        os.remove(os.path.join(folder, name))
-                    except OSError:
-                        pass
-                try:
-                    os.rmdir(folder)
-                except OSError:
-                    pass
-        return removed
-    finally:
-        for _, live in held:
-            live.close()
-
-
-def _state_files(folder: str) -> list[tuple[int, int, str]]:
-    """(mtime, size, path) of the saved states in ``folder`` (by name and header)."""
-    out = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return out
-    for entry in entries:
-        if not STATE_FILE.match(entry.name) or not entry.is_file(follow_symlinks=False):
-            continue
-        try:
-            read_state_header(entry.path)
-            st = entry.stat(follow_symlinks=False)
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
-            continue
-        out.append((st.st_mtime_ns, st.st_size, entry.path))
-    return out
-
-
-def _make_private(folder: str) -> None:
-    """``folder`` and its missing parents made 0700; an existing ``folder`` made 0700 too (it
-    is the cache's own); an existing parent is left as it is."""
-    missing, path = [], os.path.abspath(folder)
-    while not os.path.isdir(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-    try:
-        if os.stat(folder).st_mode & 0o077:
-            os.chmod(folder, 0o700)
-    except OSError:  # another user's folder we may write to: left as it is
-        pass
-
-
-def _open_lock(path: str, create: bool = True):
-    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
-    return os.fdopen(os.open(path, flags, 0o600), "r+b", 0)
-
-
-def _still_there(f, path: str) -> bool:
-    """Whether ``path`` is still the file ``f`` locked (not removed meanwhile)."""
-    try:
-        return os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
-    except FileNotFoundError:
-        return False
-
-
-def _flock(fd: int, how: int) -> bool:
-    """``flock``; False where the file system has none."""
-    try:
-        fcntl.flock(fd, how)
-    except OSError as e:
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-            return False
-        raise
-    return True
-
-
-def _try_exclusive(path: str):
-    """The live lock file of a folder, held exclusively, or None when a cache uses the folder
-    (or it cannot be locked, or there is none: not ours, or being made: left alone too)."""
-    try:
-        f = _open_lock(path, create=False)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        return None
-    if not _still_there(f, path):
-        f.close()
-        return None
-    return f
-
-
-def _read_count(fd: int) -> int:
-    text = os.pread(fd, _COUNT_WIDTH, 0)
-    return int(text) if text.strip().isdigit() else 0
-
-
-def _write_count(fd: int, count: int) -> None:
-    try:  # overwrites its own bytes: no room is taken, but a failing disk may still refuse
-        os.pwrite(fd, f"{count % 10**_COUNT_WIDTH:0{_COUNT_WIDTH}d}".encode(), 0)
-    except OSError:  # the others see it with the next change that is counted
-        pass

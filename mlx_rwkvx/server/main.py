@@ -12,7 +12,6 @@ Exit codes: 0 after Ctrl-C or SIGTERM; 2 a problem with what was given (one line
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import signal
@@ -32,6 +31,7 @@ from mlx_rwkvx.io.load import load
 from mlx_rwkvx.io.targets import check_not_unsafe
 from mlx_rwkvx.ops import prepare
 from mlx_rwkvx.server.engine import Engine, Served, share_weights, state_key
+from mlx_rwkvx.server.guards import loopback
 from mlx_rwkvx.server.tools import ToolCalls
 from mlx_rwkvx.settings import opt
 from mlx_rwkvx.tuner.adapters import apply_adapter
@@ -247,13 +247,6 @@ def build(cfg: ServerConfig, *, log=print) -> Engine:
                   decode_concurrency=cfg.decode_concurrency)  # fmt: skip
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def main(argv: list[str] | None = None) -> None:
     cfg = config_from(argv)
     cli.run(PROG, lambda: _main(cfg), kept="saved states are in --cache-dir, if given")
@@ -268,7 +261,7 @@ def _main(cfg: ServerConfig) -> None:
     mlx_rwkvx.configure()
     prepare(dtypes=(mx.float32, mx.bfloat16))
     engine = build(cfg, log=lambda line: print(line, file=sys.stderr))
-    if not _loopback(cfg.host) and not cfg.api_key:
+    if not loopback(cfg.host) and not cfg.api_key:
         print(f"{PROG}: warning: listening on {cfg.host} with no --api-key: anyone who reaches "
               "it can use it", file=sys.stderr)  # fmt: skip
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s: %(message)s")

@@ -128,7 +128,7 @@ def test_a_key_from_a_file_is_not_in_the_process_list(keyed):
 def test_every_key_is_compared(monkeypatch):
     """Constant time: every key is compared with ``hmac.compare_digest``, the first matching
     one too (stopping there would tell by the time which key it was)."""
-    from mlx_rwkvx.server import app
+    from mlx_rwkvx.server import guards
 
     compared = []
 
@@ -136,19 +136,19 @@ def test_every_key_is_compared(monkeypatch):
         compared.append(b)
         return a == b
 
-    monkeypatch.setattr(app.hmac, "compare_digest", compare)
+    monkeypatch.setattr(guards.hmac, "compare_digest", compare)
     names = ["key-one", "key-two", "key-three"]  # not hex: a scope never holds them by chance
-    keys = app.ApiKeys(names)
+    keys = guards.ApiKeys(names)
     assert keys.scope({"authorization": "Bearer key-one"}) == keys.scopes[0]
     assert compared == [b"key-one", b"key-two", b"key-three"]
     assert keys.scope({"authorization": "Bearer key-four"}) is None
     assert len(set(keys.scopes)) == 3
     for name, scope in zip(names, keys.scopes, strict=True):  # a hash, never the key
         assert name not in scope and not scope.startswith(name.encode().hex()[:8]), scope
-    assert app.ApiKeys(["k1", "k2"], shared=True).scopes == ["", ""]
-    assert app.ApiKeys([]).scope({}) == ""  # no key configured: every request, one scope
+    assert guards.ApiKeys(["k1", "k2"], shared=True).scopes == ["", ""]
+    assert guards.ApiKeys([]).scope({}) == ""  # no key configured: every request, one scope
     with pytest.raises(ValueError):
-        app.ApiKeys([""])
+        guards.ApiKeys([""])
 
 
 def test_a_forged_host_is_refused_on_a_loopback_server(keyed, shared):
@@ -208,3 +208,15 @@ def test_a_keys_states_stay_its_own_after_a_restart(model, tmp_path):
         assert cached(server, SECRET, bearer(KEY_A)) > 0
     finally:
         server.stop()
+
+
+def test_the_command_and_the_guard_agree_on_loopback():
+    """``main``'s warning (a non-loopback --host without a key) and the Host guard use one
+    test: names in any case, with a trailing dot, every 127.x.x.x and ::1."""
+    from mlx_rwkvx.server import guards, main
+
+    assert main.loopback is guards.loopback
+    for host in ("localhost", "LOCALHOST", "localhost.", "127.0.0.1", "127.8.9.10", "::1"):
+        assert guards.loopback(host), host
+    for host in ("evil.test", "10.0.0.1", "0.0.0.0", "localhost.evil.test", ""):
+        assert not guards.loopback(host), host

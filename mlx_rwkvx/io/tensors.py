@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 from mlx_rwkvx.io.atomic import CheckpointError
 from mlx_rwkvx.io.pth import PthError, read_pth
@@ -17,12 +18,41 @@ INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> 
 
 
 def read_safetensors(path: str) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Tensors and metadata of one ``.safetensors`` file (lazy: read when evaluated)."""
+    """Tensors and metadata of one ``.safetensors`` file (lazy: read when evaluated); tensors
+    sharing bytes of the file are refused."""
+    _refuse_shared_bytes(path)
     try:
         tensors, metadata = mx.load(path, return_metadata=True)
     except Exception as e:  # MLX raises RuntimeError/ValueError for damaged files
         raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
     return tensors, metadata or {}
+
+
+_MAX_HEADER = 100 << 20  # the safetensors format's own limit on its JSON header
+
+
+def _refuse_shared_bytes(path: str) -> None:
+    """mx.load checks each tensor's byte range against its shape and the file's size, not
+    against the others': many tensors naming one range would each read it (a small file
+    filling a model many times its size). Refused as the safetensors library refuses it;
+    a header it cannot parse here is left to mx.load to name."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > min(os.fstat(f.fileno()).st_size - 8, _MAX_HEADER):
+                return
+            header = json.loads(f.read(length))
+        ranges = sorted((int(t["data_offsets"][0]), int(t["data_offsets"][1]), name)
+                        for name, t in header.items() if name != "__metadata__")  # fmt: skip
+    except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return
+    end, last = 0, None  # the furthest byte read so far, and by which tensor
+    for start, stop, name in ranges:
+        if start < end and start < stop:
+            raise CheckpointError(f"{path}: tensors {last} and {name} share bytes of the file "
+                                  "(no safetensors writer makes such a file)")  # fmt: skip
+        if stop > end:
+            end, last = stop, name
 
 
 _ST_DTYPES = {

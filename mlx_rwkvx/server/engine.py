@@ -40,7 +40,7 @@ from mlx_rwkvx.generation import ChatFormat
 from mlx_rwkvx.generation.chat import model_identity
 from mlx_rwkvx.generation.prefix_cache import PrefixCache
 from mlx_rwkvx.generation.stream import StopStrings, detokenizer, vocab_mask
-from mlx_rwkvx.models.cache import read_caches, write_caches
+from mlx_rwkvx.models.cache import write_caches
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.server.answers import (
     Embedding,
@@ -52,13 +52,13 @@ from mlx_rwkvx.server.answers import (
     sampler,
     top_logprobs,
 )
+from mlx_rwkvx.server.batch import Batch, Row, keep_state
 from mlx_rwkvx.server.protocol import ApiError
 from mlx_rwkvx.server.tools import ToolCalls
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.generate import BatchGenerator
 
 log = logging.getLogger("mlx_rwkvx.server")
 PREFILL_ROWS = 8  # prompts prefilled together, at most
@@ -159,38 +159,6 @@ class Job:
             self.emit("end", None)
 
 
-@dataclass
-class Row:
-    """One answer in a batch: its job, model, prompt, settings and text so far."""
-
-    job: Job
-    served: Served
-    ids: list[int]
-    params: Params
-    index: int
-    cached: int
-    detok: object
-    stops: StopStrings
-    state: list | None  # the state after the prompt's tokens fed so far (None once batched)
-    logits: mx.array | None  # the logits after them, where the prefix cache held them
-    todo: list[int]  # prompt tokens not fed yet
-    sample: Callable
-    procs: list
-    n: int = 0
-    last: int = 0  # the last token sent
-
-
-class Batch:
-    """mlx-lm's ``BatchGenerator`` over one set of weights, and its rows by uid."""
-
-    def __init__(self, model: Model, eos: list[int], decode: int):
-        self.model = model
-        # its prompts are one token (the answer's first, sampled after the prompt's prefill)
-        self.gen = BatchGenerator(model, max_tokens=1, stop_tokens=[[e] for e in eos],
-                                  completion_batch_size=decode)  # fmt: skip
-        self.rows: dict[int, Row] = {}
-
-
 def _weights(model: Model) -> tuple:
     """What a batch is shared by: the identities of every weight array but a state-tuned
     initial state's."""
@@ -203,14 +171,6 @@ def _without_state0(model: Model) -> Model:
         if "state0" in module:
             module.pop("state0")
     return stripped
-
-
-def _keep(row: Row, layers, cache, tokens, logits: mx.array | None = None) -> None:
-    """The state in a row's ``cache`` (one row, after ``tokens``; with the logits after them
-    when known) into its model's prefix cache."""
-    state, _ = read_caches(layers, cache, 1)
-    entry = {"state": state} if logits is None else {"state": state, "logits": logits}
-    row.served.cache.put(list(tokens), entry, scope=row.params.scope)
 
 
 class Engine:
@@ -438,7 +398,7 @@ class Engine:
             row.job.emit("prefilled", row.index, row.cached)
             finish = self._emit(row, int(token.item()), logprobs, None)
             if row.todo or row.cached < len(row.ids):  # the state after the prompt: stored
-                _keep(row, layers, cache, row.ids, row_logits)
+                keep_state(row, layers, cache, row.ids, row_logits)
             row.state = row.logits = None
             row.todo = []
             if finish is not None:
@@ -485,7 +445,7 @@ class Engine:
         ((cache, tokens),) = batch.gen.extract_cache([uid]).values()
         if len(tokens) <= row.cached:  # the prompt's state, stored already
             return
-        _keep(row, batch.model.layers, cache, tokens)
+        keep_state(row, batch.model.layers, cache, tokens)
 
     def _token(self, batch: Batch, r) -> None:
         """A token of a row of ``batch`` (mlx-lm's response)."""
@@ -539,7 +499,7 @@ class Engine:
             if done is None:  # still in the batch: taken out now
                 done = batch.gen.remove([uid], return_prompt_caches=True).get(uid)
             if done is not None and len(done[1]) > len(row.ids):
-                _keep(row, batch.model.layers, *done)
+                keep_state(row, batch.model.layers, *done)
             mx.clear_cache()  # the batch's arrays change shape: the old buffers go back
         if row.job.ended:
             return

@@ -63,10 +63,11 @@ class Server:
             conn.close()
 
     def stream(self, route: str, body: dict, hang_up_after: int | None = None) -> dict:
-        """A streamed request: status, seconds to the first token, tokens, usage, text."""
+        """A streamed request: status, seconds to the first token, tokens, usage, text, and a
+        chat's log-probabilities where asked (their ``content`` entries)."""
         conn = self._conn()
         tic = time.perf_counter()
-        first, chunks, usage, status, text = None, 0, None, None, []
+        first, chunks, usage, status, text, logprobs = None, 0, None, None, [], []
         try:
             conn.request("POST", route, json.dumps({**body, "stream": True,
                          "stream_options": {"include_usage": True}}),
@@ -88,12 +89,14 @@ class Server:
                     chunks += 1
                     choice = event["choices"][0]
                     text.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+                    logprobs += (choice.get("logprobs") or {}).get("content") or []
                     if hang_up_after is not None and chunks >= hang_up_after:
                         break
         finally:
             conn.close()
         return {"status": status, "first": first, "chunks": chunks, "usage": usage,
-                "time": time.perf_counter() - tic, "text": "".join(text)}  # fmt: skip
+                "time": time.perf_counter() - tic, "text": "".join(text),
+                "logprobs": logprobs}  # fmt: skip
 
     def rss(self, field: str = "VmRSS") -> int:
         """The server's resident memory now (``VmHWM``: its peak) in bytes."""

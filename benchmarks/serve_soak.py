@@ -74,17 +74,26 @@ class _Reference:
             return "/v1/embeddings", {"model": self.path, "input": [self.prompts[p], "and more"]}
         if kind == "text":
             return "/v1/completions", {"model": self.path, "prompt": self.prompts[p],
-                                       "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+                                       "max_tokens": max_tokens, "temperature": 0,
+                                       "logprobs": 2}  # fmt: skip
         seeded = {"temperature": 0.8, "seed": p} if kind == "seeded" else {"temperature": 0}
         return "/v1/chat/completions", {"model": self.path, "messages": user,
-                                        "max_tokens": max_tokens, **seeded}  # fmt: skip
+                                        "max_tokens": max_tokens, "logprobs": True,
+                                        "top_logprobs": 2, **seeded}  # fmt: skip
 
-    def answer_of(self, kind: str, r: dict):
+    @staticmethod
+    def answer_of(kind: str, r: dict):
+        """An embedding's vectors; an answer's text and, per token, its own and the top two
+        (token, log-probability) pairs."""
         if kind == "embed":
             return [np.array(d["embedding"]) for d in r["data"]]
+        choice = r["choices"][0]
         if kind == "text":
-            return r["choices"][0]["text"]
-        return r["choices"][0]["message"]["content"]
+            lp = choice["logprobs"]
+            steps = [(t, [*top.items()]) for t, top in zip(lp["tokens"], lp["top_logprobs"],
+                                                             strict=True)]  # fmt: skip
+            return choice["text"], steps
+        return choice["message"]["content"], _chat_steps(choice["logprobs"]["content"])
 
     def get(self, kind: str, p: int, max_tokens: int):
         key = ("chat" if kind == "stream" else kind, p)
@@ -97,11 +106,33 @@ class _Reference:
         return self.answers[key]
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, list):
-        return len(a) == len(b) and all(np.allclose(x, y, rtol=1e-4, atol=1e-5)
-                                        for x, y in zip(a, b, strict=True))  # fmt: skip
-    return a == b
+def _chat_steps(content: list[dict]) -> list:
+    return [(e["token"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+            for e in content]  # fmt: skip
+
+
+# Two tokens whose log-probabilities, alone, lie this close are a tie that float32 rounding
+# decides: a batch sums its products in another order than one row alone, so such a tie may
+# go the other way in a batch (random weights make near-ties common).
+TIE = 1e-3
+
+
+def _verdict(got, ref) -> str:
+    """same, tie (the answers part where the answer alone had a near-tie between the two
+    tokens: rounding's choice, and the rest follows from it) or wrong."""
+    if isinstance(ref, list):  # embeddings
+        same = len(got) == len(ref) and all(np.allclose(x, y, rtol=1e-4, atol=1e-5)
+                                            for x, y in zip(got, ref, strict=True))  # fmt: skip
+        return "same" if same else "wrong"
+    (text, steps), (ref_text, ref_steps) = got, ref
+    if text == ref_text:
+        return "same"
+    for (token, _), (ref_token, ref_top) in zip(steps, ref_steps, strict=False):
+        if token != ref_token:
+            top = dict(ref_top)
+            near = token in top and ref_token in top and top[ref_token] - top[token] < TIE
+            return "tie" if near else "wrong"
+    return "wrong"  # the same tokens, another text (or fewer of them)
 
 
 def soak(path: str, folder: str, spec: dict) -> dict:
@@ -119,8 +150,8 @@ def soak(path: str, folder: str, spec: dict) -> dict:
             for p in range(spec["prompts"]):
                 ref.get(kind, p, spec["answer"])
         pid = server.proc.pid
-        before = {"rss": server.rss(), "fds": _fds(pid), "folder": _folder_bytes(folder)}
-        counts = {k: 0 for k in ("good", "bad", "5xx", "late", "wrong", "not_4xx")}
+        counts = {k: 0 for k in ("good", "bad", "5xx", "late", "wrong", "tie", "not_4xx")}
+        wrong: list = []  # (kind, prompt) of each answer unlike its answer alone
         lock = threading.Lock()
 
         def note(**inc):
@@ -128,8 +159,8 @@ def soak(path: str, folder: str, spec: dict) -> dict:
                 for k, v in inc.items():
                     counts[k] += v
 
-        def client(k: int) -> None:
-            for j in range(spec["requests"]):
+        def client(k: int, rounds: range) -> None:
+            for j in rounds:
                 i = k * spec["requests"] + j
                 kind, p = KINDS[i % len(KINDS)], (i // len(KINDS)) % spec["prompts"]
                 if kind == "walk-away":
@@ -148,18 +179,30 @@ def soak(path: str, folder: str, spec: dict) -> dict:
                     _, body = ref.body("chat", p, spec["answer"])
                     s = server.stream("/v1/chat/completions", body,
                                       hang_up_after=2 if kind == "hang-up" else None)  # fmt: skip
-                    status, answer = s["status"], s.get("text")
+                    status = s["status"]
+                    answer = (s.get("text"), _chat_steps(s.get("logprobs") or []))
                 else:
                     route, body = ref.body(kind, p, spec["answer"])
                     status, r = server.post(route, body)
                     answer = ref.answer_of(kind, r) if status == 200 else None
                 late = time.monotonic() - tic > spec["deadline"]
-                wrong = status == 200 and kind != "hang-up" and not _same(
-                    answer, ref.get(kind, p, spec["answer"]))  # fmt: skip
-                note(good=1, late=int(late), wrong=int(wrong),
+                verdict = "same"
+                if status == 200 and kind != "hang-up":
+                    verdict = _verdict(answer, ref.get(kind, p, spec["answer"]))
+                if verdict == "wrong":
+                    with lock:
+                        wrong.append((kind, p))
+                note(good=1, late=int(late), wrong=int(verdict == "wrong"),
+                     tie=int(verdict == "tie"),
                      **{"5xx": int(status is None or status >= 500)})  # fmt: skip
 
-        wall = concurrently(client, spec["clients"])
+        # two rounds: the first brings the server to its working size (batches of every
+        # client, the cache full), the second must leave it there (memory, descriptors)
+        half = spec["requests"] // 2
+        wall = concurrently(lambda k: client(k, range(half)), spec["clients"])
+        before = {"rss": server.rss(), "fds": _fds(pid), "folder": _folder_bytes(folder)}
+        wall += concurrently(lambda k: client(k, range(half, spec["requests"])),
+                             spec["clients"])  # fmt: skip
         idle_after = None
         settle = time.monotonic()
         while time.monotonic() - settle < 60:  # the walked-away answers are cancelled
@@ -172,7 +215,8 @@ def soak(path: str, folder: str, spec: dict) -> dict:
         alive = server.post(*ref.body("chat", 0, spec["answer"]))[0] == 200
     finally:
         server.stop()
-    return {**counts, "clients": spec["clients"], "requests": spec["requests"], "wall": wall,
+    return {**counts, "wrong_kinds": sorted(set(wrong)), "clients": spec["clients"],
+            "requests": spec["requests"], "wall": wall,
             "idle_after": idle_after, "alive": alive, "before": before, "after": after,
             "cache_bytes": spec["cache_bytes"], "deadline": spec["deadline"]}  # fmt: skip
 
@@ -186,14 +230,22 @@ def soak_lines(s: dict) -> list[str]:
         f"the client gone before it ends; bad: {len(BAD)} kinds of malformed or over-limit "
         f"requests), a {s['cache_bytes'] / 2**20:.0f} MiB state cache kept on disk. "
         f"{s['good']} good requests: {s['5xx']} 5xx, {s['late']} past their "
-        f"{s['deadline']:.0f} s deadline, {s['wrong']} unlike their answer alone; {s['bad']} "
-        f"bad ones: {s['not_4xx']} not a 4xx. Nothing decoding: {idle}. "
-        f"Resident memory {s['before']['rss'] / 2**20:.0f} -> {s['after']['rss'] / 2**20:.0f} "
+        f"{s['deadline']:.0f} s deadline, {s['wrong']} unlike their answer alone"
+        f"{_which(s)}, {s.get('tie', 0)} parting from it at a near-tie of the answer alone "
+        f"(two tokens within {TIE:g} in log-probability: float32 rounding's choice, which "
+        f"differs in a batch); {s['bad']} bad ones: {s['not_4xx']} not a 4xx. Nothing "
+        f"decoding: {idle}. From the first half of the requests to the end: resident memory "
+        f"{s['before']['rss'] / 2**20:.0f} -> {s['after']['rss'] / 2**20:.0f} "
         f"MiB ({grew:+.0f}), open descriptors {s['before']['fds']} -> {s['after']['fds']}, "
         f"state folder {s['before']['folder'] / 2**20:.1f} -> "
         f"{s['after']['folder'] / 2**20:.1f} MiB; the server "
         f"{'answering' if s['alive'] else 'NOT answering'} after."
     ]
+
+
+def _which(s: dict) -> str:
+    kinds = s.get("wrong_kinds") or []
+    return f" ({', '.join(f'{k} of prompt {p}' for k, p in kinds)})" if kinds else ""
 
 
 def soak_goals(s: dict) -> list[Goal]:
@@ -203,7 +255,7 @@ def soak_goals(s: dict) -> list[Goal]:
              "answers still running or a server not answering at the end",
              s["5xx"] + s["late"] + s["wrong"] + s["not_4xx"] + idle, 0, False),
         Goal("soak: open descriptors grown", s["after"]["fds"] - s["before"]["fds"], 4, False),
-        Goal("soak: resident memory growth / --cache-bytes",
+        Goal("soak: resident memory growth over the second half / --cache-bytes",
              (s["after"]["rss"] - s["before"]["rss"]) / s["cache_bytes"], 1.5, False),
         Goal("soak: state folder on disk / --cache-bytes",
              s["after"]["folder"] / s["cache_bytes"], 1.0, False),

@@ -114,6 +114,9 @@ EXPECTED = {
         r"restart: [\d.]+ \(goal <= 1.1\)",
         r"^- decode tokens/s with a JSON schema / without: [\d.]+ \(goal >= 0.7\)",
         r"^- load test 5xx answers: 0.00 \(goal <= 0\): met$",
+        r"^Soak: \d+ clients x \d+ requests in \d+ s, .* \d+ good requests: 0 5xx, ",
+        r"^- soak: 5xx answers, late or wrong good answers, bad requests not a 4xx, answers "
+        r"still running or a server not answering at the end: 0.00 \(goal <= 0\): met$",
     ],
     "preference": [
         r"^Verified first: DPO's first loss is ln 2 to [\d.e+-]+; a pair's log-probability ",
@@ -138,7 +141,7 @@ GOAL_COUNTS = {
     "train-int8": 2,
     "generate": 4,
     "evaluate": 2,
-    "serve": 12,
+    "serve": 16,
     "parallel": 1,
 }
 

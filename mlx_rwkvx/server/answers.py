@@ -81,12 +81,11 @@ def sampler(params: Params):
     if params.temp == 0:
         return make_sampler(temp=0.0)
     seed = secrets.randbits(63) if params.seed is None else params.seed
-    key = mx.random.key(seed)
+    position = _Position()
 
     def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
         try:
-            key, draw = mx.random.split(key)
+            draw = mx.random.key((seed + position.n * _GOLDEN) % 2**63)
             if 0 < params.top_p < 1:
                 logprobs = apply_top_p(logprobs, params.top_p)
             if params.min_p:
@@ -98,7 +97,32 @@ def sampler(params: Params):
             mx.random.seed(secrets.randbits(63))
             raise
 
+    sample.position = position
     return sample
+
+
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads the positions' keys apart
+
+
+class _Position:
+    """A logits processor that changes nothing: it notes how many tokens precede the token
+    about to be drawn, and a sampled answer draws that token from a key of its seed and this
+    position, not of how often its sampler was called (a batch may call it a step ahead)."""
+
+    n = 0
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self.n = tokens.size
+        return logits
+
+
+def sampling(params: Params, served) -> tuple[Callable, list]:
+    """The answer's sampler and its logits processors, a sampled answer's ending with the
+    note of the position its sampler keys its draws by."""
+    sample, procs = sampler(params), processors(params, served)
+    if getattr(sample, "position", None) is not None:
+        procs.append(sample.position)
+    return sample, procs
 
 
 def guarded(sample: Callable, fail: Callable[[], None]) -> Callable:
@@ -135,13 +159,14 @@ def generate(engine, served, job, ids: list[int], params: Params,
     cached, entry = resume(served, ids, params.scope)
     if entry is not None:
         session.restore((ids[:cached], entry["state"]), entry.get("logits"))
+    sample, procs = sampling(params, served)
     responses = stream_generate(
         served.model,
         served.tokenizer,
         ids[cached:],
         max_tokens=params.max_tokens,
-        sampler=sampler(params),
-        logits_processors=processors(params, served),
+        sampler=sample,
+        logits_processors=procs,
         stop=params.stop,
         session=session,
     )

@@ -47,9 +47,8 @@ from mlx_rwkvx.server.answers import (
     Params,
     generate,
     guarded,
-    processors,
     resume,
-    sampler,
+    sampling,
     top_logprobs,
 )
 from mlx_rwkvx.server.batch import Batch, Row, keep_state
@@ -315,12 +314,12 @@ class Engine:
         cached, entry = resume(served, ids, params.scope)
         state = entry["state"] if entry is not None else served.model.init_state(1)
         logits = entry.get("logits") if entry is not None and cached == len(ids) else None
-        procs = processors(params, served)
+        sample, procs = sampling(params, served)
         known = getattr(served.tokenizer, "vocab_size", None)
         if known is not None and known < vocab:  # never sample an id the tokenizer lacks
             procs.insert(0, vocab_mask(known, vocab))
         failed = ApiError(500, "internal error (see the server's log)", type="server_error")
-        sample = guarded(sampler(params), lambda: job.fail(failed))  # its answer alone fails
+        sample = guarded(sample, lambda: job.fail(failed))  # its answer alone fails
         self._pending.append(Row(job, served, ids, params, index, cached,
                                  detokenizer(served.tokenizer), StopStrings(params.stop),
                                  state, logits, ids[cached:], sample, procs))  # fmt: skip

@@ -170,6 +170,32 @@ def test_a_failed_sampler_leaves_the_random_state_to_the_others():
     assert mx.random.uniform().item() < 1  # mx.random.state itself is usable
 
 
+def test_a_seeded_draw_depends_on_its_position_not_on_how_often_it_was_drawn():
+    """A batch does not call a row's sampler exactly once per token of its answer (the soak
+    of ``scripts/bench.py serve`` found seeded answers unlike theirs alone when a sampler
+    counted its calls): a draw is keyed by the seed and the tokens before it, which the
+    sampler's own logits processor notes."""
+    import types
+
+    from mlx_rwkvx.server.answers import Params, sampling
+
+    logprobs = mx.zeros((1, 4096)) - 4096**0.5  # flat: any other key draws another token
+    served = types.SimpleNamespace(model=None)
+    sample, procs = sampling(Params(max_tokens=4, temp=1.0, seed=7), served)
+    other, other_procs = sampling(Params(max_tokens=4, temp=1.0, seed=7), served)
+
+    def draw(sample, procs, n):
+        for p in procs:
+            p(mx.zeros((n,), dtype=mx.int32), logprobs)
+        return sample(logprobs).item()
+
+    draws = [draw(sample, procs, n) for n in (5, 5, 5, 6)]
+    assert draws[0] == draws[1] == draws[2] != draws[3]  # called again: the same token
+    assert [draw(other, other_procs, n) for n in (5, 6)] == [draws[0], draws[3]]
+    greedy, greedy_procs = sampling(Params(max_tokens=4), served)
+    assert greedy_procs == [] and greedy(logprobs).item() == 0
+
+
 def test_a_second_sigterm_stops_at_once(model):
     """The first SIGTERM lets requests in flight finish (here for ten minutes); the second
     cancels them and the process ends, with a long embeddings request in flight."""
@@ -242,12 +268,12 @@ def test_a_failed_sampler_fails_its_answer_alone(model, monkeypatch):
     import asyncio
 
     from mlx_rwkvx.server import engine as engine_module
-    from mlx_rwkvx.server.answers import Params, sampler
+    from mlx_rwkvx.server.answers import Params, sampling
     from mlx_rwkvx.server.engine import Job
     from mlx_rwkvx.server.main import ServerConfig, build
 
-    def failing_at_second(params):
-        made, calls = sampler(params), []
+    def failing_at_second(params, served):
+        (made, procs), calls = sampling(params, served), []
 
         def sample(logprobs):
             calls.append(1)
@@ -255,9 +281,9 @@ def test_a_failed_sampler_fails_its_answer_alone(model, monkeypatch):
                 raise RuntimeError("a sampler's bug")
             return made(logprobs)
 
-        return sample
+        return sample, procs
 
-    monkeypatch.setattr(engine_module, "sampler", failing_at_second)
+    monkeypatch.setattr(engine_module, "sampling", failing_at_second)
     engine = build(ServerConfig(model=model), log=lambda line: None)
     served = engine.served[model]
     loop = asyncio.new_event_loop()

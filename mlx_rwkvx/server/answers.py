@@ -92,7 +92,12 @@ def sampler(params: Params):
                 logprobs = apply_min_p(logprobs, params.min_p, 1)
             if params.top_k > 0:
                 logprobs = apply_top_k(logprobs, params.top_k)
-            return mx.random.categorical(logprobs * (1 / params.temp), key=draw)
+            # the Gumbel-max draw (exact for the softmax): only two tokens whose perturbed
+            # scores tie within rounding can trade places when a batch's logits differ from
+            # one row's in the last bits; an inverse-CDF draw over the summed probabilities
+            # (mx.random.categorical) lands on a neighbouring id far more often there
+            noise = mx.random.gumbel(shape=logprobs.shape, key=draw)
+            return mx.argmax(logprobs * (1 / params.temp) + noise, axis=-1)
         except Exception:
             mx.random.seed(secrets.randbits(63))
             raise

@@ -14,6 +14,17 @@ import time
 import urllib.request
 
 
+def chat_model(root, seed: int, name: str = "m") -> str:
+    """A tiny RWKV-7 saved with a ChatML tokenizer under ``root/name`` (its path: the name it
+    is served under), for a test module's server."""
+    import mlx_rwkvx
+    from helpers import chatml_tokenizer, tiny_model
+
+    mlx_rwkvx.save(tiny_model("rwkv7", seed=seed, vocab_size=512), root / name,
+                   tokenizer=chatml_tokenizer(root / "tok"))  # fmt: skip
+    return str(root / name)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,12 +12,10 @@ import http.client
 import json
 import subprocess
 
-import mlx_rwkvx
-
 import pytest
-from helpers import chatml_tokenizer, run_module, tiny_model
+from helpers import run_module
 from helpers.parity import import_parity_extra
-from helpers.serving import Server
+from helpers.serving import Server, chat_model
 
 import_parity_extra(("fastapi", "uvicorn"), extra="server")
 
@@ -28,10 +26,7 @@ GUESS = [{"role": "user", "content": "My PIN is 1234"}]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("auth")
-    mlx_rwkvx.save(tiny_model("rwkv7", seed=5, vocab_size=512), root / "m",
-                   tokenizer=chatml_tokenizer(root / "tok"))  # fmt: skip
-    return str(root / "m")
+    return chat_model(tmp_path_factory.mktemp("auth"), seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,12 @@ import subprocess
 import sys
 import urllib.request
 
-import mlx_rwkvx
 from mlx_rwkvx.generation.prefix_cache import PrefixCache, folder_for, read_state_header
 
 import mlx.core as mx
 import pytest
-from helpers import chatml_tokenizer, tiny_model
 from helpers.parity import import_parity_extra
-from helpers.serving import Server, serving
+from helpers.serving import Server, chat_model, serving
 
 import_parity_extra(("fastapi", "uvicorn"), extra="server")
 
@@ -30,10 +28,7 @@ USER = [{"role": "user", "content": "Hello, world!"}]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cache_dir")
-    mlx_rwkvx.save(tiny_model("rwkv7", seed=30, vocab_size=512), root / "m",
-                   tokenizer=chatml_tokenizer(root / "tok"))  # fmt: skip
-    return str(root / "m")
+    return chat_model(tmp_path_factory.mktemp("cache_dir"), seed=30)
 
 
 def chat(server: Server, model: str, messages, max_tokens: int = 4) -> dict:

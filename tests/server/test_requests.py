@@ -18,12 +18,9 @@ import threading
 import time
 import urllib.request
 
-import mlx_rwkvx
-
 import mlx.core as mx
 import pytest
-from helpers import chatml_tokenizer, tiny_model
-from helpers.serving import Server
+from helpers.serving import Server, chat_model
 
 pytest.importorskip("fastapi", reason="the server extra")
 pytest.importorskip("uvicorn", reason="the server extra")
@@ -37,11 +34,7 @@ WAIT = 60.0  # seconds: a safety net for what the server's counts show long befo
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("requests")
-    path = root / "rwkv7"
-    mlx_rwkvx.save(tiny_model("rwkv7", seed=20, vocab_size=512), path,
-                   tokenizer=chatml_tokenizer(root / "tok"))  # fmt: skip
-    return str(path)
+    return chat_model(tmp_path_factory.mktemp("requests"), seed=20, name="rwkv7")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from mlx_rwkvx.generation.prefix_cache import PrefixCache, folder_for, trim_cach
 from mlx_rwkvx.generation.stream import DEFAULT_PREFILL_STEP, default_max_cache
 from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load
-from mlx_rwkvx.io.targets import check_not_unsafe
+from mlx_rwkvx.io.targets import check_not_unsafe, resolve_target
 from mlx_rwkvx.ops import prepare
 from mlx_rwkvx.server.engine import Engine, Served, share_weights, state_key
 from mlx_rwkvx.server.guards import loopback
@@ -222,6 +222,12 @@ def build(cfg: ServerConfig, *, log=print) -> Engine:
     path = resolve_model(cfg.model)
     if not os.path.exists(path):
         raise UsageError(f"--model {cfg.model}: no such file or folder")
+    if cfg.cache_dir is not None:  # the states never go into what the server reads
+        try:
+            resolve_target(cfg.cache_dir, what="--cache-dir",
+                           inputs=[path, *(p for _, p in pairs)])  # fmt: skip
+        except TargetError as e:
+            raise UsageError(str(e)) from None
     model, tokenizer = load(path, quantize=cfg.quantize, dtype=cfg.dtype)
     if tokenizer is None:
         raise UsageError(f"--model {cfg.model}: no tokenizer found beside it")

@@ -586,6 +586,8 @@ def test_command_line_mistakes_are_one_line(models, tmp_path):
         (["--model", path, "--cache-dir", tmp_path / "notes.txt"], "not a folder"),
         (["--model", path, "--cache-dir", "."], "--cache-dir .*is the current folder"),
         (["--model", path, "--cache-dir", os.path.expanduser("~")], "is the home folder"),
+        (["--model", path, "--cache-dir", path], "--cache-dir .*: is the input"),
+        (["--model", path, "--cache-dir", os.path.join(path, "states")], "lies inside the input"),
     ]:
         with pytest.raises(CliError, match=words):
             cli(main, *args)

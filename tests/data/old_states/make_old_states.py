@@ -21,13 +21,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
 import mlx_rwkvx  # noqa: E402,F401  (before mlx: the system BLAS)
-from helpers import tiny_model  # noqa: E402
 from mlx_rwkvx.generation import Chat  # noqa: E402
 from mlx_rwkvx.generation.prefix_cache import PrefixCache  # noqa: E402
 from mlx_rwkvx.io.tokenizers import ByteTokenizer  # noqa: E402
 from mlx_rwkvx.server.engine import state_key  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
+from helpers import tiny_model  # noqa: E402
 
 PREFIX_TOKENS = list(b"a prefix of a conversation")
 

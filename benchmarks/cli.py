@@ -2,9 +2,9 @@
 
     python scripts/bench.py blas                # or: python -m benchmarks blas
     python scripts/bench.py wkv7 moba models    # several sections, one after another
-    python scripts/bench.py all                 # every section: BENCHMARKS.md written anew
+    python scripts/bench.py all                 # every section: benchmarks/BENCHMARKS.md anew
     python scripts/bench.py all --skip train-int8   # that one carried over from the last run
-    python scripts/bench.py render              # BENCHMARKS.md again from benchmarks.json
+    python scripts/bench.py render              # benchmarks/BENCHMARKS.md anew from benchmarks.json
     python scripts/bench.py all --quick --output /tmp/bench   # the smoke run
 
 A section run on its own is appended to BENCHMARKS.md with the machine, the command, the times
@@ -13,12 +13,12 @@ every section and only then rewrites BENCHMARKS.md (a failed verification leaves
 whole): a header naming the machine, MLX, its BLAS and NumPy; a summary of every section's
 goals; one section each. Beside it go the raw measurements (benchmarks.json: ``--skip``
 carries a section over from it, ``render`` re-renders from it without measuring) and
-benchmarks.png where matplotlib is installed (the ``plot`` extra). ``--output DIR`` writes
-elsewhere than the repository's root. ``--quick`` runs at small sizes: a smoke test of the
-benchmarks, whose numbers say nothing about the code's speed; it writes into a new temporary
-folder unless given ``--output``, and never into the repository. While ``all`` runs,
-benchmarks.partial.json holds the sections measured so far: after a failure or Ctrl-C,
-``--skip`` carries them over from it.
+benchmarks.png where matplotlib is installed (the ``plot`` extra). The recorded results live
+in the repository's benchmarks/ folder, beside this code; ``--output DIR`` writes elsewhere.
+``--quick`` runs at small sizes: a smoke test of the benchmarks, whose numbers say nothing about
+the code's speed; it writes into a new temporary folder unless given ``--output``, and never
+into the repository. While ``all`` runs, benchmarks.partial.json holds the sections measured
+so far: after a failure or Ctrl-C, ``--skip`` carries them over from it.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import mlx_rwkvx
-from benchmarks.common import PACKAGE_ROOT, Section, VerificationFailed
+from benchmarks.common import PACKAGE_ROOT, RESULTS_DIR, Section, VerificationFailed
 from benchmarks.report import JSON_NAME, REPORT_NAME, ReportError, read_report
 from benchmarks.run import output_folder, run_all, run_section, write_report
 
 # The repository (a --quick run never writes into it) and the default output folder.
-ROOT = PACKAGE_ROOT
+ROOT, DEFAULT_OUTPUT = PACKAGE_ROOT, RESULTS_DIR
 COMMANDS = {
     "all": "every section; rewrites BENCHMARKS.md, benchmarks.json and benchmarks.png",
     "render": "BENCHMARKS.md and benchmarks.png again from benchmarks.json, measuring nothing",
@@ -90,8 +90,8 @@ def _parser(sections: Mapping[str, Section], prog: str | None) -> argparse.Argum
         type=Path,
         metavar="DIR",
         help="the folder of BENCHMARKS.md (and, for all and render, benchmarks.json and "
-        "benchmarks.png); default the repository's root, with --quick a new temporary folder "
-        "(a --quick run never writes into the repository)",
+        "benchmarks.png); default the repository's benchmarks/ folder, with --quick a new "
+        "temporary folder (a --quick run never writes into the repository)",
     )
     return parser
 
@@ -123,7 +123,7 @@ def main(
             f"--quick does not write into the repository ({args.output}): give --output a "
             "folder outside it"
         )
-    out_dir = args.output or ROOT
+    out_dir = args.output or DEFAULT_OUTPUT
     temporary = args.quick and args.output is None
     if temporary:
         out_dir = Path(tempfile.mkdtemp(prefix="mlx_rwkvx-bench-quick-"))

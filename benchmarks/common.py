@@ -23,6 +23,9 @@ import numpy as np
 
 # The folder holding the benchmarks package (the repository's root in a checkout).
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+# Where the recorded results live (BENCHMARKS.md, benchmarks.json, benchmarks.png): beside the
+# code that measured them.
+RESULTS_DIR = Path(__file__).resolve().parent
 
 
 class VerificationFailed(RuntimeError):

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from benchmarks.common import PACKAGE_ROOT, Section, now
+from benchmarks.common import RESULTS_DIR, Section, now
 from benchmarks.plot import plot_png
 from benchmarks.report import (
     JSON_NAME,
@@ -87,11 +87,11 @@ def run_section(
     name: str, sections: Mapping[str, Section], quick: bool = False, path: Path | None = None
 ) -> dict:
     """Measure one section, render it, add it to ``path`` (default the repository's
-    BENCHMARKS.md); returns the measurements."""
+    benchmarks/BENCHMARKS.md); returns the measurements."""
     section = sections[name]
     results = section.measure(quick=quick)
     lines = section.render(results).lines
-    write_section(name, section_command(name, quick), lines, path or PACKAGE_ROOT / REPORT_NAME)
+    write_section(name, section_command(name, quick), lines, path or RESULTS_DIR / REPORT_NAME)
     return results
 
 

@@ -11,8 +11,8 @@ from mlx_rwkvx.errors import UserError
 import mlx.core as mx
 
 # MLX's CPU allocator keeps only 32 MB of freed buffers by default. Larger arrays are then
-# fresh mmaps whose pages fault in on first touch (BENCHMARKS.md, wkv7 section, measures what
-# that costs the chunked WKV7 path).
+# fresh mmaps whose pages fault in on first touch (benchmarks/BENCHMARKS.md, wkv7 section,
+# measures what that costs the chunked WKV7 path).
 _DEFAULT_CPU_CACHE = 32 << 20
 _done = False
 

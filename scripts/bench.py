@@ -2,9 +2,9 @@
 
     python scripts/bench.py blas
     python scripts/bench.py wkv7 moba models    # several sections, one after another
-    python scripts/bench.py all                 # every section: BENCHMARKS.md written anew
+    python scripts/bench.py all                 # every section: benchmarks/BENCHMARKS.md anew
     python scripts/bench.py all --skip train-int8   # that one carried over from the last run
-    python scripts/bench.py render              # BENCHMARKS.md again from benchmarks.json
+    python scripts/bench.py render              # benchmarks/BENCHMARKS.md anew from benchmarks.json
     python scripts/bench.py all --quick --output /tmp/bench   # the smoke run
 
 The benchmarks are the ``benchmarks`` package beside this folder (``python -m benchmarks`` is

@@ -54,11 +54,27 @@ def test_readme_promises_only_commands_that_exist():
 
     for name in set(re.findall(r"python -m (mlx_rwkvx\.\w+)", README.read_text())):
         assert importlib.util.find_spec(name) is not None, f"README promises {name}"
-    for link in re.findall(r"\]\(([^)#]+)\)", README.read_text()):
-        if not link.startswith("http"):
-            assert (README.parent / link).exists(), f"README links to missing {link}"
     for path in re.findall(r"`(tests/[^`\s]*)`", README.read_text()):
         assert (README.parent / path).exists(), f"README names missing {path}"
+
+
+def broken_links(doc: Path) -> list[str]:
+    """The relative links (and images) of a markdown file whose target file does not exist."""
+    broken = []
+    for link in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        target = link.split("#", 1)[0]
+        if target and not re.match(r"[a-z]+:", target) and not (doc.parent / target).exists():
+            broken.append(link)
+    return broken
+
+
+def test_markdown_links_resolve():
+    """The README and the recorded benchmark reports beside the benchmarks' code link only files
+    that exist: each other, the plot, the tests."""
+    docs = [README, *sorted((README.parent / "benchmarks").glob("*.md"))]
+    assert len(docs) >= 3
+    broken = {doc.name: links for doc in docs if (links := broken_links(doc))}
+    assert not broken, f"links to missing files: {broken}"
 
 
 def _design_entries() -> list[str]:
@@ -178,7 +194,7 @@ EXEMPT = {
     '\'{"model": "tuned", "messages": [{"role": "user", "content": "Hello"}], '
     '"max_tokens": 64}\'': ("needs the server above running; tests/server/ send the same request"),
     "python scripts/bench.py all": (
-        "the benchmarks: minutes to an hour on 2 cores, and it rewrites BENCHMARKS.md; "
+        "the benchmarks: minutes to an hour on 2 cores, and it rewrites benchmarks/BENCHMARKS.md; "
         "tests/cli/test_bench.py runs its sections at --quick sizes"
     ),
 }

@@ -11,8 +11,8 @@ machine for stop strings (``TextStateMachine``: text that may begin a stop strin
 - the prefill (``Session.feed``): pieces of ``prefill_step`` tokens through ``Model.hidden``,
   the head on the last position only. ``generate_step``'s prefill of the same model runs the
   prompt's last token as a step of its own: as fast on a long prompt, a decode step slower on a
-  chat turn's (BENCHMARKS.md, generate section). Ours also leaves the state after the prompt,
-  which the chat keeps as its snapshot before an answer;
+  chat turn's (benchmarks/BENCHMARKS.md, generate section). Ours also leaves the state after
+  the prompt, which the chat keeps as its snapshot before an answer;
 - the attention blocks' ``max_cache`` window (mlx-lm's ``make_prompt_cache`` ignores
   ``max_kv_size`` for a model with its own ``make_cache``): past it MoBA drops whole chunks and
   Qwen2 keeps its last keys turned back to their new positions (``Model.trim_state``), or, with
@@ -90,7 +90,7 @@ class Session:
         self.tokens: list[int] = []
         self.state: list | None = None
         self.logits: mx.array | None = None
-        # the one-token step, eager unless asked (BENCHMARKS.md, generate section, times both)
+        # the one-token step, eager unless asked (benchmarks/BENCHMARKS.md, generate, times both)
         self._step = mx.compile(self._forward) if compile_step else self._forward
 
     def _forward(self, tokens, state):

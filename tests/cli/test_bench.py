@@ -157,8 +157,9 @@ def _sections() -> list:
 
 
 def _recorded(name: str) -> dict:
-    """A section's results as the repository's benchmarks.json holds them."""
-    return json.loads((ROOT / "benchmarks.json").read_text())["sections"][name]["results"]
+    """A section's results as the repository's benchmarks/benchmarks.json holds them."""
+    recorded = json.loads((cli.DEFAULT_OUTPUT / "benchmarks.json").read_text())
+    return recorded["sections"][name]["results"]
 
 
 @pytest.fixture(scope="module")
@@ -509,7 +510,7 @@ def test_a_section_run_alone_is_appended(fake, tmp_path):
 
 @pytest.mark.parametrize("argv", [["all", "--quick"], ["gamma", "--quick"]])
 def test_quick_writes_outside_the_repository(fake, capsys, argv):
-    in_repository = cli.ROOT / "BENCHMARKS.md"
+    in_repository = cli.DEFAULT_OUTPUT / "BENCHMARKS.md"
     before = in_repository.read_bytes() if in_repository.exists() else None
     fake.main(argv)
     assert (in_repository.read_bytes() if in_repository.exists() else None) == before
@@ -525,6 +526,19 @@ def test_quick_writes_outside_the_repository(fake, capsys, argv):
         for p in wrote.iterdir():
             p.unlink()
         wrote.rmdir()
+
+
+def test_recorded_results_live_beside_the_benchmarks_code(fake, monkeypatch):
+    """The recorded report, its data and its plot are in benchmarks/, where a run without
+    --output writes them; none of them is at the repository's root."""
+    for name in (report.REPORT_NAME, report.JSON_NAME, report.PLOT_NAME):
+        assert (PACKAGE / name).is_file() and not (ROOT / name).exists(), name
+    written = []
+    monkeypatch.setattr(cli, "write_report", lambda *args, **kw: written.append(args[2]))
+    monkeypatch.setattr(cli, "run_section", lambda *args, path, **kw: written.append(path))
+    fake.main(["render"])
+    fake.main(["gamma"])
+    assert written == [PACKAGE, PACKAGE / report.REPORT_NAME]
 
 
 def _entry(results, **fields) -> dict:
@@ -753,7 +767,7 @@ def test_plot_panels_read_the_real_sections(quick_run):
 
 @pytest.mark.slow
 def test_all_quick_end_to_end(tmp_path):
-    repo_report = cli.ROOT / "BENCHMARKS.md"
+    repo_report = cli.DEFAULT_OUTPUT / "BENCHMARKS.md"
     before = repo_report.read_bytes() if repo_report.exists() else None
     cmd = [sys.executable, str(BENCH_PATH), "all", "--quick", "--output", str(tmp_path)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)

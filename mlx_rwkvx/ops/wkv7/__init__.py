@@ -23,7 +23,7 @@ import mlx.core as mx
 __all__ = ["CHUNK", "wkv7", "wkv7_chunked", "wkv7_kernel", "wkv7_ref", "wkv7_step"]
 
 ENV_VAR = "MLX_RWKVX_WKV7"
-# Up to this many steps the step loop beats the chunked path (BENCHMARKS.md, wkv7 section)
+# Up to this many steps the step loop beats the chunked path (benchmarks/BENCHMARKS.md, wkv7)
 REF_MAX_T = 8
 
 

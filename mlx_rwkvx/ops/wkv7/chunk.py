@@ -17,7 +17,8 @@ import mlx.core as mx
 # differs by < 1.1e-7, below float32 resolution, and this bound keeps every exponential factor
 # of the chunked path inside [e^-64, e^64] (``SUB // 2`` steps either side of a reference).
 LOG_W_MIN = -16.0
-CHUNK = 16  # time steps per chunk of the state scan (the fastest of 16, 32, 64: BENCHMARKS.md)
+# Time steps per chunk of the state scan: the fastest of 16, 32, 64 (benchmarks/BENCHMARKS.md).
+CHUNK = 16
 SUB = 8  # time steps per sub-block sharing one exponential reference point
 REF = SUB // 2 - 1  # the reference: the cumulative log-decay after this step of the sub-block
 

@@ -265,7 +265,7 @@ def render(r: dict) -> Rendered:
     goals.append(Goal("load test 5xx answers", ld["5xx"] + (0 if ld["alive"] else 1), 0, False))
     goals.append(Goal("load test resident memory growth / --cache-bytes",
                       growth * 2**20 / ld["cache_bytes"], 1.5, False))  # fmt: skip
-    if "soak" in r:  # measured since the server's hardening (issue 33)
+    if "soak" in r:  # results carried over from a run without the soak have none
         lines += ["", *soak_lines(r["soak"])]
         goals += soak_goals(r["soak"])
     return with_goals(lines, goals)

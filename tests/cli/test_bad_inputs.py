@@ -1271,7 +1271,7 @@ def _cases():
         r"unknown fields \['size'\]",
     )
 
-    # found by review: malformed fields, stray tensors, exports, quantizing twice
+    # malformed fields, stray tensors, exports, quantizing twice
     add(
         "load",
         "Qwen2 heads as a string",
@@ -1461,7 +1461,7 @@ def _cases():
         "neither RWKV World's",
     )
 
-    # issue 21: the commands' and the Python API's bad inputs (each refused before any work)
+    # the commands' and the Python API's bad inputs (each refused before any work)
     _command_cases(add)
     return c
 
@@ -1815,7 +1815,7 @@ def full_disk_cli(main, src):
         mx.save_safetensors = real
 
 
-# ----- the commands' inputs (issue 21) --------------------------------------------------------
+# The commands' inputs.
 
 TEXTS = [{"text": "hello world"}, {"text": "a small text"}]
 
@@ -2032,7 +2032,7 @@ def test_bad_input(tmp_path, case):
 
 
 def test_table_size():
-    # issue 9 asked for at least 100 bad inputs across these areas; issue 21 added the
+    # every area's bad inputs stay in the table: the library's (load to tokenizer), the
     # commands' (train, generate, merge, data), the environment's and the Python API's
     by_area = Counter(c[0] for c in CASES)
     assert len(CASES) >= 257 and set(by_area) == {

@@ -1,4 +1,4 @@
-"""What the commands say when nothing is wrong (issue 21): ``--help`` without reStructuredText
+"""What the commands say when nothing is wrong: ``--help`` without reStructuredText
 markup, the demo's errors named as every command's, training's notes (examples cut to
 --max-seq-len, the --parallel remainder, a --config setting the --mode ignores), the validation
 loss shown once, --resume past a checkpoint cut short, an answer stopped by a full KV cache, the

@@ -1,5 +1,5 @@
-"""The prefix cache (the server's state store, first step): longest stored prefix against a
-brute-force reference under random operations, least-recently-used eviction under the byte
+"""The prefix cache (the server's store of states after token prefixes): longest stored prefix
+against a brute-force reference under random operations, least-recently-used eviction under the byte
 budget, and a trie that shrinks back as states go (no node leaks)."""
 
 from __future__ import annotations

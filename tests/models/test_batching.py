@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from models.test_models_hybrid import CONFIGS
 
-TOL = 1e-5  # issue: a batched row's per-step log-probabilities within 1e-5 of the row alone
+TOL = 1e-5  # a batched row's per-step log-probabilities within 1e-5 of the row alone
 PROMPTS = (5, 19, 11, 1, 26)  # the last two join while the first three decode
 STEPS = 10
 

@@ -1,4 +1,4 @@
-"""The evaluate section: the loss on a data set (``tuner.losses.dataset_loss``, what
+"""The evaluate section: the loss on a data set (``data.loss.dataset_loss``, what
 ``python -m mlx_rwkvx.evaluate`` and the trainer's validation run) against a bare forward pass
 with the fused head and loss on every token of the same batches (the training forward without
 its backward), beside the FLOP bound; and its peak memory on 10x the data."""
@@ -16,11 +16,11 @@ from benchmarks.common import (
     with_goals,
 )
 from benchmarks.workloads import chunked_flops, linear_params
+from mlx_rwkvx.data.batches import PAD_MULTIPLE, batches
+from mlx_rwkvx.data.examples import Example
+from mlx_rwkvx.data.loss import dataset_loss, segment_loss
 from mlx_rwkvx.models import Model, ModelConfig, preset
 from mlx_rwkvx.perf import best_time, matmul_gflops
-from mlx_rwkvx.tuner.batches import PAD_MULTIPLE, batches
-from mlx_rwkvx.tuner.data import Example
-from mlx_rwkvx.tuner.losses import dataset_loss, segment_loss
 
 import mlx.core as mx
 import numpy as np

@@ -27,9 +27,10 @@ from benchmarks.common import (
     worker_env,
     worker_main,
 )
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.targets import target_paths
 from mlx_rwkvx.models import Model, ModelConfig
 from mlx_rwkvx.perf import best_time
-from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.distributed import all_sum, data_parallel_group
 from mlx_rwkvx.tuner.optimizer import make_optimizer

@@ -20,11 +20,12 @@ from benchmarks.common import (
     with_goals,
 )
 from benchmarks.workloads import lora_step_flops
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.targets import target_paths
+from mlx_rwkvx.data.loss import batch_loss
 from mlx_rwkvx.models import Model, ModelConfig
 from mlx_rwkvx.perf import matmul_gflops
-from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.losses import batch_loss
 from mlx_rwkvx.tuner.optimizer import make_optimizer
 from mlx_rwkvx.tuner.preference import Pair, pair_logprobs, preference_loss
 from mlx_rwkvx.tuner.preference_run import PreferenceStep

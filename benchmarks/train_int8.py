@@ -27,10 +27,10 @@ from benchmarks.common import (
     worker_result,
 )
 from benchmarks.workloads import rfa_model_config
+from mlx_rwkvx.data.records import write_bin
 from mlx_rwkvx.io.load import load, save
 from mlx_rwkvx.models import Model
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.data import write_bin
 from mlx_rwkvx.tuner.trainer import train
 
 import mlx.core as mx

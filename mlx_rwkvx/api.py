@@ -18,7 +18,7 @@ def load(path, *, quantize=None, dtype=None, adapter=None, tokenizer: bool = Tru
     if adapter is not None:
         # here, not at the top: the adapters import mlx-lm's tuner (transformers, and torch
         # where installed: seconds), which a load without one does not need
-        from mlx_rwkvx.tuner.adapters import apply_adapter
+        from mlx_rwkvx.adapters.apply import apply_adapter
 
         apply_adapter(model, adapter)
     return model, found

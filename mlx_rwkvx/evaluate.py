@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import mlx_rwkvx
 from mlx_rwkvx import cli, settings
+from mlx_rwkvx.adapters.apply import apply_adapter
+from mlx_rwkvx.adapters.files import read_adapter
+from mlx_rwkvx.adapters.fingerprint import fingerprint
 from mlx_rwkvx.errors import AdapterError, Interrupted, UsageError, signal_of
 from mlx_rwkvx.evaluation import Row, default_seq_len, eval_examples, evaluate_loss
 from mlx_rwkvx.evaluation.harness import make_lm, run_tasks, task_manager
@@ -29,7 +32,6 @@ from mlx_rwkvx.io.load import load
 from mlx_rwkvx.io.tokenizers import token_byte_lengths
 from mlx_rwkvx.ops import prepare
 from mlx_rwkvx.settings import opt
-from mlx_rwkvx.tuner.adapters import apply_adapter, fingerprint, read_adapter
 
 import mlx.core as mx
 from tqdm import tqdm

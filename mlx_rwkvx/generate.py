@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import mlx_rwkvx
 from mlx_rwkvx import cli, generation, settings
+from mlx_rwkvx.adapters.apply import apply_adapter
 from mlx_rwkvx.errors import UsageError, UserError
 from mlx_rwkvx.generation import (
     DEFAULT_MAX_CACHE,
@@ -36,7 +37,6 @@ from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load
 from mlx_rwkvx.ops import prepare
 from mlx_rwkvx.settings import opt
-from mlx_rwkvx.tuner.adapters import apply_adapter
 
 import mlx.core as mx
 

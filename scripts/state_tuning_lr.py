@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the package, from a checkout
 
 import mlx_rwkvx  # noqa: E402
+from mlx_rwkvx.data.examples import load_examples  # noqa: E402
 from mlx_rwkvx.tuner.config import TrainConfig  # noqa: E402
-from mlx_rwkvx.tuner.data import load_examples  # noqa: E402
 from mlx_rwkvx.tuner.trainer import evaluate, train  # noqa: E402
 
 RATES = (1.0, 3e-2, 3e-3, 3e-4)  # RWKV-PEFT's, then smaller ones (rwkv-metal's 3e-4 among them)

@@ -1,5 +1,5 @@
 """Evaluation: the loss of a model on a data set (mean loss, perplexity, bits per byte;
-``perplexity.py``, on the trainer's one definition, ``tuner.losses.dataset_loss``). Entry
+``perplexity.py``, on the trainer's one definition, ``data.loss.dataset_loss``). Entry
 point of the command: ``mlx_rwkvx.evaluate``."""
 
 from mlx_rwkvx.evaluation.perplexity import (

@@ -14,11 +14,12 @@ import os
 import time
 from dataclasses import dataclass
 
+from mlx_rwkvx.data.examples import Example, load_examples
+from mlx_rwkvx.data.loss import LossSum, dataset_loss
+from mlx_rwkvx.data.records import find_split
 from mlx_rwkvx.errors import DataError
 from mlx_rwkvx.io.tokenizers import token_byte_lengths
 from mlx_rwkvx.models import Model
-from mlx_rwkvx.tuner import data
-from mlx_rwkvx.tuner.losses import LossSum, dataset_loss
 
 import numpy as np
 
@@ -37,7 +38,7 @@ def pick_split(path: str, split: str | None) -> str:
     if not os.path.isdir(path):
         return path
     for name in [split] if split else ["test", "valid"]:
-        found = data.find_split(path, name)
+        found = find_split(path, name)
         if found:
             return found
     wanted = f"{split}.jsonl or {split}.bin" if split else "test.jsonl, valid.jsonl (or .bin)"
@@ -46,7 +47,7 @@ def pick_split(path: str, split: str | None) -> str:
 
 def eval_examples(path: str, tokenizer, vocab: int, *, max_seq_len: int, carry_state: bool,
                   split: str | None = None,
-                  sql: str | None = None) -> tuple[list[data.Example], str]:  # fmt: skip
+                  sql: str | None = None) -> tuple[list[Example], str]:  # fmt: skip
     """(the examples of the data set at ``path``, the file they came from; ``sql``: the query
     of a SQLite database); DataError naming the file and the problem (none, empty, a text
     shorter than two tokens)."""
@@ -67,8 +68,8 @@ def eval_examples(path: str, tokenizer, vocab: int, *, max_seq_len: int, carry_s
             ids = ids[: cut + 1]
         trained = np.ones(len(ids), dtype=bool)
         trained[0] = False
-        return [data.Example(ids, trained, source=file)], file
-    examples, _ = data.load_examples(file, tokenizer, split=split or "test", sql=sql,
+        return [Example(ids, trained, source=file)], file
+    examples, _ = load_examples(file, tokenizer, split=split or "test", sql=sql,
                                      max_seq_len=cut, vocab_size=vocab)  # fmt: skip
     if not any(e.trained.any() for e in examples):
         raise DataError(f"{file}: no token to predict (every text is shorter than two tokens)")

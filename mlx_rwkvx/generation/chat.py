@@ -13,13 +13,14 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from mlx_rwkvx.adapters.fingerprint import fingerprint
+from mlx_rwkvx.adapters.tensors import adapter_tensors
 from mlx_rwkvx.errors import CheckpointError, GenerationError
 from mlx_rwkvx.generation.stream import Session, _encode, stream_generate
 from mlx_rwkvx.io.atomic import atomic_target, check_target, save_safetensors
 from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.io.tokenizers import rwkv_chat_text
 from mlx_rwkvx.models.model import Model
-from mlx_rwkvx.tuner.adapters import adapter_tensors, fingerprint
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten

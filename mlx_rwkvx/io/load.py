@@ -210,7 +210,7 @@ def save(model: Model, path, *, tokenizer=None, overwrite: bool = False) -> None
     if any(n.endswith((".lora_a", ".lora_b")) for n in tensors):
         raise CheckpointError(
             f"{checkpoint_path(path)}: the model holds LoRA/DoRA adapters; fuse them first "
-            "(mlx_rwkvx.tuner.adapters.fuse_adapters) or save the adapter itself"
+            "(mlx_rwkvx.adapters.fuse.fuse_adapters) or save the adapter itself"
         )
     write_native(
         path,

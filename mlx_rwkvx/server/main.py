@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import mlx_rwkvx
 from mlx_rwkvx import cli, settings
+from mlx_rwkvx.adapters.apply import apply_adapter
 from mlx_rwkvx.errors import TargetError, UsageError
 from mlx_rwkvx.generation import chat_format
 from mlx_rwkvx.generation.prefix_cache import PrefixCache, folder_for, trim_cache_dir
@@ -34,7 +35,6 @@ from mlx_rwkvx.server.engine import Engine, Served, share_weights, state_key
 from mlx_rwkvx.server.guards import loopback
 from mlx_rwkvx.server.tools import ToolCalls
 from mlx_rwkvx.settings import opt
-from mlx_rwkvx.tuner.adapters import apply_adapter
 
 import mlx.core as mx
 

@@ -9,6 +9,11 @@ import json
 import os
 from dataclasses import dataclass
 
+from mlx_rwkvx.adapters.fingerprint import fingerprint
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.state import enable_state_tuning
+from mlx_rwkvx.adapters.targets import check_rank, default_targets, target_paths
+from mlx_rwkvx.adapters.variants import VARIANTS
 from mlx_rwkvx.errors import AdapterError, CheckpointError, TrainError
 from mlx_rwkvx.io.formats import block_kinds
 from mlx_rwkvx.io.hub import resolve_model
@@ -17,16 +22,7 @@ from mlx_rwkvx.io.tokenizers import builtin_tokenizer, load_tokenizer, tokenizer
 from mlx_rwkvx.models import Model, ModelConfig, preset
 from mlx_rwkvx.models.config import PRESETS
 from mlx_rwkvx.tuner import parallel
-from mlx_rwkvx.tuner.adapters import (
-    apply_lora,
-    check_rank,
-    default_targets,
-    enable_state_tuning,
-    fingerprint,
-    target_paths,
-)
 from mlx_rwkvx.tuner.config import LORA_MODES, TrainConfig
-from mlx_rwkvx.tuner.lora_variants import VARIANTS
 
 import yaml
 from mlx.utils import tree_flatten

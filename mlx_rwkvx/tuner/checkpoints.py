@@ -15,12 +15,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mlx_rwkvx._crash import crash_point
+from mlx_rwkvx.adapters.files import save_adapter
+from mlx_rwkvx.adapters.tensors import adapter_tensors, load_adapter_tensors
 from mlx_rwkvx.errors import CheckpointError, TrainError
 from mlx_rwkvx.io.atomic import atomic_target, save_safetensors, save_text
 from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.models import Model
 from mlx_rwkvx.models.init import INIT_ALIASES
-from mlx_rwkvx.tuner.adapters import adapter_tensors, load_adapter_tensors, save_adapter
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten

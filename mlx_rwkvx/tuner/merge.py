@@ -22,6 +22,15 @@ import json
 import os
 from dataclasses import dataclass
 
+from mlx_rwkvx.adapters.apply import apply_adapter_tensors
+from mlx_rwkvx.adapters.files import (
+    ADAPTER_CONFIG,
+    FINAL_ADAPTER,
+    is_adapter_file,
+    read_adapter,
+    save_adapter_tensors,
+)
+from mlx_rwkvx.adapters.fuse import fuse_adapters
 from mlx_rwkvx.errors import CheckpointError, MergeError, UsageError
 from mlx_rwkvx.io.atomic import atomic_target, check_target, save_text
 from mlx_rwkvx.io.detect import is_checkpoint
@@ -29,15 +38,6 @@ from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load, save
 from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
 from mlx_rwkvx.models.quantize import dequantize_model, quantize_bits
-from mlx_rwkvx.tuner.adapters import (
-    ADAPTER_CONFIG,
-    FINAL_ADAPTER,
-    apply_adapter_tensors,
-    fuse_adapters,
-    is_adapter_file,
-    read_adapter,
-    save_adapter_tensors,
-)
 
 import mlx.core as mx
 import numpy as np

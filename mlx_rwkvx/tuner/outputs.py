@@ -12,12 +12,12 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
+from mlx_rwkvx.adapters.files import ADAPTER_CONFIG, FINAL_ADAPTER, save_adapter
 from mlx_rwkvx.errors import TrainError
 from mlx_rwkvx.io.atomic import atomic_target, save_text
 from mlx_rwkvx.io.load import save
 from mlx_rwkvx.io.targets import check_not_unsafe
 from mlx_rwkvx.tuner import parallel
-from mlx_rwkvx.tuner.adapters import ADAPTER_CONFIG, FINAL_ADAPTER, save_adapter
 from mlx_rwkvx.tuner.checkpoints import newest_checkpoint
 from mlx_rwkvx.tuner.config import TrainConfig
 

@@ -19,10 +19,11 @@ import os
 import sys
 from contextlib import contextmanager
 
+from mlx_rwkvx.adapters.files import FINAL_ADAPTER, save_adapter_tensors
+from mlx_rwkvx.adapters.tensors import adapter_tensors
+from mlx_rwkvx.data.examples import IGNORE_INDEX
+from mlx_rwkvx.data.loss import token_loss
 from mlx_rwkvx.errors import AdapterError, TrainError
-from mlx_rwkvx.tuner.adapters import FINAL_ADAPTER, adapter_tensors, save_adapter_tensors
-from mlx_rwkvx.tuner.data import IGNORE_INDEX
-from mlx_rwkvx.tuner.losses import token_loss
 
 import mlx.core as mx
 import mlx.nn as nn

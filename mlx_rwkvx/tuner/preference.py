@@ -4,9 +4,10 @@ A preference record is a JSONL line ``{"prompt", "chosen", "rejected"}`` as TRL 
 mlx-lm-lora read them: strings (the prompt a user turn, the answers assistant turns), or
 conversational (``"prompt"`` a list of messages, ``"chosen"`` / ``"rejected"`` the assistant
 turns as lists of messages); a ``"system"`` field becomes the first message. The chat template
-renders them as SFT's ``messages`` are rendered (``data._chat``): a ``Pair`` holds the prompt's
-tokens through the generation prompt, shared by both answers, and each answer's tokens with
-the ones the loss counts (its assistant turns; the prompt's own assistant turns are context).
+renders them as SFT's ``messages`` are rendered (``data.chat.chat_tokens``): a ``Pair`` holds
+the prompt's tokens through the generation prompt, shared by both answers, and each answer's
+tokens with the ones the loss counts (its assistant turns; the prompt's own assistant turns are
+context).
 
 ``pair_logprobs``: the summed log-probabilities of the chosen and the rejected answers of a
 batch of pairs, the prompt prefilled once and its state branched (RWKV's state is the whole
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_rwkvx.data.chat import chat_tokens, check_messages
+from mlx_rwkvx.data.examples import IGNORE_INDEX
+from mlx_rwkvx.data.loss import token_loss
+from mlx_rwkvx.data.records import BadRecord, jsonl_records
 from mlx_rwkvx.errors import DataError
 from mlx_rwkvx.models import Model
-from mlx_rwkvx.tuner.data import IGNORE_INDEX, _Bad, _chat, _check_messages, _jsonl_records
-from mlx_rwkvx.tuner.losses import token_loss
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,42 +51,42 @@ def _turns(value, name: str) -> list[dict]:
         return [{"role": "assistant", "content": value}]
     if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
         if value[-1].get("role") != "assistant":
-            raise _Bad(f"'{name}' must end with an assistant message")
+            raise BadRecord(f"'{name}' must end with an assistant message")
         return value
-    raise _Bad(f"'{name}' must be a string or a list of messages, got {type(value).__name__}")
+    raise BadRecord(f"'{name}' must be a string or a list of messages, got {type(value).__name__}")
 
 
 def pair_of(tokenizer, record: dict, source: str = "") -> Pair:
-    """The ``Pair`` of one preference record (``_Bad`` for a record that is not one)."""
+    """The ``Pair`` of one preference record (``BadRecord`` for a record that is not one)."""
     if not isinstance(record, dict) or not all(k in record for k in ("prompt", "chosen",
                                                                      "rejected")):  # fmt: skip
-        raise _Bad("expected 'prompt', 'chosen' and 'rejected' fields")
+        raise BadRecord("expected 'prompt', 'chosen' and 'rejected' fields")
     prompt = record["prompt"]
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
         if not isinstance(prompt, list) or not prompt:
-            raise _Bad("'prompt' must be a string or a non-empty list of messages")
-        _check_messages(prompt)
+            raise BadRecord("'prompt' must be a string or a non-empty list of messages")
+        check_messages(prompt)
         messages = list(prompt)
     system = record.get("system")
     if system is not None:
         if not isinstance(system, str):
-            raise _Bad(f"'system' must be a string, got {type(system).__name__}")
+            raise BadRecord(f"'system' must be a string, got {type(system).__name__}")
         if messages[0].get("role") == "system":
-            raise _Bad("a 'system' field and a system message in the prompt: give one")
+            raise BadRecord("a 'system' field and a system message in the prompt: give one")
         messages = [{"role": "system", "content": system}, *messages]
     sides = []
     for name in ("chosen", "rejected"):
         # the prompt's own assistant turns are context: only the answer's are scored
-        tokens, trained = _chat(tokenizer, messages + _turns(record[name], name), None,
+        tokens, trained = chat_tokens(tokenizer, messages + _turns(record[name], name), None,
                                 first=len(messages))  # fmt: skip
         start = int(np.argmax(trained))
         end = len(trained) - int(np.argmax(trained[::-1]))  # after the last trained token
         sides.append((tokens, start, end, trained))
     (tc, sc, ec, mc), (tr, sr, er, mr) = sides
     if sc != sr or not np.array_equal(tc[:sc], tr[:sr]):
-        raise _Bad("the chosen and rejected conversations do not share the prompt's tokens")
+        raise BadRecord("the chosen and rejected conversations do not share the prompt's tokens")
     return Pair(tc[:sc].astype(np.int32), tc[sc:ec].astype(np.int32), mc[sc:ec],
                 tr[sr:er].astype(np.int32), mr[sr:er], source)  # fmt: skip
 
@@ -94,14 +97,14 @@ def load_pairs(path: str, tokenizer, *, max_seq_len: int | None = None,
     ``max_seq_len``: the prompt and the longer answer together, at most."""
     vocab = vocab_size or getattr(tokenizer, "vocab_size", None)
     pairs = []
-    for where, fmt, record, _ in _jsonl_records(path):
+    for where, fmt, record, _ in jsonl_records(path):
         try:
-            if isinstance(record, _Bad):
+            if isinstance(record, BadRecord):
                 raise record
             if fmt != "preference":
-                raise _Bad("not a preference record ('prompt', 'chosen', 'rejected')")
+                raise BadRecord("not a preference record ('prompt', 'chosen', 'rejected')")
             pair = pair_of(tokenizer, record, where)
-        except _Bad as e:
+        except BadRecord as e:
             raise DataError(f"{where}: {e.args[0]}") from None
         longest = len(pair.prompt) + max(len(pair.chosen), len(pair.rejected))
         if max_seq_len is not None and longest > max_seq_len + 1:

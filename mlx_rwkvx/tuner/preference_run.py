@@ -17,9 +17,9 @@ import os
 import sys
 from dataclasses import fields
 
+from mlx_rwkvx.data.records import find_split
 from mlx_rwkvx.errors import DataError, NonFinite, TrainError
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.data import find_split
 from mlx_rwkvx.tuner.distributed import all_sum, rank_share
 from mlx_rwkvx.tuner.preference import (
     Pair,

@@ -10,12 +10,13 @@ import sys
 import time
 from contextlib import ExitStack
 
+from mlx_rwkvx.data.batches import split_parts
+from mlx_rwkvx.data.examples import cut_note, load_examples
+from mlx_rwkvx.data.records import SPLITS, find_split, is_bin, write_bin
 from mlx_rwkvx.errors import DataError, UsageError
 from mlx_rwkvx.io.atomic import check_target
 from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
 from mlx_rwkvx.io.tokenizers import WORLD_VOCAB, resolve_tokenizer
-from mlx_rwkvx.tuner.batches import split_parts
-from mlx_rwkvx.tuner.data import SPLITS, cut_note, find_split, is_bin, load_examples, write_bin
 
 from tqdm import tqdm
 

@@ -9,9 +9,11 @@ import os
 import sys
 from collections.abc import Iterator
 
+from mlx_rwkvx.data.batches import PAD_MULTIPLE, batches
+from mlx_rwkvx.data.examples import cut_note, load_examples
+from mlx_rwkvx.data.records import find_split
 from mlx_rwkvx.errors import DataError, TrainError
-from mlx_rwkvx.tuner import data, parallel
-from mlx_rwkvx.tuner.batches import PAD_MULTIPLE, batches
+from mlx_rwkvx.tuner import parallel
 from mlx_rwkvx.tuner.config import TrainConfig
 
 
@@ -20,7 +22,7 @@ def train_examples(cfg: TrainConfig, tokenizer, vocab: int, split="train", path=
     to --max-seq-len (whole with --carry-state), prompts masked unless --no-mask-prompt."""
     reasons = []
     try:
-        examples, skipped = data.load_examples(
+        examples, skipped = load_examples(
             path or cfg.data,
             tokenizer,
             split=split,
@@ -37,7 +39,7 @@ def train_examples(cfg: TrainConfig, tokenizer, vocab: int, split="train", path=
         print(f"skipped {skipped} bad examples of {path or cfg.data} ({split}):", file=sys.stderr)
         for reason in reasons[:10]:
             print(f"  {reason}", file=sys.stderr)
-    note = data.cut_note(examples, cfg.max_seq_len, "--max-seq-len")
+    note = cut_note(examples, cfg.max_seq_len, "--max-seq-len")
     if note:
         print(f"{note} ({split}; --carry-state trains long texts whole)", file=sys.stderr)
     return examples
@@ -45,7 +47,7 @@ def train_examples(cfg: TrainConfig, tokenizer, vocab: int, split="train", path=
 
 def _split_of_folder(cfg: TrainConfig, split: str) -> str | None:
     try:
-        return data.find_split(cfg.data, split) if os.path.isdir(cfg.data) else None
+        return find_split(cfg.data, split) if os.path.isdir(cfg.data) else None
     except DataError as e:
         raise TrainError(str(e)) from e
 

@@ -18,6 +18,11 @@ from pathlib import Path
 
 import mlx_rwkvx
 from mlx_rwkvx._crash import crash_point
+from mlx_rwkvx.adapters.files import adapter_config
+from mlx_rwkvx.adapters.tensors import trainable_count
+from mlx_rwkvx.adapters.variants import VARIANTS, saved_lora_parameters
+from mlx_rwkvx.data.batches import count_batches
+from mlx_rwkvx.data.loss import batch_loss, dataset_loss, segment_loss, segments
 from mlx_rwkvx.errors import (
     EXIT_CODES,
     USER_ERRNOS,
@@ -31,8 +36,6 @@ from mlx_rwkvx.io.targets import output_lock, remove_stale
 from mlx_rwkvx.models import Model
 from mlx_rwkvx.ops import prepare
 from mlx_rwkvx.tuner import distributed, outputs, parallel, preference_run, run_data
-from mlx_rwkvx.tuner.adapters import adapter_config, trainable_count
-from mlx_rwkvx.tuner.batches import count_batches
 from mlx_rwkvx.tuner.build import block_kinds_of, build
 from mlx_rwkvx.tuner.checkpoints import (
     load_checkpoint,
@@ -41,8 +44,6 @@ from mlx_rwkvx.tuner.checkpoints import (
     scan_checkpoints,
 )
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.lora_variants import VARIANTS, saved_lora_parameters
-from mlx_rwkvx.tuner.losses import batch_loss, dataset_loss, segment_loss, segments
 from mlx_rwkvx.tuner.optimizer import make_optimizer
 from mlx_rwkvx.tuner.steps import StepResult, Task
 

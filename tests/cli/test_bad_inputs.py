@@ -28,6 +28,12 @@ from mlx_rwkvx import convert as convert_cli
 from mlx_rwkvx import merge as merge_cli
 from mlx_rwkvx import pretokenize as pretok_cli
 from mlx_rwkvx import train as train_cli
+from mlx_rwkvx.adapters.files import adapter_config, save_adapter_tensors
+from mlx_rwkvx.adapters.fingerprint import fingerprint
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.state import enable_state_tuning
+from mlx_rwkvx.adapters.targets import target_paths
+from mlx_rwkvx.adapters.tensors import adapter_tensors
 from mlx_rwkvx.errors import TargetError
 from mlx_rwkvx.generation import Chat
 from mlx_rwkvx.io.formats import CheckpointError, to_blinkdl, write_hf
@@ -38,15 +44,6 @@ from mlx_rwkvx.models import Model, ModelConfig, preset, rwkv_x_block_types
 from mlx_rwkvx.ops import empty_kv, moba_attention, moba_decode, wkv7
 from mlx_rwkvx.ops.dispatch import DISPATCHERS
 from mlx_rwkvx.tuner import merge as merging
-from mlx_rwkvx.tuner.adapters import (
-    adapter_config,
-    adapter_tensors,
-    apply_lora,
-    enable_state_tuning,
-    fingerprint,
-    save_adapter_tensors,
-    target_paths,
-)
 
 import mlx.core as mx
 import numpy as np

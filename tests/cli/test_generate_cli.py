@@ -9,13 +9,10 @@ import subprocess
 import sys
 
 import mlx_rwkvx
-from mlx_rwkvx.tuner.adapters import (
-    adapter_config,
-    apply_lora,
-    fingerprint,
-    save_adapter,
-    target_paths,
-)
+from mlx_rwkvx.adapters.files import adapter_config, save_adapter
+from mlx_rwkvx.adapters.fingerprint import fingerprint
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.targets import target_paths
 
 import pytest
 from helpers import constant, run_module, tiny_model

@@ -22,6 +22,7 @@ import mlx_rwkvx
 import mlx_rwkvx.generate as generate_cli  # the command (the package's name is the function)
 from mlx_rwkvx import merge as merge_cli
 from mlx_rwkvx import train as train_cli
+from mlx_rwkvx.data.records import read_bin, write_bin
 from mlx_rwkvx.errors import TargetError
 from mlx_rwkvx.generation import Chat
 from mlx_rwkvx.io.targets import (
@@ -33,7 +34,6 @@ from mlx_rwkvx.io.targets import (
     remove_stale,
 )
 from mlx_rwkvx.models import Model
-from mlx_rwkvx.tuner.data import read_bin, write_bin
 
 import mlx.core as mx
 import pytest

@@ -12,11 +12,11 @@ import re
 import sys
 
 import mlx_rwkvx
+from mlx_rwkvx.data.examples import Example
+from mlx_rwkvx.data.loss import dataset_loss
 from mlx_rwkvx.errors import UsageError
 from mlx_rwkvx.evaluation.harness import make_lm, run_tasks, task_manager
 from mlx_rwkvx.io.tokenizers import ByteTokenizer
-from mlx_rwkvx.tuner.data import Example
-from mlx_rwkvx.tuner.losses import dataset_loss
 
 import mlx.core as mx
 import numpy as np

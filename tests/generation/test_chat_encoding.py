@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import types
 
+from mlx_rwkvx.data.chat import chat_example
 from mlx_rwkvx.errors import GenerationError
 from mlx_rwkvx.generation import Chat, chat_format, encode_chat
 from mlx_rwkvx.generation.stream import _encode
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
-from mlx_rwkvx.tuner.data import chat_example
 
 import pytest
 from helpers import CHAT, chatml_tokenizer, tiny_model

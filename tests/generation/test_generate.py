@@ -273,7 +273,9 @@ def test_load_refuses_other_model_and_bad_files(tmp_path):
 
 
 def test_adapter_equals_fused():
-    from mlx_rwkvx.tuner.adapters import apply_lora, fuse_adapters, target_paths
+    from mlx_rwkvx.adapters.fuse import fuse_adapters
+    from mlx_rwkvx.adapters.lora import apply_lora
+    from mlx_rwkvx.adapters.targets import target_paths
 
     model, tok = tiny_model("rfa", seed=6), ByteTokenizer()
     apply_lora(model, target_paths(model, "qwen"), rank=4, alpha=8.0)

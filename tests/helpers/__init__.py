@@ -19,16 +19,13 @@ import sys
 import warnings
 from pathlib import Path
 
+from mlx_rwkvx.adapters.files import adapter_config, save_adapter
+from mlx_rwkvx.adapters.fingerprint import fingerprint
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.state import enable_state_tuning
+from mlx_rwkvx.adapters.targets import target_paths
 from mlx_rwkvx.io.tokenizers import HFTokenizer
 from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config, rwkv_x_block_types
-from mlx_rwkvx.tuner.adapters import (
-    adapter_config,
-    apply_lora,
-    enable_state_tuning,
-    fingerprint,
-    save_adapter,
-    target_paths,
-)
 
 import mlx.core as mx
 

@@ -97,9 +97,9 @@ def logprob_errors(model, tokens: list[int], reference_logits) -> tuple[float, f
     log-softmax of a reference's logits ``[T, vocab]`` of the same tokens, relative error of
     the perplexity): ours through evaluate's two paths, the continuation scores (LAMBADA,
     lm-eval) and the fused loss on a data set (``dataset_loss``)."""
+    from mlx_rwkvx.data.examples import Example
+    from mlx_rwkvx.data.loss import dataset_loss
     from mlx_rwkvx.evaluation.likelihood import continuation_scores
-    from mlx_rwkvx.tuner.data import Example
-    from mlx_rwkvx.tuner.losses import dataset_loss
 
     ref = np.asarray(reference_logits, dtype=np.float64)[: len(tokens) - 1]
     top = ref.max(-1, keepdims=True)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import mlx_rwkvx
+from mlx_rwkvx.adapters.fingerprint import fingerprint
 from mlx_rwkvx.generation import Session
 from mlx_rwkvx.io.convert import convert
 from mlx_rwkvx.io.formats import (
@@ -24,7 +25,6 @@ from mlx_rwkvx.io.targets import is_temp
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
 from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config, rwkv_x_block_types
 from mlx_rwkvx.models.rfa import qwen2_to_rfa
-from mlx_rwkvx.tuner.adapters import fingerprint
 
 import mlx.core as mx
 import numpy as np
@@ -342,8 +342,10 @@ def test_int8_layers_in_bf16_are_as_exact_as_bf16(tied):
 def test_int8_layers_stay_ours_through_adapters_and_fusing():
     """mlx-lm's LoRALinear wraps our quantized layer as it is, and its ``fuse`` re-quantizes
     as MLX's class: ``fuse_adapters`` turns it back (the CPU float32 product stays)."""
+    from mlx_rwkvx.adapters.fuse import fuse_adapters
+    from mlx_rwkvx.adapters.lora import apply_lora
+    from mlx_rwkvx.adapters.targets import target_paths
     from mlx_rwkvx.models.quantize import QuantizedEmbedding, QuantizedLinear
-    from mlx_rwkvx.tuner.adapters import apply_lora, fuse_adapters, target_paths
 
     cfg = ModelConfig(vocab_size=256, hidden_size=128, head_size=32, block_types=["rwkv7"])
     model = Model(cfg, seed=1).quantize(bits=8)

@@ -18,17 +18,13 @@ import urllib.error
 import urllib.request
 
 import mlx_rwkvx
+from mlx_rwkvx.adapters.apply import apply_adapter
+from mlx_rwkvx.adapters.files import adapter_config, save_adapter
+from mlx_rwkvx.adapters.fingerprint import fingerprint
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.state import enable_state_tuning
+from mlx_rwkvx.adapters.targets import default_targets, target_paths
 from mlx_rwkvx.generation import chat_format, stream_generate
-from mlx_rwkvx.tuner.adapters import (
-    adapter_config,
-    apply_adapter,
-    apply_lora,
-    default_targets,
-    enable_state_tuning,
-    fingerprint,
-    save_adapter,
-    target_paths,
-)
 
 import mlx.core as mx
 import numpy as np

@@ -15,10 +15,11 @@ import sys
 from types import SimpleNamespace
 
 import mlx_rwkvx  # first: OpenBLAS before mlx.core
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.targets import target_paths
+from mlx_rwkvx.data.examples import IGNORE_INDEX
 from mlx_rwkvx.models import Model, preset
-from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.data import IGNORE_INDEX
 from mlx_rwkvx.tuner.distributed import data_parallel_group
 from mlx_rwkvx.tuner.optimizer import make_optimizer
 from mlx_rwkvx.tuner.preference import Pair

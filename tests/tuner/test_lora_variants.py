@@ -1,4 +1,4 @@
-"""PiSSA and MiSS (``tuner/lora_variants.py``): before the first step the model is the base;
+"""PiSSA and MiSS (``adapters/variants.py``): before the first step the model is the base;
 what is saved is an ordinary LoRA update that, on the original base, gives the trained model
 (loading, fusing and merging take it unchanged); each lowers the trainer's loss and resumes
 from its checkpoint."""
@@ -8,19 +8,15 @@ from __future__ import annotations
 import json
 
 import mlx_rwkvx
+from mlx_rwkvx.adapters.apply import apply_adapter
+from mlx_rwkvx.adapters.files import adapter_config, save_adapter
+from mlx_rwkvx.adapters.fingerprint import fingerprint
+from mlx_rwkvx.adapters.fuse import fuse_adapters
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.targets import target_paths
+from mlx_rwkvx.adapters.tensors import adapter_tensors, load_adapter_tensors
+from mlx_rwkvx.adapters.variants import MissLinear, PissaLinear, saved_lora_parameters
 from mlx_rwkvx.models import Model, preset
-from mlx_rwkvx.tuner.adapters import (
-    adapter_config,
-    adapter_tensors,
-    apply_adapter,
-    apply_lora,
-    fingerprint,
-    fuse_adapters,
-    load_adapter_tensors,
-    save_adapter,
-    target_paths,
-)
-from mlx_rwkvx.tuner.lora_variants import MissLinear, PissaLinear, saved_lora_parameters
 from mlx_rwkvx.tuner.merge import merge_adapters, read
 from mlx_rwkvx.tuner.trainer import train
 

@@ -12,18 +12,14 @@ import sys
 from pathlib import Path
 
 import mlx_rwkvx
+from mlx_rwkvx.adapters.files import adapter_config, read_adapter, save_adapter
+from mlx_rwkvx.adapters.fingerprint import fingerprint
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.targets import target_paths
+from mlx_rwkvx.data.examples import load_examples
 from mlx_rwkvx.io.targets import is_temp
 from mlx_rwkvx.tuner import merge as merging
-from mlx_rwkvx.tuner.adapters import (
-    adapter_config,
-    apply_lora,
-    fingerprint,
-    read_adapter,
-    save_adapter,
-    target_paths,
-)
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.data import load_examples
 from mlx_rwkvx.tuner.trainer import evaluate, train
 
 import mlx.core as mx

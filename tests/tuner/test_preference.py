@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.targets import target_paths
+from mlx_rwkvx.data.examples import IGNORE_INDEX, load_examples
+from mlx_rwkvx.data.loss import batch_loss
 from mlx_rwkvx.errors import DataError
 from mlx_rwkvx.io.tokenizers import ByteTokenizer
-from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
-from mlx_rwkvx.tuner.data import IGNORE_INDEX, load_examples
-from mlx_rwkvx.tuner.losses import batch_loss
 from mlx_rwkvx.tuner.preference import load_pairs, pair_logprobs, pair_of, preference_loss
 
 import mlx.core as mx

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import mlx_rwkvx
 from mlx_rwkvx import train as train_cli
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.targets import target_paths
 from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.models import Model, preset, rfa_config
-from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
 from mlx_rwkvx.tuner.build import build
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.trainer import TrainError, batch_loss, train
@@ -239,7 +240,7 @@ def test_non_finite_loss_stops_with_the_step(workspace, tmp_path):
     ("change", "message"),
     [
         (["--model", "nope"], "nope: no such file or folder"),
-        (["--lora-rank", "0"], "lora-rank must be >= 1, got 0"),
+        (["--lora-rank", "0"], "--lora-rank must be at least 1, got 0"),
         (["--lora-targets", "layers.*.nothing"], "match no projection"),
         (["--mode", "dora", "--quantize"], "DoRA on a quantized base"),
         (["--data", "/nonexistent.jsonl"], "no such file"),
@@ -271,13 +272,13 @@ def test_yaml_config_and_mlx_lm_names(workspace, tmp_path):
         f"adapter_path: {tmp_path / 'out'}\nfine_tune_type: lora\nbatch_size: 3\niters: 2\n"
         "learning_rate: 1e-3\nlora_parameters: {rank: 4, scale: 2.0, dropout: 0.0}\n"
     )
-    cfg = train_cli.config_from(["--config", str(config), "--iters", "3"])
+    cfg = train_cli.read_settings(["--config", str(config), "--iters", "3"])
     assert (cfg.lora_rank, cfg.resolved().lora_alpha, cfg.lr, cfg.iters) == (4, 8.0, 1e-3, 3)
     assert cfg.output == str(tmp_path / "out") and cfg.mode == "lora"
     bad = tmp_path / "bad.yaml"
     bad.write_text("lr: 1e-3\nwarp_speed: 9\n")
     with pytest.raises(SystemExit) as e:
-        train_cli.config_from(["--config", str(bad)])
+        train_cli.read_settings(["--config", str(bad)])
     assert e.value.code == 2
 
 
@@ -316,17 +317,17 @@ def test_int8_base_lora_gradients_are_those_of_its_dequantized_twin(tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (["--save-every", "0"], "save-every must be >= 1"),
-        (["--log-every", "0"], "log-every must be >= 1"),
-        (["--grad-accum", "0"], "grad-accum must be >= 1"),
-        (["--batch-size", "0"], "batch-size must be >= 1"),
-        (["--max-seq-len", "0"], "max-seq-len must be >= 2"),
-        (["--warmup", "-3"], "warmup must be >= 0"),
-        (["--iters", "-1"], "iters must be >= 1"),
-        (["--epochs", "0", "--iters", "2"], "epochs must be >= 1"),
-        (["--lr", "0"], "lr must be > 0"),
-        (["--num-layers", "-2"], "num-layers must be >= 1"),
-        (["--lora-dropout", "1"], "lora-dropout must be < 1"),
+        (["--save-every", "0"], "--save-every must be at least 1"),
+        (["--log-every", "0"], "--log-every must be at least 1"),
+        (["--grad-accum", "0"], "--grad-accum must be at least 1"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--max-seq-len", "0"], "--max-seq-len must be at least 2"),
+        (["--warmup", "-3"], "--warmup must not be negative"),
+        (["--iters", "-1"], "--iters must be at least 1"),
+        (["--epochs", "0", "--iters", "2"], "--epochs must be at least 1"),
+        (["--lr", "0"], "--lr must be positive"),
+        (["--num-layers", "-2"], "--num-layers must be at least 1"),
+        (["--lora-dropout", "1"], "--lora-dropout must be less than 1"),
         (["--grad-checkpoint", "--lora-dropout", "0.1"], "other dropout masks"),
         (
             ["--mode", "state", "--lora-targets", "attn"],
@@ -378,7 +379,7 @@ def test_a_run_that_died_before_its_first_checkpoint_can_start_again(workspace, 
 
 
 def test_dropout_is_off_in_evaluation_and_in_a_loaded_adapter(workspace, tmp_path):
-    from mlx_rwkvx.tuner.data import Example
+    from mlx_rwkvx.data.examples import Example
     from mlx_rwkvx.tuner.trainer import evaluate
 
     out = train(_cfg(workspace, tmp_path / "run", iters=2, lora_dropout=0.5))
@@ -422,7 +423,7 @@ def test_mlx_lm_default_config_reads(workspace, tmp_path, capsys):
                     adapter_path=str(tmp_path / "out"))  # fmt: skip
     config = tmp_path / "mlx_lm.yaml"
     config.write_text(yaml.safe_dump(settings))
-    cfg = train_cli.config_from(["--config", str(config)])
+    cfg = train_cli.read_settings(["--config", str(config)])
     assert cfg.output == str(tmp_path / "out") and cfg.batch_size == 4 and cfg.iters == 1000
     assert (cfg.lora_rank, cfg.lora_scale, cfg.lora_dropout) == (8, 20.0, 0.0)
     assert cfg.weight_decay == 0.0 and not cfg.mask_prompt  # mlx-lm's "adam", its default
@@ -433,23 +434,23 @@ def test_mlx_lm_default_config_reads(workspace, tmp_path, capsys):
     written = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert written["lora_parameters"]["scale"] == 20.0 and written["steps"] == 2
     config.write_text(yaml.safe_dump(dict(settings, num_layers=-1)))
-    assert train_cli.config_from(["--config", str(config)]).resolved().num_layers is None
+    assert train_cli.read_settings(["--config", str(config)]).resolved().num_layers is None
     # the command line's rank keeps the file's scale; its alpha beats the file's scale
-    cfg = train_cli.config_from(["--config", str(config), "--rank", "4"])
+    cfg = train_cli.read_settings(["--config", str(config), "--rank", "4"])
     assert cfg.resolved().lora_alpha == 80
-    cfg = train_cli.config_from(["--config", str(config), "--lora-alpha", "3"])
+    cfg = train_cli.read_settings(["--config", str(config), "--lora-alpha", "3"])
     assert cfg.resolved().lora_alpha == 3
     for key, value in [("optimizer", "muon"), ("lr_schedule", {"name": "cosine_decay"}),
                        ("resume_adapter_file", "a.safetensors")]:  # fmt: skip
         config.write_text(yaml.safe_dump(dict(settings, **{key: value})))
         with pytest.raises(SystemExit):
-            train_cli.config_from(["--config", str(config)])
+            train_cli.read_settings(["--config", str(config)])
         assert key in capsys.readouterr().err
 
 
 def test_relative_targets_as_mlx_lm_names_them(workspace):
     model, _ = mlx_rwkvx.load(workspace / "base")
-    from mlx_rwkvx.tuner.adapters import target_paths as paths_of
+    from mlx_rwkvx.adapters.targets import target_paths as paths_of
 
     assert paths_of(model, "attn.q_proj", 2) == [
         f"layers.{i}.attn.q_proj" for i in range(len(model.layers) - 2, len(model.layers))
@@ -475,9 +476,9 @@ def test_mlx_lm_optimizer_adam_alone_means_no_weight_decay(tmp_path):
                         ("optimizer: adamw\noptimizer_config: {adamw: {weight_decay: 0.1}}\n",
                          0.1)]:  # fmt: skip
         config.write_text(text)
-        assert train_cli.config_from(["--config", str(config)]).weight_decay == decay, text
+        assert train_cli.read_settings(["--config", str(config)]).weight_decay == decay, text
     config.write_text("optimizer: adam\n")  # a flag beats the file
-    cfg = train_cli.config_from(["--config", str(config), "--weight-decay", "0.05"])
+    cfg = train_cli.read_settings(["--config", str(config), "--weight-decay", "0.05"])
     assert cfg.weight_decay == 0.05
 
 
@@ -486,11 +487,11 @@ def test_mlx_lm_command_line_flags(workspace, tmp_path, capsys):
     args = ["--model", str(workspace / "base"), "--train", "--data", str(workspace / "data"),
             "--fine-tune-type", "lora", "--optimizer", "adam", "--iters", "2",
             "--learning-rate", "1e-3", "--adapter-path", str(tmp_path / "out")]  # fmt: skip
-    cfg = train_cli.config_from(args)
+    cfg = train_cli.read_settings(args)
     assert (cfg.mode, cfg.weight_decay, cfg.iters, cfg.lr) == ("lora", 0.0, 2, 1e-3)
-    assert train_cli.config_from(args[:-2] + ["--optimizer", "adamw"]).weight_decay is None
+    assert train_cli.read_settings(args[:-2] + ["--optimizer", "adamw"]).weight_decay is None
     with pytest.raises(SystemExit) as e:
-        train_cli.config_from(args + ["--optimizer", "muon"])
+        train_cli.read_settings(args + ["--optimizer", "muon"])
     assert e.value.code == 2 and "--optimizer" in capsys.readouterr().err
 
 
@@ -504,7 +505,7 @@ def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, message):
     if text is not None:
         config.write_text(text)
     with pytest.raises(SystemExit) as e:
-        train_cli.config_from(["--config", str(config)])
+        train_cli.read_settings(["--config", str(config)])
     assert e.value.code == 2
     lines = [x for x in capsys.readouterr().err.splitlines() if x]
     assert len(lines) == 1 and message in lines[0] and "--config" in lines[0], lines

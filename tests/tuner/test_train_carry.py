@@ -9,11 +9,12 @@ import subprocess
 import sys
 
 import mlx_rwkvx
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.targets import target_paths
+from mlx_rwkvx.data.loss import batch_loss, segment_loss
 from mlx_rwkvx.models import Model, ModelConfig, preset
 from mlx_rwkvx.models.attention import MobaBlock, Qwen2Block
-from mlx_rwkvx.tuner.adapters import apply_lora, target_paths
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.losses import batch_loss, segment_loss
 from mlx_rwkvx.tuner.optimizer import make_optimizer
 from mlx_rwkvx.tuner.trainer import Step, train
 

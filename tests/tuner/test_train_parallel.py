@@ -10,9 +10,9 @@ import re
 from pathlib import Path
 
 import mlx_rwkvx
+from mlx_rwkvx.adapters.files import read_adapter
 from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.tuner import optimizer
-from mlx_rwkvx.tuner.adapters import read_adapter
 from mlx_rwkvx.tuner.build import build
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.trainer import TrainError, train

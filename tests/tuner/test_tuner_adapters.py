@@ -2,17 +2,13 @@
 state tuning, trainable counts, and the base model's fingerprint."""
 
 import mlx_rwkvx
+from mlx_rwkvx.adapters.fingerprint import fingerprint
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.state import enable_state_tuning
+from mlx_rwkvx.adapters.targets import default_targets, target_paths
+from mlx_rwkvx.adapters.tensors import adapter_tensors, trainable_count
+from mlx_rwkvx.errors import AdapterError
 from mlx_rwkvx.models import Model, preset, rfa_config
-from mlx_rwkvx.tuner.adapters import (
-    AdapterError,
-    adapter_tensors,
-    apply_lora,
-    default_targets,
-    enable_state_tuning,
-    fingerprint,
-    target_paths,
-    trainable_count,
-)
 
 import mlx.core as mx
 import numpy as np
@@ -141,7 +137,7 @@ def _trained_lora(model, kind="lora"):
 
 @pytest.mark.parametrize("kind", ["lora", "dora", "state"])
 def test_adapter_file_round_trip_through_load(tmp_path, kind):
-    from mlx_rwkvx.tuner.adapters import adapter_config, save_adapter
+    from mlx_rwkvx.adapters.files import adapter_config, save_adapter
 
     base = Model(rfa_cfg(["rwkv7", "qwen2"] * 2, hidden_size=64), seed=5)
     mlx_rwkvx.save(base, tmp_path / "base")
@@ -166,7 +162,7 @@ def test_adapter_file_round_trip_through_load(tmp_path, kind):
 
 
 def test_adapter_for_another_base_is_refused(tmp_path):
-    from mlx_rwkvx.tuner.adapters import adapter_config, save_adapter
+    from mlx_rwkvx.adapters.files import adapter_config, save_adapter
 
     base = Model(rfa_cfg(["rwkv7", "qwen2"] * 2, hidden_size=64), seed=5)
     paths = _trained_lora(base)
@@ -184,8 +180,8 @@ def test_adapter_for_another_base_is_refused(tmp_path):
 
 
 def test_saving_an_adapter_wrapped_model_is_one_clear_error(tmp_path):
+    from mlx_rwkvx.adapters.fuse import fuse_adapters
     from mlx_rwkvx.io.formats import CheckpointError
-    from mlx_rwkvx.tuner.adapters import fuse_adapters
 
     model = Model(rwkv7_cfg(3, hidden_size=64), seed=2)
     _trained_lora(model)

@@ -14,18 +14,12 @@ import sys
 from pathlib import Path
 
 from mlx_rwkvx import pretokenize
+from mlx_rwkvx.data.batches import batches, count_batches, split_parts
+from mlx_rwkvx.data.chat import chat_example
+from mlx_rwkvx.data.examples import IGNORE_INDEX, Example, load_examples
+from mlx_rwkvx.data.records import find_split, read_bin, write_bin
+from mlx_rwkvx.errors import DataError
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
-from mlx_rwkvx.tuner.batches import batches, count_batches, split_parts
-from mlx_rwkvx.tuner.data import (
-    IGNORE_INDEX,
-    DataError,
-    Example,
-    chat_example,
-    find_split,
-    load_examples,
-    read_bin,
-    write_bin,
-)
 
 import numpy as np
 import pytest
@@ -547,7 +541,7 @@ def test_pretokenize_cli_errors(tmp_path):
         (("--data", data, "--output", out), "--tokenizer is needed"),
         ((*base, "--split-weights", "6,x"), "--split-weights: expected positive numbers"),
         ((*base, "--split", 2, "--split-weights", "1,1"), "not allowed with argument"),
-        ((*base, "--max-seq-len", 0), "--max-seq-len must be >= 1"),
+        ((*base, "--max-seq-len", 0), "--max-seq-len must be at least 1, got 0"),
         (("--tokenizer", tmp_path, "--data", data, "--output", out), "no tokenizer.json or"),
     ]
     for argv, message in cases:

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlx_rwkvx._crash import crash_point
+from mlx_rwkvx.data.batches import PAD_MULTIPLE, batches
+from mlx_rwkvx.data.examples import IGNORE_INDEX
 from mlx_rwkvx.models import Model
 from mlx_rwkvx.ops import cross_entropy_head
-from mlx_rwkvx.tuner.batches import PAD_MULTIPLE, batches
-from mlx_rwkvx.tuner.data import IGNORE_INDEX
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from mlx_rwkvx.tuner.data import IGNORE_INDEX, Example
+from mlx_rwkvx.data.examples import IGNORE_INDEX, Example
 
 import numpy as np
 

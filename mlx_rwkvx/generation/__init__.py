@@ -4,7 +4,6 @@ and saved to one file (``chat.py``)."""
 
 from mlx_rwkvx.errors import GenerationError
 from mlx_rwkvx.generation.chat import (
-    STATE_FORMAT,
     TEMPLATE_NAMES,
     Chat,
     ChatFormat,
@@ -20,6 +19,7 @@ from mlx_rwkvx.generation.stream import (
     generate,
     stream_generate,
 )
+from mlx_rwkvx.io.states import STATE_FORMAT
 
 __all__ = [
     "DEFAULT_MAX_CACHE",

@@ -1,65 +1,32 @@
 """The folder of saved prefix states that several processes share (``PrefixCache``'s
-``folder``; the server's ``--cache-dir`` holds one such folder per key): the states' files and
-names, the two lock files that make the folder safe to share, and ``trim_cache_dir``, which
-removes what no running cache uses. Only folders a cache made (holding its change lock) are
-ever touched, and in them only our own files."""
+``folder``; the server's ``--cache-dir`` holds one such folder per key): the states' files'
+names (the files are ``io/states.py``'s saved states), the two lock files that make the folder
+safe to share, and ``trim_cache_dir``, which removes what no running cache uses. Only folders
+a cache made (holding its change lock) are ever touched, and in them only our own files."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import re
-import struct
-import sys
-from array import array
 
+from mlx_rwkvx.errors import CheckpointError
+from mlx_rwkvx.io.states import read_header
 from mlx_rwkvx.io.targets import remove_stale
 
-FILE_FORMAT = "mlx_rwkvx-prefix-state"
 LOCK_NAME = ".mlx_rwkvx-cache-lock"  # held a moment by each change; holds the change count
 LIVE_NAME = ".mlx_rwkvx-cache-live"  # held shared by every cache that uses the folder
 STATE_FILE = re.compile(r"[0-9a-f]{32}\.safetensors\Z")
 KEY_FOLDER = re.compile(r"[0-9a-f]{16}\Z")
 _COUNT_WIDTH = 20  # the change count, written in place at a fixed width
-_MAX_HEADER = 1 << 26  # a safetensors header larger than this is not one of ours
 
 
 def folder_for(cache_dir: str, key: str) -> str:
     """The folder of a key's states inside a ``--cache-dir`` (one per key: a restart reads
     only its own states)."""
     return os.path.join(cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16])
-
-
-def read_state_header(path: str) -> tuple[dict, tuple[int, ...], int]:
-    """A saved state's metadata, its tokens and the file's size, from the header alone
-    (the file is closed again); ValueError when it is not a whole saved state."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > min(size - 8, _MAX_HEADER):
-            raise ValueError("cut short, or not a safetensors file")
-        header = json.loads(f.read(length))
-        meta = header.pop("__metadata__", None) or {}
-        if meta.get("format") != FILE_FORMAT:
-            raise ValueError("not a saved state")
-        end = max((t["data_offsets"][1] for t in header.values()), default=0)
-        if 8 + length + end != size:
-            raise ValueError("cut short")
-        entry = header.get("tokens")
-        if entry is None or entry["dtype"] != "I32":
-            raise ValueError("no tokens")
-        start, stop = entry["data_offsets"]
-        f.seek(8 + length + start)
-        tokens = array("i", f.read(stop - start))
-    if sys.byteorder == "big":
-        tokens.byteswap()
-    return meta, tuple(tokens), size
 
 
 def open_locks(folder: str):
@@ -150,9 +117,9 @@ def _state_files(folder: str) -> list[tuple[int, int, str]]:
         if not STATE_FILE.match(entry.name) or not entry.is_file(follow_symlinks=False):
             continue
         try:
-            read_state_header(entry.path)
+            read_header(entry.path)
             st = entry.stat(follow_symlinks=False)
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
+        except (OSError, CheckpointError):
             continue
         out.append((st.st_mtime_ns, st.st_size, entry.path))
     return out

@@ -17,19 +17,15 @@ from mlx_rwkvx.adapters.fingerprint import fingerprint
 from mlx_rwkvx.adapters.tensors import adapter_tensors
 from mlx_rwkvx.errors import CheckpointError, GenerationError
 from mlx_rwkvx.generation.stream import Session, _encode, stream_generate
-from mlx_rwkvx.io.atomic import atomic_target, check_target, save_safetensors
-from mlx_rwkvx.io.tensors import read_safetensors
+from mlx_rwkvx.io.states import read_header, read_state, save_state
+from mlx_rwkvx.io.targets import reason
 from mlx_rwkvx.io.tokenizers import rwkv_chat_text
 from mlx_rwkvx.models.model import Model
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.generate import (
     GenerationResponse,
 )
-
-STATE_FORMAT = "mlx_rwkvx.chat/1"  # the metadata tag of a saved conversation
-
 
 # ----- chat templates --------------------------------------------------------------------------
 
@@ -259,12 +255,11 @@ def model_identity(model: Model) -> str:
 
 
 def is_conversation(path: str) -> bool:
-    """Whether ``path`` is a conversation ``Chat.save`` wrote (its metadata says so)."""
+    """Whether ``path`` is a conversation ``Chat.save`` wrote (its header says so)."""
     try:
-        _, meta = read_safetensors(path)
-    except CheckpointError:
+        return read_header(path).kind == "conversation"
+    except (OSError, CheckpointError):
         return False
-    return meta.get("format") == STATE_FORMAT
 
 
 class Chat:
@@ -373,71 +368,40 @@ class Chat:
         return model_identity(self.model)
 
     def save(self, path: str) -> None:
-        """The whole conversation in one safetensors file, written atomically: messages,
-        system prompt, the tokens fed and the state after them, and the state before the last
-        answer (from which the next turn continues when the answer's rendering differs)."""
+        """The whole conversation in one saved-state file (``io/states.py``), written
+        atomically: the tokens fed and the state after them, the state before the last answer
+        (from which the next turn continues when the answer's rendering differs), messages,
+        system prompt and chat format. Replaces a saved state, never another file."""
         path = os.fspath(path)
         if not path.endswith(".safetensors"):
             raise CheckpointError(f"{path}: a conversation is saved as a .safetensors file")
+        tokens, state = self.session.snapshot()
         meta = {
-            "format": STATE_FORMAT,
-            "model": self.identity(),
+            "kind": "conversation",
             "messages": json.dumps(self.messages),
             "system": json.dumps(self.system),
             "template": self.format.name,
         }
-        tensors = {}
-        for name, snap in (("now", self.session.snapshot()), ("before", self._before_answer)):
-            if snap is None:
-                continue
-            tokens, state = snap
-            meta[f"{name}.tokens"] = str(len(tokens))
-            tensors[f"{name}.tokens"] = mx.array(tokens or [0], dtype=mx.int32)
-            if state is not None:  # an empty KV cache has no tensor: it comes from init_state
-                tensors.update({f"{name}.{k}": v for k, v in tree_flatten(state) if v.size})
-        # replaces a conversation saved before, never another file (a model, a document)
-        check_target(path, overwrite=True, folder=False, recognise=is_conversation,
-                     kind="a saved conversation")  # fmt: skip
-        with atomic_target(path, folder=False) as tmp:
-            save_safetensors(tmp, tensors, meta)
-
-    def _snapshot_from(self, name: str, tensors: dict, meta: dict):
-        if f"{name}.tokens" not in meta:
-            return None
-        n = int(meta[f"{name}.tokens"])
-        tokens = [int(i) for i in tensors[f"{name}.tokens"].tolist()][:n]
-        if len(tokens) != n:
-            raise ValueError(f"{name}: {len(tokens)} tokens for {n}")
-        if not n:
-            return [], None
-        flat = [
-            (k, tensors.get(f"{name}.{k}", v) if v.size == 0 else tensors[f"{name}.{k}"])
-            for k, v in tree_flatten(self.model.init_state(1))
-        ]
-        for k, v in flat:
-            if mx.issubdtype(v.dtype, mx.floating) and not mx.all(mx.isfinite(v)).item():
-                raise ValueError(f"{name}.{k} holds NaN or infinite values")
-        state = tree_unflatten(flat)
-        self.model.check_state(state, 1)
-        return tokens, state
+        before = {"before": self._before_answer} if self._before_answer is not None else None
+        save_state(path, tokens, state, self.identity(), meta=meta, others=before)
 
     def load(self, path: str) -> None:
-        """Continue the conversation saved in ``path`` (by this or another process). Raises
-        CheckpointError (a ValueError) for a file that is not one, or belongs to another model;
-        the chat is unchanged then."""
+        """Continue the conversation saved in ``path`` (by this or another process; also a
+        file of the format before ``STATE_FORMAT``). Raises CheckpointError (a ValueError)
+        naming the file and the problem for one that is not a conversation, belongs to another
+        model or adapter, or fails ``read_state``'s checks; the chat is unchanged then."""
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: no such file")
+        what = "a saved conversation"
         try:
-            tensors, meta = mx.load(path, return_metadata=True)
-        except (OSError, RuntimeError, ValueError) as e:
-            raise CheckpointError(f"{path}: not a saved conversation ({e})") from e
-        if meta.get("format") != STATE_FORMAT:
-            raise CheckpointError(f"{path}: not a saved conversation (no {STATE_FORMAT} tag)")
-        if meta.get("model") != self.identity():
-            raise CheckpointError(
-                f"{path}: the conversation was saved with another model or adapter"
-            )
+            saved = read_state(path, self.model, self.identity(), what=what)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read it ({reason(e)})") from e
+        meta = saved.meta
+        if meta.get("kind") != "conversation":
+            raise CheckpointError(f"{path}: not {what} (a saved state of another kind: "
+                                  f"{meta.get('kind') or 'unknown'})")
         if meta.get("template") != self.format.name:
             raise CheckpointError(
                 f"{path}: the conversation was saved in the {meta.get('template')!r} chat "
@@ -445,10 +409,8 @@ class Chat:
             )
         try:
             messages, system = json.loads(meta["messages"]), json.loads(meta["system"])
-            now = self._snapshot_from("now", tensors, meta)
-            before = self._snapshot_from("before", tensors, meta)
-            if now is None or not isinstance(messages, list):
-                raise ValueError("no state or no messages")
+            if not isinstance(messages, list):
+                raise ValueError("no messages")
             for m in messages:
                 if not (
                     isinstance(m, dict)
@@ -460,6 +422,7 @@ class Chat:
                 raise ValueError("the system prompt is not a text")
         except (KeyError, ValueError, TypeError) as e:
             raise CheckpointError(f"{path}: a damaged conversation file ({e})") from e
+        now, before = (saved.tokens, saved.state), saved.others.get("before")
         self.messages, self.system = messages, system
         self.session.restore(now)
         self._before_answer = before

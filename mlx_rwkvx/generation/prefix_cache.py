@@ -8,9 +8,11 @@ A cache holds the states of one model as it runs (its weights, adapter, dtype, q
 KV window): whoever keeps several keeps one cache per such key. With a ``folder``, every state
 stored is also written there, and the folder is the truth that several processes share:
 
-- one safetensors file a state (arrays, tokens, key and scope), ``<32 hex>.safetensors``,
-  written under a temporary name and renamed into place (a kill leaves a whole file or none);
-  files 0600, the folder 0700 (they hold conversations' tokens);
+- one saved-state file a state (``io/states.py``'s format: tokens, state, logits where known,
+  the key as its identity and the scope), ``<32 hex>.safetensors``, written under a temporary
+  name and renamed into place (a kill leaves a whole file or none); files 0600, the folder 0700
+  (they hold conversations' tokens). A state read back is checked against ``model`` (shapes,
+  dtypes, finite values, the key): a file that fails is deleted, with one warning;
 - ``load`` (at start) removes the temporary files of writers that died (``io/targets.py``'s
   names, with their pid) and takes in the folder's states of its key: only their names, tokens
   and sizes (read from the header), never a file held open; a state's arrays are read when a
@@ -27,9 +29,8 @@ stored is also written there, and the folder is the truth that several processes
   configurations, earlier runs): their states go, least recently used first (a lookup that
   lands on a state touches its file). Nothing but our own files is ever removed.
 
-The folder's side (its files' names and headers, the two locks, ``trim_cache_dir``) lives in
-``cache_dir.py``; ``folder_for``, ``trim_cache_dir`` and ``read_state_header`` are importable
-from here as well.
+The folder's side (its files' names, the two locks, ``trim_cache_dir``) lives in
+``cache_dir.py``; ``folder_for`` and ``trim_cache_dir`` are importable from here as well.
 """
 
 from __future__ import annotations
@@ -43,23 +44,23 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from mlx_rwkvx.errors import CheckpointError
 from mlx_rwkvx.generation.cache_dir import (
-    FILE_FORMAT,
     folder_for,
     open_locks,
     read_change_count,
-    read_state_header,
     take_flock,
     trim_cache_dir,
     write_change_count,
 )
+from mlx_rwkvx.io.states import read_header, read_state, write_state
 from mlx_rwkvx.io.targets import reason, remove_stale, temp_path
+from mlx_rwkvx.models.model import Model
 
-import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 # the folder's names, where the server and older callers import them from
-__all__ = ["PrefixCache", "folder_for", "read_state_header", "state_bytes", "trim_cache_dir"]
+__all__ = ["PrefixCache", "folder_for", "state_bytes", "trim_cache_dir"]
 
 
 def state_bytes(state) -> int:
@@ -92,19 +93,24 @@ class _Root(_Node):
 
 class PrefixCache:
     """States by token prefix under ``max_bytes`` (see the module docstring). ``put(tokens,
-    state)`` stores the state after ``tokens``; ``get(tokens)`` returns ``(n, state)`` for the
-    longest stored prefix ``tokens[:n]`` (``(0, None)`` when none is). ``folder`` and ``key``:
-    where states persist, and what they are valid for (see the module docstring). With a
+    entry)`` stores the entry after ``tokens``: ``{"state": ..., "logits": ...}``, the model's
+    state (``Model.init_state``'s form) and, where known, the next-token logits after them;
+    ``get(tokens)`` returns ``(n, entry)`` for the longest stored prefix ``tokens[:n]`` (``(0,
+    None)`` when none is). ``folder`` and ``key``: where states persist, and what they are
+    valid for (see the module docstring); ``model``: the model whose states they are, against
+    which a state read from the folder is checked (None: all but shapes and dtypes). With a
     folder, a state's bytes are its file's (what the disk holds); else its arrays'.
 
     ``scope`` (of ``put`` and ``get``): who may see a state. Each scope has a trie of its own,
     so that a lookup never finds (nor reveals the length of) another scope's prefix; all share
     the one byte budget and least-recently-used order, and a saved state keeps its scope."""
 
-    def __init__(self, max_bytes: int, folder: str | None = None, key: str = ""):
+    def __init__(
+        self, max_bytes: int, folder: str | None = None, key: str = "", model: Model | None = None
+    ):
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
             raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
-        self.max_bytes, self.folder, self.key = max_bytes, folder, key
+        self.max_bytes, self.folder, self.key, self.model = max_bytes, folder, key, model
         self.nbytes = 0
         self._roots: dict[str, _Root] = {}
         self._lru: OrderedDict[int, _Node] = OrderedDict()  # id -> node holding a state
@@ -152,8 +158,9 @@ class PrefixCache:
                 return at, node.state
 
     def put(self, tokens: Sequence[int], state, *, scope: str = "") -> bool:
-        """Store ``state`` as the state after ``tokens`` in ``scope`` (replacing one stored
-        there); False when it alone is over the budget (then nothing is stored)."""
+        """Store ``state`` (an entry: see the class docstring) as the one after ``tokens`` in
+        ``scope`` (replacing one stored there); False when it alone is over the budget (then
+        nothing is stored)."""
         tokens = tuple(tokens)
         size = state_bytes(state)
         if size > self.max_bytes:
@@ -263,16 +270,17 @@ class PrefixCache:
         for name in names - self._files.keys() - self._foreign:
             path = os.path.join(self.folder, name)
             try:
-                meta, tokens, size = read_state_header(path)
+                header = read_header(path)
                 mtime = os.stat(path).st_mtime_ns
-            except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            except (OSError, CheckpointError) as e:
                 self._foreign.add(name)
-                bad.append(f"{name} ({e})")
+                bad.append(f"{name} ({str(e).removeprefix(path + ': ')})")
                 continue
-            if meta.get("key") != self.key or name != self._name(tokens, meta.get("scope", "")):
+            tokens, scope = header.tokens, header.meta.get("scope", "")
+            if header.identity != self.key or name != self._name(tokens, scope):
                 self._foreign.add(name)
                 continue
-            found.append((mtime, name, tokens, meta.get("scope", ""), size))
+            found.append((mtime, name, tokens, scope, header.size))
         if bad and warn:
             warnings.warn(f"{self.folder}: {len(bad)} files skipped, not readable saved "
                           f"states: {', '.join(bad[:3])}" + (", ..." if len(bad) > 3 else ""),
@@ -302,15 +310,12 @@ class PrefixCache:
         name = self._name(tokens, scope)
         path = os.path.join(self.folder, name)
         tmp = temp_path(path)
-        arrays = dict(tree_flatten(state))
-        arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
-        meta = {"format": FILE_FORMAT, "key": self.key, "scope": scope}
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
-            mx.save_safetensors(tmp, arrays, metadata=meta)
+        meta = {"kind": "prefix", "scope": scope}
+        try:  # renamed here, not by atomic_target: a file of the same state may appear meanwhile
+            size = write_state(tmp, tokens, state["state"], self.key, logits=state.get("logits"),
+                               meta=meta)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-            size = os.stat(tmp).st_size
             if size > self.max_bytes:
                 os.remove(tmp)
                 return None
@@ -330,31 +335,30 @@ class PrefixCache:
         return name, size
 
     def _read(self, node: _Node, tokens: tuple[int, ...], scope: str) -> bool | None:
-        """A saved state's arrays read into ``node`` (the file closed again): True; False when
-        the file is gone or is not this state (damaged, another key's); None when it cannot be
-        read now (too many open files, an I/O error, no memory): kept for a later lookup, with
-        one warning a cause. The file is opened here, not by MLX, whose error would not tell
-        a missing file from a descriptor limit."""
+        """A saved state read into ``node`` (``read_state``: checked against the model and the
+        key; the file closed again): True; False when the file is gone or is not this state
+        (damaged, refused by a check: one warning for all such, another key's, another
+        scope's); None when it cannot be read now (too many open files, an I/O error, no
+        memory): kept for a later lookup, with one warning a cause."""
+        path = os.path.join(self.folder, node.file)
         try:
-            with open(os.path.join(self.folder, node.file), "rb") as f:
-                arrays, meta = mx.load(f, format="safetensors", return_metadata=True)
-                mx.eval(list(arrays.values()))  # every array read while the file is open
+            saved = read_state(path, self.model, self.key)
         except FileNotFoundError:
+            return False
+        except CheckpointError as e:
+            self._warn_once("refused", f"a saved state was refused and is deleted ({e}); "
+                            "such files are deleted, and this is said once")
             return False
         except (OSError, MemoryError) as e:
             text = reason(e) if isinstance(e, OSError) else "out of memory"
             self._warn_once(("read", getattr(e, "errno", None)), f"a saved state could not "
                             f"be read now ({text}); it is kept for later lookups")  # fmt: skip
             return None
-        except (RuntimeError, ValueError):  # how MLX reports a damaged file
+        if tuple(saved.tokens) != tokens or saved.meta.get("scope", "") != scope:
             return False
-        if "tokens" not in arrays:
-            return False
-        saved = tuple(arrays.pop("tokens").tolist())
-        if (saved != tokens or meta.get("format") != FILE_FORMAT or meta.get("key") != self.key
-                or meta.get("scope", "") != scope):  # fmt: skip
-            return False
-        node.state = tree_unflatten(list(arrays.items()))
+        node.state = {"state": saved.state}
+        if saved.logits is not None:
+            node.state["logits"] = saved.logits
         return True
 
     def _warn_once(self, cause, text: str) -> None:

@@ -22,8 +22,8 @@ from mlx.utils import tree_flatten
 
 
 def state(n: int, tag: float = 0.0):
-    """A state-like pytree of ``4 * n`` bytes."""
-    return [{"x": mx.full((n,), tag, dtype=mx.float32)}]
+    """An entry (``{"state": ...}``) of ``4 * n`` bytes, of a state no model's."""
+    return {"state": [{"x": mx.full((n,), tag, dtype=mx.float32)}]}
 
 
 def test_longest_stored_prefix():
@@ -90,10 +90,10 @@ def test_real_model_states_resume_a_text():
     tokens = list(range(1, 41))
     _, after = model.hidden(mx.array([tokens[:25]]))
     cache = PrefixCache(10**8)
-    cache.put(tokens[:25], after)
+    cache.put(tokens[:25], {"state": after})
     assert cache.nbytes == state_bytes(after) > 0
     n, resumed = cache.get(tokens)
-    h, _ = model.hidden(mx.array([tokens[n:]]), resumed)
+    h, _ = model.hidden(mx.array([tokens[n:]]), resumed["state"])
     whole, _ = model.hidden(mx.array([tokens]))
     assert n == 25 and mx.allclose(h, whole[:, 25:], atol=1e-5).item()
 
@@ -108,17 +108,18 @@ def test_states_persist_in_a_folder_and_come_back(tmp_path):
     arrays, the same lookups), another key's are left alone, a damaged file is skipped with one
     warning, and evicted states' files are deleted."""
     model = tiny_model("rwkv-x", seed=3)
-    first = PrefixCache(10**8, folder=str(tmp_path), key="model-a")
+    first = PrefixCache(10**8, folder=str(tmp_path), key="model-a", model=model)
     texts = {(1, 2, 3): None, (1, 2, 3, 4, 5): None, (7,): None}
     for tokens in texts:
-        _, texts[tokens] = model.hidden(mx.array([list(tokens)]))
+        _, after = model.hidden(mx.array([list(tokens)]))
+        texts[tokens] = {"state": after}
         first.put(tokens, texts[tokens])
     PrefixCache(10**8, folder=str(tmp_path), key="model-b").put([1, 2], state(4))
     assert len(list(tmp_path.glob("*.safetensors"))) == 4
     cut = tmp_path / ("0" * 32 + ".safetensors")
     cut.write_bytes(b"\x10\x00\x00")  # a damaged file
 
-    again = PrefixCache(10**8, folder=str(tmp_path), key="model-a")
+    again = PrefixCache(10**8, folder=str(tmp_path), key="model-a", model=model)
     with pytest.warns(UserWarning, match=r"1 files skipped, not readable saved states: 0{32}"):
         assert again.load() == 3
     n, restored = again.get([1, 2, 3, 4, 5, 6])
@@ -156,7 +157,7 @@ def test_a_scope_never_finds_another_scopes_states(tmp_path):
     again = PrefixCache(10**6, folder=str(tmp_path), key="model")
     assert again.load() == 3
     n, restored = again.get([1, 2])
-    assert n == 2 and mx.array_equal(restored[0]["x"], state(10, 2)[0]["x"])
+    assert n == 2 and mx.array_equal(restored["state"][0]["x"], state(10, 2)["state"][0]["x"])
     assert again.get([1, 2, 3], scope="alice")[0] == 3 and again.get([1, 2, 3])[0] == 2
     assert again.get([5], scope="bob")[0] == 1 and again.get([5], scope="alice") == (0, None)
 
@@ -189,7 +190,7 @@ def test_restored_states_hold_no_file_open(tmp_path):
     assert again.load() == 300
     for i in (0, 150, 299):
         n, s = again.get([i, 1, 2, 3])
-        assert n == 3 and mx.array_equal(s[0]["x"], state(4, i)[0]["x"])
+        assert n == 3 and mx.array_equal(s["state"][0]["x"], state(4, i)["state"][0]["x"])
     assert _open_fds() <= before + 2  # the folder's two lock files, whatever the states
 
 
@@ -260,10 +261,10 @@ def test_a_state_that_cannot_be_read_now_is_kept_for_the_next_lookup(tmp_path, m
     saved = _files(tmp_path)
     with pytest.warns(UserWarning, match=r"could not be read now \(Too many open files\)"):
         n, s = again.get([1, 2, 3])
-    assert n == 1 and mx.array_equal(s[0]["x"], state(4, 1)[0]["x"])
+    assert n == 1 and mx.array_equal(s["state"][0]["x"], state(4, 1)["state"][0]["x"])
     assert _files(tmp_path) == saved and len(again) == 2
     n, s = again.get([1, 2, 3])
-    assert n == 2 and mx.array_equal(s[0]["x"], state(4, 2)[0]["x"])
+    assert n == 2 and mx.array_equal(s["state"][0]["x"], state(4, 2)["state"][0]["x"])
 
 
 def test_the_folder_obeys_its_budget_counting_every_byte(tmp_path):

@@ -14,7 +14,8 @@ import subprocess
 import sys
 import urllib.request
 
-from mlx_rwkvx.generation.prefix_cache import PrefixCache, folder_for, read_state_header
+from mlx_rwkvx.generation.prefix_cache import PrefixCache, folder_for
+from mlx_rwkvx.io.states import read_header
 
 import mlx.core as mx
 import pytest
@@ -68,7 +69,7 @@ def test_a_restart_on_many_states_and_two_servers_on_one_folder(model, tmp_path)
     (folder,) = [p for p in cache_dir.iterdir() if p.is_dir()]
     assert mode(tmp_path / "made") == mode(cache_dir) == mode(folder) == 0o700
     assert state_files(folder) and {mode(p) for p in state_files(folder)} == {0o600}
-    key = read_state_header(next(iter(state_files(folder))))[0]["key"]
+    key = read_header(next(iter(state_files(folder)))).identity
     filler = PrefixCache(10**9, folder=str(folder), key=key)  # 300 states of no conversation
     for i in range(300):
         filler.put([7, 7, 7, i], {"state": [mx.zeros((64,))]})

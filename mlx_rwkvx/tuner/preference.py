@@ -12,7 +12,9 @@ context).
 ``pair_logprobs``: the summed log-probabilities of the chosen and the rejected answers of a
 batch of pairs, the prompt prefilled once and its state branched (RWKV's state is the whole
 past: both answers continue from it). ``preference_loss``: DPO's losses against a reference
-and ORPO's, with the rewards, margins and accuracy the trainer logs.
+and ORPO's, with the rewards, margins and accuracy the trainer logs. Each loss takes the
+log-probabilities its paper defines it on: DPO's sigmoid and hinge the answers' summed ones,
+IPO the ones averaged over each answer's trained tokens, ORPO the mean token probability.
 """
 
 from __future__ import annotations
@@ -195,10 +197,23 @@ class PreferenceTerms:
     chosen_nll: mx.array  # the chosen answers' mean token NLL, summed over pairs
 
 
-def dpo_loss(policy_c, policy_r, ref_c, ref_r, *, beta: float, kind: str = "sigmoid"):
-    """DPO's loss of each pair from summed log-probabilities: ``sigmoid`` (the paper's
-    ``-log σ(β h)``), ``ipo`` (``(h - 1/(2β))²``), ``hinge`` (``max(0, 1 - β h)``) with
-    ``h = (π_c - ρ_c) - (π_r - ρ_r)``; and the rewards ``β (π - ρ)``."""
+def dpo_loss(policy_c, policy_r, ref_c, ref_r, *, beta: float, kind: str = "sigmoid",
+             count_c=None, count_r=None):  # fmt: skip
+    """DPO's loss of each pair and the rewards ``β (π - ρ)``, with
+    ``h = (π_c - ρ_c) - (π_r - ρ_r)``: ``sigmoid`` (the DPO paper's ``-log σ(β h)``) and
+    ``hinge`` (``max(0, 1 - β h)``) on the answers' summed log-probabilities, ``ipo``
+    (``(h - 1/(2β))²``, Azar et al. 2023, eq. 17) on the log-probabilities averaged over each
+    answer's trained tokens (``count_c``, ``count_r``, policy and reference alike), as TRL
+    does "confirmed with the IPO authors": the summed ones would make the target ``1/(2β)``
+    a per-answer one and the loss grow with the answers' length. IPO's rewards come from the
+    averaged log-probabilities too: the margin logged is ``β h``, the one the loss pulls to
+    one half."""
+    if kind == "ipo":
+        if count_c is None or count_r is None:
+            raise ValueError("the ipo loss needs each answer's count of trained tokens")
+        count_c, count_r = mx.maximum(count_c, 1), mx.maximum(count_r, 1)
+        policy_c, ref_c = policy_c / count_c, ref_c / count_c
+        policy_r, ref_r = policy_r / count_r, ref_r / count_r
     h = (policy_c - ref_c) - (policy_r - ref_r)
     if kind == "sigmoid":
         losses = -nn.log_sigmoid(beta * h)
@@ -228,13 +243,15 @@ def orpo_loss(policy_c, policy_r, count_c, count_r, *, lam: float):
 
 def preference_loss(mode: str, policy, reference=None, *, beta: float = 0.1,
                     kind: str = "sigmoid", lam: float = 0.1) -> PreferenceTerms:  # fmt: skip
-    """``mode`` ``"dpo"`` (with ``reference``: ``pair_logprobs`` of the reference model) or
-    ``"orpo"`` (no reference) of ``policy`` (``pair_logprobs`` of the trained model)."""
+    """``mode`` ``"dpo"`` (with ``reference``: the chosen and rejected of ``pair_logprobs`` of
+    the reference model, on the same pairs) or ``"orpo"`` (no reference) of ``policy``
+    (``pair_logprobs`` of the trained model, whose token counts IPO and ORPO average by)."""
     pc, pr, cc, cr = policy
     if mode == "dpo":
         if reference is None:
             raise ValueError("dpo needs the reference model's log-probabilities")
-        losses, rc, rr = dpo_loss(pc, pr, reference[0], reference[1], beta=beta, kind=kind)
+        losses, rc, rr = dpo_loss(pc, pr, reference[0], reference[1], beta=beta, kind=kind,
+                                  count_c=cc, count_r=cr)  # the reference's counts are the policy's
     elif mode == "orpo":
         losses, rc, rr = orpo_loss(pc, pr, cc, cr, lam=lam)
     else:

@@ -2,7 +2,8 @@
 pairs sharing the prompt's tokens; ``pair_logprobs`` (the prompt prefilled once, its state
 branched) equals each answer's log-probability computed alone through the trainer's one
 definition of the loss, in value and gradient, for each family; the losses equal a NumPy
-reference from the same log-probabilities."""
+reference from the same log-probabilities, IPO's against the paper's loss on per-token
+log-probabilities (``tests/oracle/preference.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from mlx_rwkvx.data.examples import IGNORE_INDEX, load_examples
 from mlx_rwkvx.data.loss import batch_loss
 from mlx_rwkvx.errors import DataError
 from mlx_rwkvx.io.tokenizers import ByteTokenizer
-from mlx_rwkvx.tuner.preference import load_pairs, pair_logprobs, pair_of, preference_loss
+from mlx_rwkvx.tuner.preference import (
+    dpo_loss,
+    load_pairs,
+    pair_logprobs,
+    pair_of,
+    preference_loss,
+)
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +29,8 @@ import numpy as np
 import pytest
 from helpers import chatml_tokenizer, tiny_model
 from mlx.utils import tree_flatten
+from oracle.lm import log_softmax_np
+from oracle.preference import ipo_loss_np
 
 RECORDS = [
     {"prompt": "2+2=", "chosen": "4", "rejected": "5"},
@@ -100,6 +109,8 @@ def test_pair_logprobs_equal_each_answer_alone(tok, family):
 def _np_terms(mode, pc, pr, rc, rr, cc, cr, beta, kind, lam):
     log_sigmoid = lambda x: -np.logaddexp(0, -x)  # noqa: E731
     if mode == "dpo":
+        if kind == "ipo":  # IPO on the log-probabilities averaged over each answer's tokens
+            pc, rc, pr, rr = pc / cc, rc / cc, pr / cr, rr / cr
         h = (pc - rc) - (pr - rr)
         losses = {"sigmoid": -log_sigmoid(beta * h), "ipo": (h - 1 / (2 * beta)) ** 2,
                   "hinge": np.maximum(0, 1 - beta * h)}[kind]  # fmt: skip
@@ -126,6 +137,69 @@ def test_losses_equal_a_numpy_reference(mode, kind):
     assert np.isclose(terms.rejected_reward.item(), rew_r.sum(), rtol=1e-5, atol=1e-5)
     assert terms.correct.item() == int((rew_c > rew_r).sum())
     assert np.isclose(terms.chosen_nll.item(), (-pc / counts[0]).sum(), rtol=1e-5)
+
+
+def _random_answers(rng, lengths) -> list[np.ndarray]:
+    return [-rng.uniform(0.05, 4.0, size=n) for n in lengths]
+
+
+def _sums_counts(side: list[np.ndarray]) -> tuple[mx.array, mx.array]:
+    sums = mx.array([t.sum() for t in side], dtype=mx.float32)
+    return sums, mx.array([len(t) for t in side], dtype=mx.float32)
+
+
+def _ipo(pc, pr, rc, rr, beta: float) -> tuple[np.ndarray, float]:
+    """``dpo_loss(kind="ipo")`` of each pair and ``preference_loss``'s total, from each
+    answer's per-token log-probabilities as ``pair_logprobs`` gives them: sums and counts."""
+    (spc, cc), (spr, cr) = _sums_counts(pc), _sums_counts(pr)
+    src, srr = _sums_counts(rc)[0], _sums_counts(rr)[0]
+    losses, _, _ = dpo_loss(spc, spr, src, srr, beta=beta, kind="ipo", count_c=cc, count_r=cr)
+    terms = preference_loss("dpo", (spc, spr, cc, cr), (src, srr), beta=beta, kind="ipo")
+    return np.array(losses), terms.loss.item()
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5])
+def test_ipo_equals_the_papers_loss_on_averaged_logprobs(beta):
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 60, size=(2, 8))  # answers of different lengths, 1 token up
+    pc, pr = _random_answers(rng, lengths[0]), _random_answers(rng, lengths[1])
+    rc = [t + rng.normal(0, 0.3, len(t)) for t in pc]
+    rr = [t + rng.normal(0, 0.3, len(t)) for t in pr]
+    want = ipo_loss_np(pc, pr, rc, rr, beta)
+    losses, total = _ipo(pc, pr, rc, rr, beta)
+    assert np.allclose(losses, want, rtol=1e-5, atol=1e-6)
+    assert np.isclose(total, want.sum(), rtol=1e-5)
+    # an answer twice as long with the same per-token log-probabilities: the same loss
+    twice = [np.tile(t, 2) for t in pc]
+    doubled, _ = _ipo(twice, pr, [np.tile(t, 2) for t in rc], rr, beta)
+    assert np.allclose(doubled, losses, rtol=1e-5, atol=1e-6)
+
+
+def test_ipo_of_a_model_equals_the_papers_loss(tok):
+    """The preference step's IPO loss, ``pair_logprobs`` of a policy and of a reference model,
+    equals the oracle's on per-token log-probabilities read from each model's float64
+    log-softmax of the whole text."""
+    policy, reference = tiny_model("rwkv7", seed=3, vocab_size=512), tiny_model("rwkv7", seed=4,
+                                                                                vocab_size=512)
+    pairs = [pair_of(tok, r) for r in RECORDS]  # answers of different lengths
+
+    def per_token(model, side):
+        out = []
+        for p in pairs:
+            answer, trained = getattr(p, side), getattr(p, f"{side}_trained")
+            tokens = np.concatenate([p.prompt, answer])
+            logp = log_softmax_np(np.array(model(mx.array(tokens[None])), dtype=np.float64)[0])
+            at = np.arange(len(p.prompt), len(tokens))[trained]  # the trained answer tokens
+            out.append(logp[at - 1, tokens[at]])
+        return out
+
+    want = ipo_loss_np(*(per_token(m, s) for m in (policy, reference)
+                         for s in ("chosen", "rejected")), 0.1)  # fmt: skip
+    # the reference's log-probabilities travel as the trainer keeps them: summed, float32
+    ref_c, ref_r, _, _ = pair_logprobs(reference, pairs)
+    terms = preference_loss("dpo", pair_logprobs(policy, pairs), (ref_c, ref_r), beta=0.1,
+                            kind="ipo")  # fmt: skip
+    assert np.isclose(terms.loss.item(), want.sum(), rtol=1e-4)
 
 
 def test_dpo_starts_at_ln_2_where_the_policy_is_the_reference(tok):

@@ -17,8 +17,15 @@ own cache (``Model._hidden``), so a row in a batch is the computation of that ro
 
 Entry points: ``make_caches``, ``read_caches`` (the state a forward starts from, and its rows),
 ``write_caches`` (the state after it). The models themselves only see the state
-(``Model.hidden``). mlx-lm is imported only when a cache is made or read: its package imports
-transformers, and with it torch where that is installed (seconds per process).
+(``Model.hidden``), and so does the rest of the package: the explicit state is what a
+``Session``, a ``Chat``, the prefix cache and a saved-state file (``io/states.py``) hold, an
+immutable pytree whose reference is a free snapshot. A ``RowsCache`` is the state only where
+mlx-lm's ``BatchGenerator`` holds it (the server's batches), filled and read back at that
+boundary; mlx-lm's ``generate_step`` steps a ``Session`` through a model callable of its own
+(``generation/stream.py``: the KV window trimmed after every token, and the state one token
+behind what ``generate_step`` fed, as the session holds it). mlx-lm is imported only when a
+cache is made or read: its package imports transformers, and with it torch where that is
+installed (seconds per process).
 """
 
 from __future__ import annotations

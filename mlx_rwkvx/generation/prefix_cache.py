@@ -346,8 +346,8 @@ class PrefixCache:
         except FileNotFoundError:
             return False
         except CheckpointError as e:
-            self._warn_once("refused", f"a saved state was refused and is deleted ({e}); "
-                            "such files are deleted, and this is said once")
+            self._warn_once("refused", f"a saved state failed its checks and was deleted ({e}); "
+                            "this is said once")
             return False
         except (OSError, MemoryError) as e:
             text = reason(e) if isinstance(e, OSError) else "out of memory"

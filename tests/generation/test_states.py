@@ -267,7 +267,7 @@ def test_the_prefix_cache_deletes_a_tampered_state_instead_of_resuming(model, tm
     tamper(longer, longer, _nan("state.0.wkv"))
     again = PrefixCache(10**8, folder=str(tmp_path), key=key, model=model)
     assert again.load() == 2
-    with pytest.warns(UserWarning, match=r"a saved state was refused and is deleted \(.*NaN"):
+    with pytest.warns(UserWarning, match=r"failed its checks and was deleted \(.*NaN"):
         n, entry = again.get([1, 2, 3, 4, 5, 6])
     assert n == 3 and same_state(entry["state"], prefill(model, [1, 2, 3])[0])
     assert not longer.exists() and len(again) == 1

@@ -1,11 +1,13 @@
 """The base model's fingerprint, which an adapter file carries so that it is never applied to
-another base."""
+another base, and a model's identity (the base's fingerprint and its adapters), which a saved
+state carries so that it is never resumed on another model."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 
+from mlx_rwkvx.adapters.tensors import adapter_tensors
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.models.rwkv7 import HeadNorm
 
@@ -25,3 +27,13 @@ def fingerprint(model: Model) -> str:
             h.update(path.encode())
             h.update(memoryview(module.weight.astype(mx.bfloat16).view(mx.uint16)))
     return h.hexdigest()[:16]
+
+
+def model_identity(model: Model) -> str:
+    """What a model's states are valid for: the base's fingerprint and a hash of any adapter
+    tensors (LoRA, DoRA, a state-tuned initial state)."""
+    h = hashlib.sha256()
+    for name, x in sorted(adapter_tensors(model).items()):
+        h.update(name.encode())
+        h.update(memoryview(x.astype(mx.float32)))
+    return f"{fingerprint(model)}-{h.hexdigest()[:16]}"

@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mlx_rwkvx.adapters.fingerprint import model_identity
 from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.generation import ChatFormat
-from mlx_rwkvx.generation.chat import model_identity
 from mlx_rwkvx.generation.prefix_cache import PrefixCache
 from mlx_rwkvx.generation.stream import StopStrings, detokenizer, vocab_mask
 from mlx_rwkvx.models.cache import write_caches

@@ -15,9 +15,9 @@ import shutil
 import stat
 from pathlib import Path
 
+from mlx_rwkvx.adapters.fingerprint import model_identity
 from mlx_rwkvx.errors import CheckpointError
 from mlx_rwkvx.generation import Chat
-from mlx_rwkvx.generation.chat import model_identity
 from mlx_rwkvx.generation.prefix_cache import PrefixCache, folder_for
 from mlx_rwkvx.io.states import (
     OLD_CHAT_FORMAT,

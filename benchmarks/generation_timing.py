@@ -33,7 +33,7 @@ class AnyIdTokenizer:
 def verify_generation(ours, theirs, ids) -> float:
     """Our generated steps against the full forward, and our first token's log-probabilities
     against mlx-lm's generate_step: the larger relative error."""
-    from mlx_lm.generate import generate_step
+    from mlx_rwkvx._mlx_lm import generate_step
 
     tokenizer = AnyIdTokenizer(ours.config.vocab_size)
     seq, worst = list(ids), 0.0
@@ -65,7 +65,7 @@ def generate_step_ttft(model, ids, repeats: int) -> float:
     token in pieces (only the caches evaluated: no head), then the last token as a step of its
     own. It starts the next step before it yields: each run waits for that step, untimed, before
     the next one begins."""
-    from mlx_lm.generate import generate_step
+    from mlx_rwkvx._mlx_lm import generate_step
 
     prompt = mx.array(ids)
     times = []

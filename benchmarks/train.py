@@ -77,8 +77,7 @@ def _lora_step(model: Model, rank: int, tcfg: TrainConfig) -> Step:
 
 def _train_shape(shape: dict, rank: int, tmp: str) -> dict:
     """LoRA steps of ours and of mlx-lm's trainer machinery on the same weights and batch."""
-    from mlx_lm.tuner.trainer import default_loss
-    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_rwkvx._mlx_lm import default_loss, linear_to_lora_layers
 
     cfg = ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["C"],
                       block_types=["rwkv7"] * shape["layers"])  # fmt: skip

@@ -54,13 +54,9 @@ LOOP_GRAD_MAX_HEAD_STEPS = 16384
 
 def mlx_lm_wkv7(r, log_w, k, v, a, b, state):
     """mlx-lm's own CPU WKV7 path (its time-mix ``_wkv7`` method), fed the decay it expects."""
-    from types import SimpleNamespace
+    from mlx_rwkvx._mlx_lm import time_mix_wkv7
 
-    from mlx_lm.models.rwkv7 import Rwkv7TimeMixing
-
-    _, _, H, N = r.shape
-    owner = SimpleNamespace(num_heads=H, head_dim=N)
-    return Rwkv7TimeMixing._wkv7(owner, r, mx.exp(log_w), k, v, a, b, state)
+    return time_mix_wkv7(r, mx.exp(log_w), k, v, a, b, state)
 
 
 def bmm_gflops(batch: int = 2048) -> float:

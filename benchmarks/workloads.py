@@ -140,10 +140,10 @@ def lora_step_flops(cfg: ModelConfig, tokens: int) -> float:
 
 def mlx_lm_twin(model, tmp: str):
     """mlx-lm's own model with the same weights (through our Hugging Face export)."""
+    from mlx_rwkvx._mlx_lm import load_model
     from mlx_rwkvx.io.formats import write_hf
 
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model
 
     write_hf(tmp, model.config, dict(tree_flatten(model.parameters())))
     theirs, _ = load_model(Path(tmp))

@@ -25,6 +25,7 @@ from mlx_rwkvx.errors import (
     os_error_text,
     signal_of,
 )
+from mlx_rwkvx.settings import help_text
 
 T = TypeVar("T")
 __all__ = ["EXIT_CODES", "USER_ERRNOS", "Interrupted", "fail", "help_text", "os_error_text",
@@ -74,8 +75,3 @@ def run(prog: str, body: Callable[[], T], *, kept: str = "nothing written") -> T
         print(f"{prog}: interrupted ({getattr(e, 'kept', '') or kept})", file=sys.stderr)
         sys.exit(EXIT_CODES.get(signal_of(e), 130))
 
-
-def help_text(doc: str) -> str:
-    """A module docstring as ``--help`` shows it: reStructuredText's double backquotes
-    dropped."""
-    return doc.replace("``", "")

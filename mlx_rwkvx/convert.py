@@ -10,77 +10,72 @@ layer not listed in ``--qwen-layers`` becomes an ARWKV time-mix initialised from
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
 import mlx_rwkvx
-from mlx_rwkvx import cli
-from mlx_rwkvx.cli import help_text
+from mlx_rwkvx import cli, settings
+from mlx_rwkvx.errors import UsageError
 from mlx_rwkvx.io.convert import WRITERS, convert
 from mlx_rwkvx.io.load import DTYPES
+from mlx_rwkvx.settings import Settings, opt
 
 PROG = "mlx_rwkvx.convert"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=help_text(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("src", help="checkpoint to read (folder, .safetensors or .pth)")
-    parser.add_argument("dst", help="where to write")
-    parser.add_argument("--to", choices=sorted(WRITERS), default="native")
-    parser.add_argument(
-        "--quantize",
+@dataclass
+class ConvertConfig(Settings):
+    src: str = opt("checkpoint to read (folder, .safetensors or .pth)", positional=True)
+    dst: str = opt("where to write", positional=True)
+    to: str = opt("the format written", default="native", choices=tuple(sorted(WRITERS)))
+    quantize: str | None = opt(
+        "store INT8 (or int4) weights (bare: int8, as train and generate take it)",
         choices=("int8", "int4"),
-        nargs="?",
         const="int8",
-        default=None,
-        help="store INT8 (or int4) weights (bare: int8, as train and generate take it)",
     )
-    parser.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default=None,
-        help="cast floating weights (default: as stored)",
+    dtype: str | None = opt(
+        "cast floating weights (default: as stored)", choices=tuple(sorted(DTYPES))
     )
-    parser.add_argument("--to-rfa", action="store_true", help="Qwen2 -> RFA (see above)")
-    parser.add_argument("--head-size", type=int, default=None,
-                        help="--to-rfa: WKV head size (default: 64)")  # fmt: skip
-    parser.add_argument(
-        "--qwen-layers",
-        default=None,
-        help="--to-rfa: comma-separated layers kept as Qwen2 (default: 3, 7, 11, ...)",
+    to_rfa: bool = opt("Qwen2 -> RFA (see above)", default=False)
+    head_size: int | None = opt("--to-rfa: WKV head size (default: 64)")
+    qwen_layers: str | None = opt(
+        "--to-rfa: comma-separated layers kept as Qwen2 (default: 3, 7, 11, ...)"
     )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace an existing checkpoint at DST"
-    )
-    args = parser.parse_args(argv)
-    layers = None
-    if args.qwen_layers is not None:
-        try:
-            layers = [int(x) for x in args.qwen_layers.split(",") if x.strip()]
-        except ValueError:
-            parser.error(
-                f"--qwen-layers: expected comma-separated integers, got {args.qwen_layers!r}"
-            )
+    overwrite: bool = opt("replace an existing checkpoint at DST", default=False)
 
+    def layers(self) -> list[int] | None:
+        """--qwen-layers as numbers."""
+        if self.qwen_layers is None:
+            return None
+        try:
+            return [int(x) for x in self.qwen_layers.split(",") if x.strip()]
+        except ValueError:
+            raise UsageError(
+                f"--qwen-layers: expected comma-separated integers, got {self.qwen_layers!r}"
+            ) from None
+
+    def check_together(self) -> None:
+        self.layers()
+
+
+def main(argv: list[str] | None = None) -> None:
     def body():
+        cfg = settings.load(ConvertConfig, argv, PROG, description=__doc__, yaml=False)
         mlx_rwkvx.configure()
         convert(
-            args.src,
-            args.dst,
-            to=args.to,
-            quantize=args.quantize,
-            dtype=args.dtype,
-            to_rfa=args.to_rfa,
-            qwen_layers=layers,
-            head_size=args.head_size,
-            overwrite=args.overwrite,
+            cfg.src,
+            cfg.dst,
+            to=cfg.to,
+            quantize=cfg.quantize,
+            dtype=cfg.dtype,
+            to_rfa=cfg.to_rfa,
+            qwen_layers=cfg.layers(),
+            head_size=cfg.head_size,
+            overwrite=cfg.overwrite,
         )
+        return cfg
 
-    cli.run(PROG, body)
-    print(f"wrote {args.dst} ({args.to})")
+    cfg = cli.run(PROG, body)
+    print(f"wrote {cfg.dst} ({cfg.to})")
 
 
 if __name__ == "__main__":

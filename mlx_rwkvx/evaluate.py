@@ -17,7 +17,6 @@ import math
 import sys
 from dataclasses import dataclass
 
-import mlx_rwkvx
 from mlx_rwkvx import cli, settings
 from mlx_rwkvx.adapters.apply import apply_adapter
 from mlx_rwkvx.adapters.files import read_adapter
@@ -30,93 +29,89 @@ from mlx_rwkvx.evaluation.lambada import lambada, read_lambada
 from mlx_rwkvx.generation.stream import default_max_cache
 from mlx_rwkvx.io.load import load
 from mlx_rwkvx.io.tokenizers import token_byte_lengths
-from mlx_rwkvx.ops import prepare
-from mlx_rwkvx.settings import opt
+from mlx_rwkvx.ops import configure_and_prepare
+from mlx_rwkvx.settings import Settings, opt
 
-import mlx.core as mx
 from tqdm import tqdm
 
 PROG = "mlx_rwkvx.evaluate"
 
 
 @dataclass
-class EvaluateConfig:
-    model: list = opt("a checkpoint or Hugging Face name (give several to compare them)")
-    adapter: list = opt("an adapter to evaluate on the model it was trained on (repeatable)",
-                        "adapter_path")  # fmt: skip
-    data: str = opt("the data set: a file or folder the trainer reads, or a plain text file")
-    split: str = opt("a data folder's split (default: test, else valid)")
-    sql: str = opt("--data is a SQLite database: the query returning (conversation, role, "
-                   "content) rows, as train takes it")  # fmt: skip
-    quantize: str = opt("quantize the weights as they load (bare: int8)",
-                        choices=("int8", "int4"), const="int8")  # fmt: skip
-    dtype: str = opt("cast the float weights: float32, bfloat16, float16 (default: as stored)",
-                     choices=("float32", "bfloat16", "float16"))  # fmt: skip
-    max_seq_len: int = opt("tokens per window (default: the trainer's, 512, 256 with Qwen2 "
-                           "blocks)", "max_seq_length")  # fmt: skip
-    carry_state: bool = opt("long texts in windows, the state carried between them; "
-                            "--no-carry-state cuts them to --max-seq-len as the trainer's "
-                            "validation does without --carry-state", default=True)  # fmt: skip
-    max_cache: int = opt("tokens the attention blocks' KV caches keep across windows "
-                         "(default: the model's own, else 2048)")  # fmt: skip
-    batch_size: int = opt("texts per batch", default=1)
-    max_batches: int = opt("evaluate only the first N batches (default: all)")
-    tasks: list = opt(f"tasks instead of the loss on --data: {LAMBADA} (on --data, a LAMBADA "
-                      "JSONL) or lm-evaluation-harness's (hellaswag, arc_easy, ...; the eval "
-                      "extra); comma-separated or repeated")  # fmt: skip
-    num_shots: int = opt("lm-eval tasks: examples shown before each question (default: the "
-                         "task's)", "num_fewshot")  # fmt: skip
-    limit: float = opt("lm-eval tasks: only the first N documents of each (a fraction if < 1)")
-    apply_chat_template: bool = opt("lm-eval tasks: render prompts with the tokenizer's chat "
-                                    "template", default=False)  # fmt: skip
-    include_path: str = opt("lm-eval tasks: a folder of your own task YAMLs")
+class EvaluateConfig(Settings):
+    """Evaluate models and adapters on a data set: loss, perplexity, bits per byte."""
+
+    model: list[str] | None = opt(
+        "a checkpoint or Hugging Face name (give several to compare them)", required=True
+    )
+    adapter: list[str] | None = opt(
+        "an adapter to evaluate on the model it was trained on (repeatable)", "adapter_path"
+    )
+    data: str | None = opt(
+        "the data set: a file or folder the trainer reads, or a plain text file"
+    )
+    split: str | None = opt("a data folder's split (default: test, else valid)")
+    sql: str | None = opt(
+        "--data is a SQLite database: the query returning (conversation, role, content) rows, "
+        "as train takes it"
+    )
+    quantize: str | None = opt(
+        "quantize the weights as they load (bare: int8)", choices=("int8", "int4"), const="int8"
+    )
+    dtype: str | None = opt(
+        "cast the float weights: float32, bfloat16, float16 (default: as stored)",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    max_seq_len: int | None = opt(
+        "tokens per window (default: the trainer's, 512, 256 with Qwen2 blocks)",
+        "max_seq_length",
+        ge=1,
+    )
+    carry_state: bool = opt(
+        "long texts in windows, the state carried between them; --no-carry-state cuts them to "
+        "--max-seq-len as the trainer's validation does without --carry-state",
+        default=True,
+    )
+    max_cache: int | None = opt(
+        "tokens the attention blocks' KV caches keep across windows (default: the model's own, "
+        "else 2048)",
+        ge=1,
+    )
+    batch_size: int = opt("texts per batch", default=1, ge=1)
+    max_batches: int | None = opt("evaluate only the first N batches (default: all)", ge=1)
+    tasks: list[str] | None = opt(
+        f"tasks instead of the loss on --data: {LAMBADA} (on --data, a LAMBADA JSONL) or "
+        "lm-evaluation-harness's (hellaswag, arc_easy, ...; the eval extra); comma-separated or "
+        "repeated"
+    )
+    num_shots: int | None = opt(
+        "lm-eval tasks: examples shown before each question (default: the task's)",
+        "num_fewshot",
+        ge=0,
+    )
+    limit: float | None = opt(
+        "lm-eval tasks: only the first N documents of each (a fraction if < 1)", gt=0
+    )
+    apply_chat_template: bool = opt(
+        "lm-eval tasks: render prompts with the tokenizer's chat template", default=False
+    )
+    include_path: str | None = opt("lm-eval tasks: a folder of your own task YAMLs")
     seed: int = opt("lm-eval tasks: the seed of few-shot sampling", default=0)
     json: bool = opt("print one JSON record instead of the table", default=False)
 
-
-def parser():
-    return settings.make_parser(
-        EvaluateConfig, PROG,
-        "Evaluate models and adapters on a data set: loss, perplexity, bits per byte.",
-    )  # fmt: skip
-
-
-def config_from(argv) -> EvaluateConfig:
-    args, found = settings.parse(parser(), argv, settings.plain_yaml(EvaluateConfig))
-    found.update(args)
-    cfg = EvaluateConfig(**found)
-    if not cfg.model:
-        parser().error("--model is required (on the command line or in --config)")
-    return cfg
-
-
-def _check(cfg: EvaluateConfig) -> None:
-    try:
-        settings.check_types(cfg)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    for name in ("max_seq_len", "max_cache", "batch_size", "max_batches"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if cfg.num_shots is not None and cfg.num_shots < 0:
-        raise UsageError(f"--num-shots must not be negative, got {cfg.num_shots}")
-    if cfg.limit is not None and cfg.limit <= 0:
-        raise UsageError(f"--limit must be positive, got {cfg.limit}")
+    def check_together(self) -> None:
+        _tasks(self)
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = config_from(argv)
-    cli.run(PROG, lambda: _main(cfg))
+    cli.run(PROG, lambda: _main(settings.load(EvaluateConfig, argv, PROG)))
 
 
 def _main(cfg: EvaluateConfig) -> None:
-    _check(cfg)
     tasks = _tasks(cfg)
     harness = [t for t in tasks if t != LAMBADA]
     manager = task_manager(harness, cfg.include_path) if harness else None  # names checked
-    mlx_rwkvx.configure()
-    prepare(dtypes=(mx.float32, mx.bfloat16))
+    configure_and_prepare()
     jobs = _jobs(cfg)  # every adapter matched to its model before any work
     lambada_docs = read_lambada(cfg.data) if LAMBADA in tasks else None
     rows: list[dict] = []
@@ -152,9 +147,10 @@ def _tasks(cfg: EvaluateConfig) -> list[str]:
                          "...}}, e.g. RWKV-LM's lambada_test.jsonl)")  # fmt: skip
     if not tasks and not cfg.data:
         raise UsageError("--data is required (or --tasks)")
-    given = [f"--{n.replace('_', '-')}" for n in ("num_shots", "limit", "include_path")
-             if getattr(cfg, n) is not None] + (["--apply-chat-template"]
-                                                if cfg.apply_chat_template else [])  # fmt: skip
+    lm_eval_only = (("--num-shots", cfg.num_shots), ("--limit", cfg.limit),
+                    ("--include-path", cfg.include_path),
+                    ("--apply-chat-template", cfg.apply_chat_template or None))  # fmt: skip
+    given = [flag for flag, value in lm_eval_only if value is not None]
     if given and not harness:
         raise UsageError(f"{given[0]} goes with lm-evaluation-harness --tasks")
     return list(dict.fromkeys(tasks))

@@ -21,7 +21,6 @@ import sys
 import types
 from dataclasses import dataclass
 
-import mlx_rwkvx
 from mlx_rwkvx import cli, generation, settings
 from mlx_rwkvx.adapters.apply import apply_adapter
 from mlx_rwkvx.errors import UsageError, UserError
@@ -32,11 +31,11 @@ from mlx_rwkvx.generation import (
     encode_chat,
     stream_generate,
 )
-from mlx_rwkvx.generation.stream import default_max_cache
+from mlx_rwkvx.generation.stream import SAMPLING_LIMITS, default_max_cache
 from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load
-from mlx_rwkvx.ops import prepare
-from mlx_rwkvx.settings import opt
+from mlx_rwkvx.ops import configure_and_prepare
+from mlx_rwkvx.settings import Settings, opt
 
 import mlx.core as mx
 
@@ -44,55 +43,81 @@ PROG = "mlx_rwkvx.generate"
 
 
 @dataclass
-class GenerateConfig:
-    model: str = opt("a checkpoint (any format mlx_rwkvx.load reads)")
-    adapter: str = opt("an adapter file or folder to apply (ours or mlx-lm's)", "adapter_path")
-    quantize: str = opt("quantize the weights as they load (bare: int8)",
-                        choices=("int8", "int4"), const="int8")  # fmt: skip
-    dtype: str = opt("cast the float weights: float32, bfloat16, float16 (default: as stored)",
-                     choices=("float32", "bfloat16", "float16"))  # fmt: skip
-    prompt: str = opt("the prompt ('-' reads standard input); without it: a chat", "p")
-    chat: bool = opt("an interactive chat even when standard input is not a terminal",
-                     default=False)  # fmt: skip
-    system: str = opt("the system prompt", "system_prompt")
-    chat_template: str = opt("rwkv (User:/Assistant:), chatml, or a Jinja template file "
-                             "(default: the tokenizer's own, else rwkv)")  # fmt: skip
-    ignore_chat_template: bool = opt("use the prompt as it is, with no chat template",
-                                     default=False)  # fmt: skip
-    max_tokens: int = opt("the most tokens an answer may have", "m", default=256)
-    temp: float = opt("sampling temperature (0: greedy)", "temperature", default=0.0)
-    top_p: float = opt("nucleus sampling: keep the most likely tokens up to this probability "
-                       "(0 or 1: off)", default=0.0)  # fmt: skip
-    min_p: float = opt("drop tokens less likely than this times the top one (0: off)",
-                       default=0.0)  # fmt: skip
-    top_k: int = opt("keep only the K most likely tokens (0: off)", default=0)
-    repetition_penalty: float = opt("divide the logits of recent tokens by this (> 1)")
-    seed: int = opt("random seed of the sampler")
-    stop: str = opt("one more string that ends an answer")
-    max_cache: int = opt("tokens the attention blocks' KV caches hold (default: the model's "
-                         f"own, else {DEFAULT_MAX_CACHE})", "max_kv_size")  # fmt: skip
-    window: bool = opt("past --max-cache, keep a sliding window of the last tokens (the "
-                       "default); --no-window stops the answer instead", default=True)  # fmt: skip
-    verbose: bool = opt("print the prompt's and the answer's token counts and speeds",
-                        default=False)  # fmt: skip
+class GenerateConfig(Settings):
+    """Generate text from an RWKV-7, RWKV-X or RFA model, or chat with it. Flags beat a
+    --config file; the file beats the defaults."""
 
-
-def parser():
-    return settings.make_parser(
-        GenerateConfig,
-        PROG,
-        "Generate text from an RWKV-7, RWKV-X or RFA model, or chat with it. Flags beat a "
-        "--config file; the file beats the defaults.",
+    model: str | None = opt("a checkpoint (any format mlx_rwkvx.load reads)", required=True)
+    adapter: str | None = opt(
+        "an adapter file or folder to apply (ours or mlx-lm's)", "adapter_path"
+    )
+    quantize: str | None = opt(
+        "quantize the weights as they load (bare: int8)", choices=("int8", "int4"), const="int8"
+    )
+    dtype: str | None = opt(
+        "cast the float weights: float32, bfloat16, float16 (default: as stored)",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    prompt: str | None = opt("the prompt ('-' reads standard input); without it: a chat", "p")
+    chat: bool = opt(
+        "an interactive chat even when standard input is not a terminal", default=False
+    )
+    system: str | None = opt("the system prompt", "system_prompt")
+    chat_template: str | None = opt(
+        "rwkv (User:/Assistant:), chatml, or a Jinja template file (default: the tokenizer's "
+        "own, else rwkv)"
+    )
+    ignore_chat_template: bool = opt(
+        "use the prompt as it is, with no chat template", default=False
+    )
+    max_tokens: int = opt("the most tokens an answer may have", "m", default=256, ge=1)
+    temp: float = opt(
+        "sampling temperature (0: greedy)", "temperature", default=0.0, **SAMPLING_LIMITS["temp"]
+    )
+    top_p: float = opt(
+        "nucleus sampling: keep the most likely tokens up to this probability (0 or 1: off)",
+        default=0.0,
+        **SAMPLING_LIMITS["top_p"],
+    )
+    min_p: float = opt(
+        "drop tokens less likely than this times the top one (0: off)",
+        default=0.0,
+        **SAMPLING_LIMITS["min_p"],
+    )
+    top_k: int = opt(
+        "keep only the K most likely tokens (0: off)", default=0, **SAMPLING_LIMITS["top_k"]
+    )
+    repetition_penalty: float | None = opt(
+        "divide the logits of recent tokens by this (> 1)", **SAMPLING_LIMITS["repetition_penalty"]
+    )
+    seed: int | None = opt("random seed of the sampler", **SAMPLING_LIMITS["seed"])
+    stop: str | None = opt("one more string that ends an answer")
+    max_cache: int | None = opt(
+        "tokens the attention blocks' KV caches hold (default: the model's own, else "
+        f"{DEFAULT_MAX_CACHE})",
+        "max_kv_size",
+        ge=1,
+    )
+    window: bool = opt(
+        "past --max-cache, keep a sliding window of the last tokens (the default); --no-window "
+        "stops the answer instead",
+        default=True,
+    )
+    verbose: bool = opt(
+        "print the prompt's and the answer's token counts and speeds", default=False
     )
 
-
-def config_from(argv) -> GenerateConfig:
-    args, found = settings.parse(parser(), argv, settings.plain_yaml(GenerateConfig))
-    found.update(args)
-    cfg = GenerateConfig(**found)
-    if not cfg.model:
-        parser().error("--model is required (on the command line or in --config)")
-    return cfg
+    def check_together(self) -> None:
+        if self.prompt is not None and self.chat:
+            raise UsageError("--prompt answers once, --chat is a conversation: give one of them")
+        if self.ignore_chat_template:
+            given = [flag for flag, value in (("--system", self.system),
+                     ("--chat-template", self.chat_template)) if value is not None]  # fmt: skip
+            if given:
+                raise UsageError(
+                    f"{' and '.join(given)} with --ignore-chat-template: the prompt goes in as "
+                    "it is, with no template to carry them"
+                )
 
 
 def _sampling(cfg: GenerateConfig) -> dict:
@@ -106,36 +131,6 @@ def _sampling(cfg: GenerateConfig) -> dict:
         max_cache=cfg.max_cache,
         window=cfg.window,
     )
-
-
-def _check(cfg: GenerateConfig) -> None:
-    for name in ("max_tokens", "temp", "top_p", "min_p", "top_k"):
-        if getattr(cfg, name) is None:  # a YAML "name: null"
-            raise UsageError(f"--{name.replace('_', '-')} needs a value")
-    try:
-        settings.check_types(cfg)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if cfg.seed is not None and not 0 <= cfg.seed < 2**64:
-        raise UsageError(f"--seed must be in 0 .. 2^64 - 1, got {cfg.seed}")
-    if cfg.prompt is not None and cfg.chat:
-        raise UsageError("--prompt answers once, --chat is a conversation: give one of them")
-    if cfg.ignore_chat_template:
-        given = [f"--{n.replace('_', '-')}" for n in ("system", "chat_template")
-                 if getattr(cfg, n) is not None]  # fmt: skip
-        if given:
-            raise UsageError(f"{' and '.join(given)} with --ignore-chat-template: the prompt "
-                             "goes in as it is, with no template to carry them")  # fmt: skip
-    for name in ("max_tokens", "max_cache"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("temp", "top_p", "min_p", "top_k"):
-        if getattr(cfg, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must not be negative")
-    if cfg.min_p > 1 or cfg.top_p > 1:
-        raise UsageError("--top-p and --min-p must be at most 1")
-    if cfg.repetition_penalty is not None and cfg.repetition_penalty <= 0:
-        raise UsageError("--repetition-penalty must be positive")
 
 
 def _load(cfg: GenerateConfig):
@@ -333,17 +328,15 @@ def _chat_loop(cfg: GenerateConfig, model, tokenizer) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = config_from(argv)
-    cli.run(PROG, lambda: _main(cfg), kept="the answer so far is above")
+    cli.run(PROG, lambda: _main(settings.load(GenerateConfig, argv, PROG)),
+            kept="the answer so far is above")  # fmt: skip
 
 
 def _main(cfg: GenerateConfig) -> None:
     """The command's work. Its user errors are UserErrors (UsageError here; CheckpointError,
     AdapterError, GenerationError below), which ``cli.run`` turns into one line; any other
     exception, an MLX shape error (a ValueError) too, is a bug and keeps its traceback."""
-    _check(cfg)
-    mlx_rwkvx.configure()
-    prepare(dtypes=(mx.float32, mx.bfloat16))  # kernels checked before anything runs
+    configure_and_prepare()  # kernels checked before anything runs
     model, tokenizer = _load(cfg)
     if tokenizer is None:
         raise UsageError(f"--model {cfg.model}: no tokenizer found beside it")

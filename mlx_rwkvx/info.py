@@ -3,13 +3,22 @@
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
+from dataclasses import dataclass
 from importlib import metadata
 
 import mlx_rwkvx
-from mlx_rwkvx import _blas
+from mlx_rwkvx import _blas, cli, settings
+from mlx_rwkvx.settings import Settings, opt
+
+PROG = "mlx_rwkvx.info"
+
+
+@dataclass
+class InfoConfig(Settings):
+    no_timing: bool = opt("skip the matmul timing", default=False)
+    selfcheck: bool = opt("check each kernel against the ops on this device", default=False)
 
 
 def _version(dist: str) -> str:
@@ -46,8 +55,8 @@ def report(timing: bool = True) -> list[str]:
 
 def selfcheck() -> list[str]:
     """Run every kernel's on-device self-check (against the MLX ops path) and report it:
-    ``mlx_rwkvx.ops.prepare()``, which code that compiles runs first."""
-    from mlx_rwkvx.ops import prepare
+    ``ops.configure_and_prepare()``, which every command that runs a model runs first."""
+    from mlx_rwkvx.ops import configure_and_prepare
     from mlx_rwkvx.ops.dispatch import DISPATCHERS
     from mlx_rwkvx.ops.mlx_kernels import kernel_backend
 
@@ -59,22 +68,18 @@ def selfcheck() -> list[str]:
     return [
         f"kernels    {backend} {op} size {size} {dtype}: "
         + ("ok" if ok else f"FAILED (the {DISPATCHERS[op].fallback} path is used)")
-        for op, size, dtype, ok in prepare(dtypes=(mx.float32, mx.bfloat16))
+        for op, size, dtype, ok in configure_and_prepare()
     ]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="mlx_rwkvx.info", description=__doc__)
-    parser.add_argument("--no-timing", action="store_true", help="skip the matmul timing")
-    parser.add_argument(
-        "--selfcheck", action="store_true", help="check each kernel against the ops on this device"
-    )
-    args = parser.parse_args(argv)
-    mlx_rwkvx.configure()
-    lines = report(timing=not args.no_timing)
-    if args.selfcheck:
-        lines += selfcheck()
-    print("\n".join(lines))
+    def body():
+        cfg = settings.load(InfoConfig, argv, PROG, description=__doc__, yaml=False)
+        mlx_rwkvx.configure()
+        lines = report(timing=not cfg.no_timing)
+        return lines + (selfcheck() if cfg.selfcheck else [])
+
+    print("\n".join(cli.run(PROG, body)))
 
 
 if __name__ == "__main__":

@@ -11,62 +11,66 @@ written).
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
 import mlx_rwkvx
-from mlx_rwkvx import cli
-from mlx_rwkvx.cli import help_text
+from mlx_rwkvx import cli, settings
 from mlx_rwkvx.errors import UsageError
+from mlx_rwkvx.settings import Settings, opt
 from mlx_rwkvx.tuner import merge as merging
 
 PROG = "mlx_rwkvx.merge"
 
 
-def _weights(text: str | None):
-    if text is None or text == "auto":
-        return text
-    try:
-        return [float(x) for x in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--weights {text!r}: give numbers like 6,2, or auto") from None
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description=help_text(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+@dataclass
+class MergeConfig(Settings):
+    adapters: list[str] = opt("adapter files or folders", positional=True, metavar="ADAPTER")
+    output: str | None = opt("where to write (see above)", "o", required=True)
+    method: str = opt(
+        "fedavg (A and B averaged: Foundry's), delta (the updates averaged exactly, re-factored "
+        "to --rank by SVD), concat (exact, rank = the sum)",
+        default="fedavg",
+        choices=tuple(merging.METHODS),
     )
-    p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="adapter files or folders")
-    p.add_argument("--output", "-o", required=True, help="where to write (see above)")
-    p.add_argument("--method", choices=merging.METHODS, default="fedavg",
-                   help="fedavg (A and B averaged: Foundry's), delta (the updates averaged "
-                   "exactly, re-factored to --rank by SVD), concat (exact, rank = the sum) "
-                   "(default: fedavg)")  # fmt: skip
-    p.add_argument("--weights", help="one weight per adapter (6,2), or auto: the tokens each "
-                   "trained on (default: equal)")  # fmt: skip
-    p.add_argument("--rank", type=int, help="--method delta: the merged rank (default: the "
-                   "largest of the adapters')")  # fmt: skip
-    p.add_argument("--fuse-into", metavar="MODEL", help="write MODEL with the merged update "
-                   "folded into its weights (float; a quantized base is dequantized)")  # fmt: skip
-    p.add_argument("--quantize", choices=("int8", "int4"), nargs="?", const="int8",
-                   help="with --fuse-into: quantize the fused model and report the error the "
-                   "rounding adds to the update (bare: int8)")  # fmt: skip
-    p.add_argument("--force", action="store_true", help="fedavg adapters from different init "
-                   "seeds all the same")  # fmt: skip
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
-    return p
+    weights: str | None = opt(
+        "one weight per adapter (6,2), or auto: the tokens each trained on (default: equal)"
+    )
+    rank: int | None = opt(
+        "--method delta: the merged rank (default: the largest of the adapters')"
+    )
+    fuse_into: str | None = opt(
+        "write MODEL with the merged update folded into its weights (float; a quantized base is "
+        "dequantized)",
+        metavar="MODEL",
+    )
+    quantize: str | None = opt(
+        "with --fuse-into: quantize the fused model and report the error the rounding adds to "
+        "the update (bare: int8)",
+        choices=("int8", "int4"),
+        const="int8",
+    )
+    force: bool = opt("fedavg adapters from different init seeds all the same", default=False)
+    overwrite: bool = opt("replace an existing OUT", default=False)
+
+    def merge_weights(self) -> list[float] | str | None:
+        """--weights as numbers (or auto, or None: equal)."""
+        if self.weights is None or self.weights == "auto":
+            return self.weights
+        try:
+            return [float(x) for x in self.weights.split(",")]
+        except ValueError:
+            problem = f"--weights {self.weights!r}: give numbers like 6,2, or auto"
+            raise UsageError(problem) from None
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-
     def body():
+        cfg = settings.load(MergeConfig, argv, PROG, description=__doc__, yaml=False)
         mlx_rwkvx.configure()
         return merging.merge_adapters(
-            args.adapters, args.output, method=args.method, weights=_weights(args.weights),
-            rank=args.rank, fuse_into=args.fuse_into, quantize=args.quantize, force=args.force,
-            overwrite=args.overwrite,
+            cfg.adapters, cfg.output, method=cfg.method, weights=cfg.merge_weights(),
+            rank=cfg.rank, fuse_into=cfg.fuse_into, quantize=cfg.quantize, force=cfg.force,
+            overwrite=cfg.overwrite,
         )  # fmt: skip
 
     print("\n".join(cli.run(PROG, body)))

@@ -18,65 +18,58 @@ the file and the line (exit 2) unless ``--skip-bad``, which skips, counts and re
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
-from mlx_rwkvx import cli
-from mlx_rwkvx.cli import help_text
+from mlx_rwkvx import cli, settings
 from mlx_rwkvx.errors import UsageError
+from mlx_rwkvx.settings import Settings, opt
 from mlx_rwkvx.tuner.pretokenize import pretokenize
 
 PROG = "mlx_rwkvx.pretokenize"
 
 
-def _weights(args) -> list[float] | None:
-    if args.split is not None:
-        if args.split < 1:
-            raise UsageError(f"--split must be >= 1, got {args.split}")
-        return [1.0] * args.split
-    if args.split_weights is not None:
+@dataclass
+class PretokenizeConfig(Settings):
+    tokenizer: str | None = opt("tokenizer.json, a World vocabulary, world or bytes")
+    data: str | None = opt(".jsonl, SQLite, .bin or mlx-lm folder", required=True)
+    output: str | None = opt("the .bin to write (a folder for one)", required=True)
+    max_seq_len: int | None = opt("inputs per example (default: whole)", ge=1)
+    split: int | None = opt("K equal parts", ge=1, exclusive="split")
+    split_weights: str | None = opt("parts by weight, e.g. 6,2", exclusive="split")
+    sql: str | None = opt("query of (conversation, role, content) rows")
+    skip_bad: bool = opt("skip and count bad records", default=False)
+    overwrite: bool = opt("replace existing outputs", default=False)
+
+    def weights(self) -> list[float] | None:
+        """The parts' weights: --split K equal ones, or --split-weights (None: one part)."""
+        if self.split is not None:
+            return [1.0] * self.split
+        if self.split_weights is None:
+            return None
         try:
-            weights = [float(x) for x in args.split_weights.split(",")]
+            weights = [float(x) for x in self.split_weights.split(",")]
         except ValueError:
             weights = []
         if not weights or any(not w > 0 or w == float("inf") for w in weights):
             raise UsageError(
                 f"--split-weights: expected positive numbers separated by commas, got "
-                f"{args.split_weights!r}"
+                f"{self.split_weights!r}"
             )
         return weights
-    return None
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=help_text(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--tokenizer", help="tokenizer.json, a World vocabulary, world or bytes")
-    parser.add_argument("--data", required=True, help=".jsonl, SQLite, .bin or mlx-lm folder")
-    parser.add_argument("--output", required=True, help="the .bin to write (a folder for one)")
-    parser.add_argument(
-        "--max-seq-len", type=int, default=None, help="inputs per example (default: whole)"
-    )
-    split = parser.add_mutually_exclusive_group()
-    split.add_argument("--split", type=int, default=None, help="K equal parts")
-    split.add_argument("--split-weights", default=None, help="parts by weight, e.g. 6,2")
-    parser.add_argument("--sql", default=None, help="query of (conversation, role, content) rows")
-    parser.add_argument("--skip-bad", action="store_true", help="skip and count bad records")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
-    return parser
+    def check_together(self) -> None:
+        self.weights()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.max_seq_len is not None and args.max_seq_len < 1:
-        parser.error(f"--max-seq-len must be >= 1, got {args.max_seq_len}")
-    cli.run(PROG, lambda: pretokenize(
-        args.data, args.output, args.tokenizer, max_seq_len=args.max_seq_len,
-        weights=_weights(args), sql=args.sql, skip_bad=args.skip_bad, overwrite=args.overwrite,
-    ))  # fmt: skip
+    def body():
+        cfg = settings.load(PretokenizeConfig, argv, PROG, description=__doc__, yaml=False)
+        return pretokenize(
+            cfg.data, cfg.output, cfg.tokenizer, max_seq_len=cfg.max_seq_len,
+            weights=cfg.weights(), sql=cfg.sql, skip_bad=cfg.skip_bad, overwrite=cfg.overwrite,
+        )  # fmt: skip
+
+    cli.run(PROG, body)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mlx_rwkvx"
 # server and the commands that load models to use them) sits beside the trainer, never on it.
 LAYERS = [
     [("support", ["mlx_rwkvx", "mlx_rwkvx.errors", "mlx_rwkvx._crash", "mlx_rwkvx._blas",
-                  "mlx_rwkvx._runtime", "mlx_rwkvx.settings", "mlx_rwkvx.perf",
+                  "mlx_rwkvx._runtime", "mlx_rwkvx._mlx_lm", "mlx_rwkvx.settings", "mlx_rwkvx.perf",
                   "mlx_rwkvx.cli"])],
     [("kernels", ["mlx_rwkvx.metal"])],
     [("ops", ["mlx_rwkvx.ops"])],

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from mlx_rwkvx._mlx_lm import DoRALinear, LoRALinear
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.models.quantize import use_our_classes
 
 from mlx.utils import tree_unflatten
-from mlx_lm.tuner.dora import DoRALinear
-from mlx_lm.tuner.lora import LoRALinear
 
 
 def fuse_adapters(model: Model) -> Model:

@@ -3,6 +3,7 @@ PiSSA's and MiSS's layers of ``variants.py``) wrapped around the frozen base."""
 
 from __future__ import annotations
 
+from mlx_rwkvx._mlx_lm import DoRALinear, LoRALinear
 from mlx_rwkvx.adapters.variants import (
     MissLinear,
     PissaLinear,
@@ -12,8 +13,6 @@ from mlx_rwkvx.models.model import Model
 
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
-from mlx_lm.tuner.dora import DoRALinear
-from mlx_lm.tuner.lora import LoRALinear
 
 
 def apply_lora(

@@ -19,10 +19,11 @@ saved as an ordinary LoRA update against the original base (``adapter_tensors``)
 
 from __future__ import annotations
 
+from mlx_rwkvx._mlx_lm import LoRALinear
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.tuner.lora import LoRALinear
 
 VARIANTS = ("pissa", "miss")
 

@@ -13,19 +13,17 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from mlx_rwkvx._mlx_lm import GenerationResponse
 from mlx_rwkvx.adapters.fingerprint import fingerprint
 from mlx_rwkvx.adapters.tensors import adapter_tensors
 from mlx_rwkvx.errors import CheckpointError, GenerationError
-from mlx_rwkvx.generation.stream import Session, _encode, stream_generate
+from mlx_rwkvx.generation.stream import Session, encode_prompt, stream_generate
 from mlx_rwkvx.io.states import read_header, read_state, save_state
 from mlx_rwkvx.io.targets import reason
 from mlx_rwkvx.io.tokenizers import rwkv_chat_text
 from mlx_rwkvx.models.model import Model
 
 import mlx.core as mx
-from mlx_lm.generate import (
-    GenerationResponse,
-)
 
 # ----- chat templates --------------------------------------------------------------------------
 
@@ -163,7 +161,7 @@ class ChatText:
 def _holds_special_tokens(tokenizer, text) -> bool:
     special = getattr(tokenizer, "special_token_ids", None)
     return bool(
-        special and text and isinstance(text, str) and special & set(_encode(tokenizer, text))
+        special and text and isinstance(text, str) and special & set(encode_prompt(tokenizer, text))
     )
 
 
@@ -219,11 +217,11 @@ def encode_chat_text(tokenizer, chat: ChatText, start: int = 0) -> list[int]:
         if s == e:
             continue
         if at < s:
-            ids += _encode(tokenizer, chat.text[at:s])
+            ids += encode_prompt(tokenizer, chat.text[at:s])
         ids += tokenizer.encode_plain(chat.text[s:e])
         at = e
     if at < len(chat.text):
-        ids += _encode(tokenizer, chat.text[at:])
+        ids += encode_prompt(tokenizer, chat.text[at:])
     return ids
 
 

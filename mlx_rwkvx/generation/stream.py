@@ -29,19 +29,21 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from mlx_rwkvx._mlx_lm import (
+    GenerationResponse,
+    NaiveStreamingDetokenizer,
+    StreamingDetokenizer,
+    TextStateMachine,
+    generate_step,
+    generation_stream,
+    make_logits_processors,
+    make_sampler,
+    wired_limit,
+)
 from mlx_rwkvx.errors import GenerationError, UserError
 from mlx_rwkvx.models.model import Model
 
 import mlx.core as mx
-from mlx_lm.generate import (
-    GenerationResponse,
-    TextStateMachine,
-    generate_step,
-    generation_stream,
-    wired_limit,
-)
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
-from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer, StreamingDetokenizer
 
 DEFAULT_MAX_CACHE = 2048  # Foundry's KV cache length
 DEFAULT_PREFILL_STEP = 2048  # tokens per parallel prefill piece
@@ -323,7 +325,8 @@ def _sample(logits, history, processors, sampler):
     return sampler(logprobs), logprobs
 
 
-def _encode(tokenizer, text: str) -> list[int]:
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """``tokenizer.encode(text)``; text it cannot encode is a ``GenerationError`` naming it."""
     try:
         return tokenizer.encode(text)
     except UserError:
@@ -334,7 +337,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 def _prompt_ids(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, str):
-        return _encode(tokenizer, prompt)
+        return encode_prompt(tokenizer, prompt)
     if isinstance(prompt, mx.array):
         return [int(i) for i in prompt.reshape(-1).tolist()]
     if isinstance(prompt, (list, tuple)) and all(

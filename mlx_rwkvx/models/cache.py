@@ -59,7 +59,7 @@ class Rows:
 
 @functools.cache
 def _classes() -> tuple[type, type]:
-    from mlx_lm.models.cache import ArraysCache
+    from mlx_rwkvx._mlx_lm import ArraysCache
 
     class RowsCache(ArraysCache):
         """An ``ArraysCache`` whose rows may hold different numbers of tokens (see the module

@@ -4,7 +4,7 @@ and dispatcher; ``dispatch.prepare()`` runs the kernels' self-checks up front; `
 head and cross-entropy fused. The kernel sources live in ``mlx_rwkvx.metal`` (importable
 without MLX)."""
 
-from mlx_rwkvx.ops.dispatch import prepare
+from mlx_rwkvx.ops.dispatch import configure_and_prepare, prepare
 from mlx_rwkvx.ops.loss import cross_entropy_head
 from mlx_rwkvx.ops.moba import (
     append_kv,
@@ -26,6 +26,7 @@ __all__ = [
     "moba_attention_ref",
     "moba_decode",
     "moba_kernel",
+    "configure_and_prepare",
     "prepare",
     "wkv7",
     "wkv7_chunked",

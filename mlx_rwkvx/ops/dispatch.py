@@ -17,6 +17,7 @@ import os
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 
+from mlx_rwkvx._runtime import configure
 from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES
 
@@ -136,3 +137,12 @@ def prepare(
                 if dispatcher.kernel_available((size, dtype)):
                     report.append((op, size, dtype, dispatcher.kernel_passes((size, dtype))))
     return report
+
+
+def configure_and_prepare() -> list[tuple[str, int, mx.Dtype, bool]]:
+    """What every command that runs a model does first: MLX's process settings
+    (``mlx_rwkvx.configure``), then every kernel's self-check in float32 and bfloat16
+    (``prepare``, whose report it returns), so that a kernel that fails is known before any
+    work."""
+    configure()
+    return prepare(dtypes=(mx.float32, mx.bfloat16))

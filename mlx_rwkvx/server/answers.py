@@ -12,17 +12,17 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlx_rwkvx.generation import Session, stream_generate
-from mlx_rwkvx.server.protocol import ApiError
-
-import mlx.core as mx
-from mlx_lm.sample_utils import (
+from mlx_rwkvx._mlx_lm import (
     apply_min_p,
     apply_top_k,
     apply_top_p,
     make_logits_processors,
     make_sampler,
 )
+from mlx_rwkvx.generation import Session, stream_generate
+from mlx_rwkvx.server.protocol import ApiError
+
+import mlx.core as mx
 
 log = logging.getLogger("mlx_rwkvx.server")
 

@@ -25,7 +25,7 @@ from importlib import resources
 
 from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.generation.chat import encode_chat
-from mlx_rwkvx.generation.stream import _encode
+from mlx_rwkvx.generation.stream import encode_prompt
 from mlx_rwkvx.server import answers
 from mlx_rwkvx.server.answers import Params
 from mlx_rwkvx.server.engine import Engine, Job, Served
@@ -353,7 +353,7 @@ def _prompts(prompt, param: str, settings, n: int = 1) -> list:
 def _prompt_ids(served: Served, prompt, param: str) -> list[int]:
     if isinstance(prompt, str):
         try:
-            ids = _encode(served.tokenizer, prompt)
+            ids = encode_prompt(served.tokenizer, prompt)
         except UserError as e:
             raise bad(str(e), param) from None
     else:

@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mlx_rwkvx._mlx_lm import BatchGenerator
 from mlx_rwkvx.generation.stream import StopStrings
 from mlx_rwkvx.models.cache import read_caches
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.server.answers import Params
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
 
 
 @dataclass

@@ -20,23 +20,20 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-import mlx_rwkvx
 from mlx_rwkvx import cli, settings
 from mlx_rwkvx.adapters.apply import apply_adapter
 from mlx_rwkvx.errors import TargetError, UsageError
 from mlx_rwkvx.generation import chat_format
 from mlx_rwkvx.generation.prefix_cache import PrefixCache, folder_for, trim_cache_dir
-from mlx_rwkvx.generation.stream import DEFAULT_PREFILL_STEP, default_max_cache
+from mlx_rwkvx.generation.stream import DEFAULT_PREFILL_STEP, SAMPLING_LIMITS, default_max_cache
 from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load
 from mlx_rwkvx.io.targets import check_not_unsafe, resolve_target
-from mlx_rwkvx.ops import prepare
+from mlx_rwkvx.ops import configure_and_prepare
 from mlx_rwkvx.server.engine import Engine, Served, share_weights, state_key
 from mlx_rwkvx.server.guards import loopback
 from mlx_rwkvx.server.tools import ToolCalls
-from mlx_rwkvx.settings import opt
-
-import mlx.core as mx
+from mlx_rwkvx.settings import Settings, opt
 
 PROG = "mlx_rwkvx.server"
 DEFAULT_MAX_PROMPT_TOKENS = 32768
@@ -44,125 +41,160 @@ DEFAULT_CACHE_BYTES = 1 << 30
 
 
 @dataclass
-class ServerConfig:
-    model: str = opt("a checkpoint or Hugging Face name (any format mlx_rwkvx.load reads)")
-    adapter: list = opt("NAME=PATH: serve the model with this adapter as the model NAME "
-                        "(repeatable; a bare PATH is named after its file)",
-                        "adapter_path")  # fmt: skip
-    host: str = opt("the address to listen on (others than 127.0.0.1 reach it only if it is "
-                    "not a loopback address)", default="127.0.0.1")  # fmt: skip
-    port: int = opt("the port to listen on", default=8080)
-    api_key: list = opt("answer only requests that carry this key ('Authorization: Bearer "
-                        "KEY' or 'x-api-key: KEY'; repeatable, each key its own --cache-scope; "
-                        "default: $MLX_RWKVX_API_KEY, else none)")  # fmt: skip
-    api_key_file: str = opt("a file of keys as --api-key takes, one a line (blank lines and "
-                            "# comments skipped): kept out of the process list")  # fmt: skip
-    cache_scope: str = opt("who shares saved states: each key its own (a client never resumes, "
-                           "nor learns of, another key's conversation), or every client",
-                           default="key", choices=("key", "shared"))  # fmt: skip
-    allowed_hosts: list = opt("on a loopback --host, also answer requests whose Host header names "
-                              "this (repeatable; '*': any). Without it only localhost, 127.x.x.x "
-                              "and [::1]: a web page cannot reach the server by DNS "
-                              "rebinding")  # fmt: skip
-    quantize: str = opt("quantize the weights as they load (bare: int8)",
-                        choices=("int8", "int4"), const="int8")  # fmt: skip
-    dtype: str = opt("cast the float weights: float32, bfloat16, float16 (default: as stored)",
-                     choices=("float32", "bfloat16", "float16"))  # fmt: skip
-    chat_template: str = opt("rwkv, chatml, or a Jinja template file (default: the "
-                             "tokenizer's own, else rwkv)")  # fmt: skip
-    max_tokens: int = opt("the most tokens of an answer that does not say", default=512)
-    max_request_tokens: int = opt("refuse (400) a request whose answers ask for more tokens "
-                                  "than this in all (max_tokens, or max_completion_tokens, "
-                                  "times n times its prompts)", default=8192)  # fmt: skip
-    temp: float = opt("sampling temperature of a request that does not say (0: greedy)",
-                      "temperature", default=0.0)  # fmt: skip
-    top_p: float = opt("nucleus sampling of a request that does not say (0 or 1: off)",
-                       default=0.0)  # fmt: skip
-    top_k: int = opt("top-k sampling of a request that does not say (0: off)", default=0)
-    min_p: float = opt("min-p sampling of a request that does not say (0: off)", default=0.0)
-    max_prompt_tokens: int = opt("refuse (400) a request whose prompts (or embeddings inputs) "
-                                 "hold more tokens than this in all",
-                                 default=DEFAULT_MAX_PROMPT_TOKENS)  # fmt: skip
-    max_n: int = opt("the most answers one request may ask for (n)", default=8)
-    max_inputs: int = opt("refuse (400) a request of more prompts than this (text completions: "
-                          "prompts times n) or more inputs (embeddings)", default=256)  # fmt: skip
-    max_body_bytes: int = opt("refuse (413) a request body of more bytes than this, before it "
-                              "is read", default=16 << 20)  # fmt: skip
-    decode_concurrency: int = opt("the most answers decoded together, in one batch (more "
-                                  "wait their turn)", default=32)  # fmt: skip
-    max_queue: int = opt("requests that may wait while one runs; more are refused (429)",
-                         default=64)  # fmt: skip
-    cache_bytes: int = opt("bytes of saved conversation states per served model (base and "
-                           "each adapter; least recently used go first; 0: none)",
-                           default=DEFAULT_CACHE_BYTES)  # fmt: skip
-    cache_dir: str = opt("also keep the saved states in this folder, so that a restart "
-                         "resumes every conversation (private: 0700; several servers may "
-                         "share it; at start, the states of configurations no server serves "
-                         "are removed, so that it holds at most --cache-bytes per served "
-                         "model)")  # fmt: skip
-    max_cache: int = opt("tokens the attention blocks' KV caches hold (default: the model's "
-                         "own, else 2048)", "max_kv_size")  # fmt: skip
-    embedding_pooling: str = opt("how /v1/embeddings pools the final hidden states: mean of "
-                                 "every token's, or the last token's", default="mean",
-                                 choices=("mean", "last"))  # fmt: skip
-    shutdown_timeout: float = opt("seconds requests in flight may take to finish after "
-                                  "Ctrl-C or SIGTERM", default=10.0)  # fmt: skip
-    log_level: str = opt("the server's log level", default="info",
-                         choices=("debug", "info", "warning", "error"))  # fmt: skip
+class ServerConfig(Settings):
+    """Serve an RWKV-7, RWKV-X or RFA model, and its adapters, over OpenAI's API
+    (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models). Flags beat a --config
+    file; the file beats the defaults."""
 
-
-def parser():
-    return settings.make_parser(
-        ServerConfig,
-        PROG,
-        "Serve an RWKV-7, RWKV-X or RFA model, and its adapters, over OpenAI's API "
-        "(/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models). Flags beat a "
-        "--config file; the file beats the defaults.",
+    model: str | None = opt(
+        "a checkpoint or Hugging Face name (any format mlx_rwkvx.load reads)", required=True
+    )
+    adapter: list[str] | None = opt(
+        "NAME=PATH: serve the model with this adapter as the model NAME "
+        "(repeatable; a bare PATH is named after its file)",
+        "adapter_path",
+    )
+    host: str = opt(
+        "the address to listen on (others than 127.0.0.1 reach it only if it is "
+        "not a loopback address)",
+        default="127.0.0.1",
+    )
+    port: int = opt("the port to listen on", default=8080, ge=0, le=65535)
+    api_key: list[str] | None = opt(
+        "answer only requests that carry this key ('Authorization: Bearer "
+        "KEY' or 'x-api-key: KEY'; repeatable, each key its own --cache-scope; "
+        "default: $MLX_RWKVX_API_KEY, else none)"
+    )
+    api_key_file: str | None = opt(
+        "a file of keys as --api-key takes, one a line (blank lines and "
+        "# comments skipped): kept out of the process list"
+    )
+    cache_scope: str = opt(
+        "who shares saved states: each key its own (a client never resumes, "
+        "nor learns of, another key's conversation), or every client",
+        default="key",
+        choices=("key", "shared"),
+    )
+    allowed_hosts: list[str] | None = opt(
+        "on a loopback --host, also answer requests whose Host header names "
+        "this (repeatable; '*': any). Without it only localhost, 127.x.x.x "
+        "and [::1]: a web page cannot reach the server by DNS "
+        "rebinding"
+    )
+    quantize: str | None = opt(
+        "quantize the weights as they load (bare: int8)", choices=("int8", "int4"), const="int8"
+    )
+    dtype: str | None = opt(
+        "cast the float weights: float32, bfloat16, float16 (default: as stored)",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    chat_template: str | None = opt(
+        "rwkv, chatml, or a Jinja template file (default: the tokenizer's own, else rwkv)"
+    )
+    max_tokens: int = opt("the most tokens of an answer that does not say", default=512, ge=1)
+    max_request_tokens: int = opt(
+        "refuse (400) a request whose answers ask for more tokens "
+        "than this in all (max_tokens, or max_completion_tokens, "
+        "times n times its prompts)",
+        default=8192,
+        ge=1,
+    )
+    temp: float = opt(
+        "sampling temperature of a request that does not say (0: greedy)",
+        "temperature",
+        default=0.0,
+        **SAMPLING_LIMITS["temp"],
+    )
+    top_p: float = opt(
+        "nucleus sampling of a request that does not say (0 or 1: off)",
+        default=0.0,
+        **SAMPLING_LIMITS["top_p"],
+    )
+    top_k: int = opt(
+        "top-k sampling of a request that does not say (0: off)",
+        default=0,
+        **SAMPLING_LIMITS["top_k"],
+    )
+    min_p: float = opt(
+        "min-p sampling of a request that does not say (0: off)",
+        default=0.0,
+        **SAMPLING_LIMITS["min_p"],
+    )
+    max_prompt_tokens: int = opt(
+        "refuse (400) a request whose prompts (or embeddings inputs) "
+        "hold more tokens than this in all",
+        default=DEFAULT_MAX_PROMPT_TOKENS,
+        ge=1,
+    )
+    max_n: int = opt("the most answers one request may ask for (n)", default=8, ge=1)
+    max_inputs: int = opt(
+        "refuse (400) a request of more prompts than this (text completions: "
+        "prompts times n) or more inputs (embeddings)",
+        default=256,
+        ge=1,
+    )
+    max_body_bytes: int = opt(
+        "refuse (413) a request body of more bytes than this, before it is read",
+        default=16 << 20,
+        ge=1,
+    )
+    decode_concurrency: int = opt(
+        "the most answers decoded together, in one batch (more wait their turn)", default=32, ge=1
+    )
+    max_queue: int = opt(
+        "requests that may wait while one runs; more are refused (429)", default=64, ge=1
+    )
+    cache_bytes: int = opt(
+        "bytes of saved conversation states per served model (base and "
+        "each adapter; least recently used go first; 0: none)",
+        default=DEFAULT_CACHE_BYTES,
+        ge=0,
+    )
+    cache_dir: str | None = opt(
+        "also keep the saved states in this folder, so that a restart "
+        "resumes every conversation (private: 0700; several servers may "
+        "share it; at start, the states of configurations no server serves "
+        "are removed, so that it holds at most --cache-bytes per served "
+        "model)"
+    )
+    max_cache: int | None = opt(
+        "tokens the attention blocks' KV caches hold (default: the model's own, else 2048)",
+        "max_kv_size",
+        ge=1,
+    )
+    embedding_pooling: str = opt(
+        "how /v1/embeddings pools the final hidden states: mean of "
+        "every token's, or the last token's",
+        default="mean",
+        choices=("mean", "last"),
+    )
+    shutdown_timeout: float = opt(
+        "seconds requests in flight may take to finish after Ctrl-C or SIGTERM", default=10.0, ge=0
+    )
+    log_level: str = opt(
+        "the server's log level", default="info", choices=("debug", "info", "warning", "error")
     )
 
-
-def config_from(argv) -> ServerConfig:
-    args, found = settings.parse(parser(), argv, settings.plain_yaml(ServerConfig))
-    found.update(args)
-    cfg = ServerConfig(**found)
-    if not cfg.model:
-        parser().error("--model is required (on the command line or in --config)")
-    return cfg
+    def check_together(self) -> None:
+        if self.max_tokens > self.max_request_tokens:
+            raise UsageError(
+                f"--max-tokens {self.max_tokens} is more than --max-request-tokens "
+                f"{self.max_request_tokens} (the most a request may ask for)"
+            )
 
 
-def _check(cfg: ServerConfig) -> None:
+def _refuse_unsafe_cache_dir(cfg: ServerConfig) -> None:
+    """--cache-dir passes the one check of every command's outputs, and is a folder if it is
+    there."""
+    if cfg.cache_dir is None:
+        return
     try:
-        settings.check_types(cfg)
-    except ValueError as e:
+        check_not_unsafe(cfg.cache_dir, "--cache-dir")
+    except TargetError as e:
         raise UsageError(str(e)) from None
-    for name in ("max_tokens", "max_prompt_tokens", "max_n", "max_queue", "max_cache",
-                 "decode_concurrency", "max_request_tokens", "max_inputs",
-                 "max_body_bytes"):  # fmt: skip
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    for name in ("temp", "top_p", "top_k", "min_p", "cache_bytes", "shutdown_timeout"):
-        if getattr(cfg, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must not be negative")
-    if cfg.top_p > 1 or cfg.min_p > 1:
-        raise UsageError("--top-p and --min-p must be at most 1")
-    if cfg.max_tokens > cfg.max_request_tokens:
-        raise UsageError(f"--max-tokens {cfg.max_tokens} is more than --max-request-tokens "
-                         f"{cfg.max_request_tokens} (the most a request may ask for)")  # fmt: skip
-    if cfg.cache_dir is not None:  # the one check of every command's outputs
-        try:
-            check_not_unsafe(cfg.cache_dir, "--cache-dir")
-        except TargetError as e:
-            raise UsageError(str(e)) from None
-    if (
-        cfg.cache_dir is not None
-        and os.path.exists(cfg.cache_dir)
-        and (not os.path.isdir(cfg.cache_dir))
-    ):
+    if os.path.exists(cfg.cache_dir) and not os.path.isdir(cfg.cache_dir):
         raise UsageError(f"--cache-dir {cfg.cache_dir}: not a folder (the states go in folders "
                          "of their own inside it; nothing else there is touched)")  # fmt: skip
-    if not 0 <= cfg.port < 65536:
-        raise UsageError(f"--port must be in 0 .. 65535, got {cfg.port}")
 
 
 def api_keys(cfg: ServerConfig) -> list[str]:
@@ -216,8 +248,10 @@ def adapters(cfg: ServerConfig) -> list[tuple[str, str]]:
 
 
 def build(cfg: ServerConfig, *, log=print) -> Engine:
-    """Load the model and its adapters and make the engine (not started)."""
-    _check(cfg)
+    """Load the model and its adapters and make the engine (not started). UsageError for
+    settings out of their limits (``cfg.check()``) or files that do not fit."""
+    cfg.check()
+    _refuse_unsafe_cache_dir(cfg)
     pairs = adapters(cfg)
     path = resolve_model(cfg.model)
     if not os.path.exists(path):
@@ -241,7 +275,7 @@ def build(cfg: ServerConfig, *, log=print) -> Engine:
         folder = None
         if cfg.cache_dir:  # one folder per key: a restart reads only its own states
             folder = folder_for(cfg.cache_dir, key)  # made by the cache, private
-        cache = PrefixCache(cfg.cache_bytes, folder, key)
+        cache = PrefixCache(cfg.cache_bytes, folder, key, model=m)
         loaded = cache.load()
         if loaded:
             log(f"{name}: {loaded} saved states loaded from {folder}")
@@ -254,8 +288,8 @@ def build(cfg: ServerConfig, *, log=print) -> Engine:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = config_from(argv)
-    cli.run(PROG, lambda: _main(cfg), kept="saved states are in --cache-dir, if given")
+    cli.run(PROG, lambda: _main(settings.load(ServerConfig, argv, PROG)),
+            kept="saved states are in --cache-dir, if given")  # fmt: skip
 
 
 def _main(cfg: ServerConfig) -> None:
@@ -264,8 +298,7 @@ def _main(cfg: ServerConfig) -> None:
 
     import uvicorn
 
-    mlx_rwkvx.configure()
-    prepare(dtypes=(mx.float32, mx.bfloat16))
+    configure_and_prepare()
     engine = build(cfg, log=lambda line: print(line, file=sys.stderr))
     if not loopback(cfg.host) and not cfg.api_key:
         print(f"{PROG}: warning: listening on {cfg.host} with no --api-key: anyone who reaches "

@@ -6,7 +6,6 @@ OpenAI's ``tool_calls`` entries."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import uuid
 import warnings
@@ -17,7 +16,9 @@ class ToolCalls:
     mlx-lm's parser), or None from ``of`` when the template writes none."""
 
     def __init__(self, kind: str):
-        module = importlib.import_module(f"mlx_lm.tool_parsers.{kind}")
+        from mlx_rwkvx._mlx_lm import tool_parser
+
+        module = tool_parser(kind)
         self.kind = kind
         self.start, self.end = module.tool_call_start, module.tool_call_end
         self._parse = module.parse_tool_call
@@ -26,11 +27,10 @@ class ToolCalls:
     def of(cls, tokenizer) -> ToolCalls | None:
         if not getattr(tokenizer, "chat_template", None):
             return None
-        # mlx-lm's own inference from the template and vocabulary (private in mlx-lm 0.32,
-        # whose range pyproject pins); what its server uses for the same models
-        from mlx_lm.tokenizer_utils import _infer_tool_parser
+        # mlx-lm's own inference from the template and vocabulary: what its server uses
+        from mlx_rwkvx._mlx_lm import infer_tool_parser
 
-        kind = _infer_tool_parser(tokenizer)
+        kind = infer_tool_parser(tokenizer)
         return cls(kind) if kind else None
 
     def split(self, text: str, tools: list | None) -> tuple[str, list[dict]]:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass, fields
 
 from mlx_rwkvx import settings
-from mlx_rwkvx.errors import in_words
+from mlx_rwkvx.errors import TrainError, UsageError, in_words
 from mlx_rwkvx.models.init import INIT_ALIASES
-from mlx_rwkvx.settings import opt
+from mlx_rwkvx.settings import Settings, opt
 
 MODES = ("lora", "dora", "pissa", "miss", "full", "state", "pretrain")
 TRAIN_MODES = ("sft", "dpo", "orpo")
@@ -33,14 +34,23 @@ FINAL_LR_RATIO = {"lora": 0.0, "dora": 0.0, "pissa": 0.0, "miss": 0.0, "full": 0
                   "pretrain": 0.1}  # fmt: skip
 DEFAULT_WARMUP = {"state": 10}  # else Foundry's 100
 DEFAULT_MAX_CACHE = 2048  # Foundry's KV cache length
+SEED_MAX = 2**64 - 1  # MLX's generator takes a seed in [0, 2^64)
 
 
 @dataclass
-class TrainConfig:
-    model: str = opt("a checkpoint (any format mlx_rwkvx.load reads); for --mode pretrain a "
-                     "preset name or a JSON/YAML model config")  # fmt: skip
-    data: str = opt("training data: a .jsonl, .bin, .sqlite/.db file or an mlx-lm style folder")
-    output: str = opt("output folder (checkpoints, adapter, metrics)", "adapter_path")
+class TrainConfig(Settings):
+    """Train an RWKV-7, RWKV-X or RFA model: LoRA, DoRA, state tuning, full fine-tuning or
+    pretraining. Flags beat a --config file (ours, or mlx-lm's LoRA config); the file beats
+    the defaults."""
+
+    model: str | None = opt(
+        "a checkpoint (any format mlx_rwkvx.load reads); for --mode pretrain a preset name or a "
+        "JSON/YAML model config"
+    )
+    data: str | None = opt(
+        "training data: a .jsonl, .bin, .sqlite/.db file or an mlx-lm style folder"
+    )
+    output: str | None = opt("output folder (checkpoints, adapter, metrics)", "adapter_path")
     mode: str = opt(f"what is trained: one of {MODES}", "fine_tune_type", default="lora",
                     choices=MODES)  # fmt: skip
     train_mode: str = opt("how: sft (the token loss of the data's answers), or preference "
@@ -51,81 +61,201 @@ class TrainConfig:
         "dpo: beta, the strength of the pull from the reference; orpo: lambda, "
         "the weight of the odds-ratio term (TRL calls both beta)",
         default=0.1,
+        gt=0,
     )
     dpo_loss: str = opt("dpo's loss: sigmoid (the paper's), ipo or hinge", default="sigmoid",
                         choices=("sigmoid", "ipo", "hinge"))  # fmt: skip
-    lora_rank: int = opt("LoRA rank", "rank", default=32)
-    lora_alpha: float = opt("LoRA alpha (scale = alpha / rank)", default=64.0)
-    lora_scale: float = opt("LoRA scale, mlx-lm's way of giving alpha (alpha = scale * rank); "
-                            "--lora-alpha on the command line beats it")  # fmt: skip
-    lora_dropout: float = opt("dropout on the LoRA input", default=0.0)
-    lora_targets: str = opt(
+    lora_rank: int = opt("LoRA rank", "rank", default=32, ge=1)
+    lora_alpha: float = opt("LoRA alpha (scale = alpha / rank)", default=64.0, gt=0)
+    lora_scale: float | None = opt(
+        "LoRA scale, mlx-lm's way of giving alpha (alpha = scale * rank); --lora-alpha on the "
+        "command line beats it",
+        gt=0,
+    )
+    lora_dropout: float = opt("dropout on the LoRA input", default=0.0, ge=0, lt=1)
+    lora_targets: str | None = opt(
         "adapter targets: attn, qwen, rwkv, all, or comma-separated module globs (default: "
         "the family's: RWKV-X attn, RFA qwen, RWKV-7 rwkv)"
     )
-    num_layers: int = opt("adapt only the last N blocks (default: all; -1: all, as mlx-lm)")
-    lr: float = opt("peak learning rate (default per mode: lora/dora/full 2e-5, state 1.0, "
-                    "pretrain 6e-4)", "learning_rate")  # fmt: skip
-    weight_decay: float = opt("AdamW weight decay of the trained matrices (default: 0.01; "
-                              "state tuning 0)")  # fmt: skip
-    epochs: int = opt("passes over the training data", default=3)
-    iters: int = opt("training steps (overrides --epochs)")
-    max_seq_len: int = opt("tokens per example, or per segment with --carry-state (default: "
-                           "512 RWKV-X/RWKV-7, 256 RFA)",
-                           "max_seq_length")  # fmt: skip
+    num_layers: int | None = opt(
+        "adapt only the last N blocks (default: all; -1: all, as mlx-lm)", ge=1, also=(-1,)
+    )
+    lr: float | None = opt(
+        "peak learning rate (default per mode: lora/dora/full 2e-5, state 1.0, pretrain 6e-4)",
+        "learning_rate",
+        gt=0,
+    )
+    weight_decay: float | None = opt(
+        "AdamW weight decay of the trained matrices (default: 0.01; state tuning 0)", ge=0
+    )
+    epochs: int = opt("passes over the training data", default=3, ge=1)
+    iters: int | None = opt("training steps (overrides --epochs)", ge=1)
+    max_seq_len: int | None = opt(
+        "tokens per example, or per segment with --carry-state (default: 512 RWKV-X/RWKV-7, "
+        "256 RFA)",
+        "max_seq_length",
+        ge=2,
+    )
     carry_state: bool = opt(
         "train a document longer than --max-seq-len as consecutive segments of that length, "
         "the state carried from one to the next with the gradient stopped at the boundary "
         "(RWKV's infctx); one optimizer step per batch of whole documents",
         default=False,
     )
-    max_cache: int = opt("with --carry-state: the attention blocks' KV cache keeps the last N "
-                         "tokens (a sliding window; default: 2048, Foundry's)")  # fmt: skip
-    batch_size: int = opt("examples per step (with --parallel: per adapter)", default=1)
+    max_cache: int | None = opt(
+        "with --carry-state: the attention blocks' KV cache keeps the last N tokens (a sliding "
+        "window; default: 2048, Foundry's)",
+        ge=1,
+    )
+    batch_size: int = opt("examples per step (with --parallel: per adapter)", default=1, ge=1)
     parallel: int = opt("LoRA only: split the data into N equal parts and train N adapters at "
                         "once from one init (one batched forward), saved as thread_<i> and "
                         "averaged (FedAvg) into adapter_final (rfa_train's --parallel)",
-                        default=1)  # fmt: skip
-    grad_accum: int = opt("micro-batches per step", "grad_accumulation_steps", default=1)
-    warmup: int = opt("linear warm-up steps (default: 100; state tuning 10)")
-    save_every: int = opt("checkpoint every N steps", default=1000)
-    log_every: int = opt("a log line every N steps", "steps_per_report", default=10)
-    val_data: str = opt("validation data (default: the data folder's valid.jsonl, if any)")
+                        default=1, ge=1)  # fmt: skip
+    grad_accum: int = opt("micro-batches per step", "grad_accumulation_steps", default=1, ge=1)
+    warmup: int | None = opt("linear warm-up steps (default: 100; state tuning 10)", ge=0)
+    save_every: int = opt("checkpoint every N steps", default=1000, ge=1)
+    log_every: int = opt("a log line every N steps", "steps_per_report", default=10, ge=1)
+    val_data: str | None = opt("validation data (default: the data folder's valid.jsonl, if any)")
     val_every: int = opt("validation loss every N steps (0: at the end only)", "steps_per_eval",
-                         default=0)  # fmt: skip
-    val_batches: int = opt("batches of each validation (default: all; -1: all)")
+                         default=0, ge=0)  # fmt: skip
+    val_batches: int | None = opt(
+        "batches of each validation (default: all; -1: all)", ge=1, also=(-1,)
+    )
     test: bool = opt("evaluate on the test split at the end", default=False)
-    test_batches: int = opt("batches of the test evaluation (default: all; -1: all)")
-    grad_clip: float = opt("global gradient-norm clip (0: none)", default=1.0)
-    quantize: str = opt("train on INT8 (or int4) base weights (bare: int8)",
-                        choices=("int8", "int4"), const="int8")  # fmt: skip
-    dtype: str = opt("base weights' dtype: float32, bfloat16, float16 (default: as stored)",
-                     choices=("float32", "bfloat16", "float16"))  # fmt: skip
+    test_batches: int | None = opt(
+        "batches of the test evaluation (default: all; -1: all)", ge=1, also=(-1,)
+    )
+    grad_clip: float = opt("global gradient-norm clip (0: none)", default=1.0, ge=0)
+    quantize: str | None = opt(
+        "train on INT8 (or int4) base weights (bare: int8)", choices=("int8", "int4"), const="int8"
+    )
+    dtype: str | None = opt(
+        "base weights' dtype: float32, bfloat16, float16 (default: as stored)",
+        choices=("float32", "bfloat16", "float16"),
+    )
     init: str = opt("--mode pretrain: pretrain (RWKV-7's published init) or foundry (Foundry's; "
                     "seeds is its older name)", default="pretrain",
                     choices=("pretrain", "foundry", "seeds"))  # fmt: skip
-    seed: int = opt("random seed (adapter init, data order, dropout)", default=0)
+    seed: int = opt(
+        "random seed (adapter init, data order, dropout)", default=0, ge=0, le=SEED_MAX
+    )
     resume: bool = opt("continue the run in --output from its newest complete checkpoint",
                        default=False)  # fmt: skip
     grad_checkpoint: bool = opt("recompute each block in the backward (less memory)",
                                 default=False)  # fmt: skip
     mask_prompt: bool = opt("the loss on answers only: chat assistant turns, completions "
                             "(--no-mask-prompt: on every token)", default=True)  # fmt: skip
-    sql: str = opt("with an SQLite --data: a query returning (conversation, role, content)")
+    sql: str | None = opt(
+        "with an SQLite --data: a query returning (conversation, role, content)"
+    )
     skip_bad: bool = opt("skip bad examples (counted and reported) instead of stopping",
                          default=False)  # fmt: skip
     plot: bool = opt("write loss.png (needs matplotlib: the plot extra)", default=False)
 
-    def check(self) -> None:
-        """ValueError naming a setting out of its range, or settings that do not go
-        together."""
-        _check(self)
+    def check_together(self) -> None:
+        """Settings that do not go together (``check()``, inherited, checks each within its
+        own limits first: a ``UsageError``, a ValueError, naming the flag)."""
+        if self.grad_checkpoint and self.lora_dropout:
+            raise UsageError(
+                "--grad-checkpoint with --lora-dropout: the recomputed blocks would draw other "
+                "dropout masks than the forward did (wrong gradients); use one of them"
+            )
+        defaults = {f.name: f.default for f in fields(TrainConfig)}
+        for name in MODE_ONLY:
+            problem = mode_only_problem(name, self.mode)
+            if problem and getattr(self, name) != defaults[name]:
+                raise UsageError(problem)
+        if self.parallel > 1 and self.mode != "lora":
+            raise UsageError(f"--parallel trains LoRA adapters: not --mode {self.mode}")
+        if self.parallel > 1 and self.carry_state:
+            raise UsageError("--parallel and --carry-state do not go together")
+        if self.max_cache is not None and not self.carry_state:
+            raise UsageError(
+                "--max-cache sets the KV window of --carry-state: it needs --carry-state"
+            )
+        if self.mode == "pretrain" and self.dtype:
+            raise UsageError("--mode pretrain trains a new model in float32: no --dtype")
+        if self.mode == "pretrain" and self.quantize:
+            raise UsageError("--mode pretrain trains every weight: no --quantize")
+        if self.train_mode == "sft" and (self.beta != 0.1 or self.dpo_loss != "sigmoid"):
+            raise UsageError("--beta and --dpo-loss apply to --train-mode dpo or orpo")
+        if self.train_mode == "orpo" and self.dpo_loss != "sigmoid":
+            raise UsageError("--dpo-loss applies to --train-mode dpo (orpo has one loss)")
+        if self.train_mode != "sft":
+            refused = (
+                ("--mode pretrain", self.mode == "pretrain"),
+                ("--parallel", self.parallel > 1),
+                ("--carry-state", self.carry_state),
+                ("--sql", self.sql is not None),
+                ("--no-mask-prompt", not self.mask_prompt),
+            )
+            for flag, on in refused:
+                if on:
+                    raise UsageError(
+                        f"--train-mode {self.train_mode} trains on preference pairs: not with "
+                        f"{flag}"
+                    )
+        if self.mode == "pissa" and self.quantize:
+            raise UsageError(
+                "--mode pissa needs a float base: its residual would be quantized anew, and the "
+                "saved adapter, applied to the original quantized base, would not be the trained "
+                "model (use --mode lora or miss on a quantized base)"
+            )
+
+    @classmethod
+    def from_yaml(cls, data: dict, notes: list[str]) -> dict:
+        """Ours, or mlx-lm's LoRA config as it is: its ``lora_parameters`` block, its
+        ``optimizer`` and ``optimizer_config``, its other keys where they ask for what this
+        trainer does."""
+        return _read_yaml(data)
+
+    @classmethod
+    def combine(cls, flags: dict, found: dict) -> dict:
+        """The flags beat the file, and the command line's ``--lora-alpha`` its scale too;
+        mlx-lm's ``--train`` and ``--optimizer`` read as its config's keys. A setting that does
+        not apply to the run's ``--mode`` is refused on the command line, and noted and dropped
+        from the file (an mlx-lm config carries lora_parameters whatever its fine_tune_type)."""
+        if "lora_alpha" in flags:
+            found.pop("lora_scale", None)
+        found.update(_read_yaml({k: flags.pop(k) for k in MLX_LM_FLAGS if k in flags}))
+        mode = flags.get("mode", found.get("mode", "lora"))
+        for name in MODE_ONLY:
+            problem = mode_only_problem(name, mode)
+            if problem and name in flags:
+                raise TrainError(problem)
+        unused = [name for name in MODE_ONLY if mode_only_problem(name, mode) and name in found]
+        if unused:
+            verb = "does" if len(unused) == 1 else "do"
+            print(f"note: --config: {', '.join(unused)} {verb} not apply to --mode {mode}: "
+                  "ignored", file=sys.stderr)  # fmt: skip
+            for name in unused:
+                found.pop(name)
+        return {**found, **flags}
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser) -> None:
+        """mlx-lm's ``--train`` and ``--optimizer`` (MLX_LM_FLAGS), so that its command pasted
+        as it is works."""
+        parser.add_argument(
+            "--train",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="mlx-lm's flag, accepted: training is what this command does",
+        )
+        parser.add_argument(
+            "--optimizer",
+            choices=_MLX_LM_KEYS["optimizer"],
+            default=argparse.SUPPRESS,
+            help="mlx-lm's: adamw (AdamW, the default) or adam (no weight decay, unless "
+            "--weight-decay gives one)",
+        )
 
     def resolved(self, block_kinds: set[str] | None = None) -> TrainConfig:
         """A copy with the defaults filled in (per mode; ``max_seq_len`` per model family:
         Foundry's 256 for a model with Qwen2 blocks, else 512, when ``block_kinds`` is given).
         ValueError naming a setting out of its range."""
-        _check(self)
+        self.check()
         all_ = lambda n: None if n == -1 else n  # noqa: E731 (mlx-lm's -1: all)
         seq_len = self.max_seq_len
         if seq_len is None and block_kinds is not None:  # rfa_train / rx_train
@@ -152,19 +282,6 @@ class TrainConfig:
         )
 
 
-# (setting, lowest value, whether the lowest is allowed); None values are "default"
-_RANGES = [
-    ("lora_rank", 1, True), ("lora_alpha", 0, False), ("lora_scale", 0, False),
-    ("lora_dropout", 0, True), ("lr", 0, False), ("weight_decay", 0, True), ("epochs", 1, True),
-    ("iters", 1, True), ("max_seq_len", 2, True), ("batch_size", 1, True),
-    ("grad_accum", 1, True), ("warmup", 0, True), ("save_every", 1, True),
-    ("log_every", 1, True), ("val_every", 0, True), ("grad_clip", 0, True),
-    ("num_layers", 1, True), ("val_batches", 1, True), ("test_batches", 1, True),
-    ("max_cache", 1, True), ("parallel", 1, True), ("beta", 0, False),
-]  # fmt: skip
-_MINUS_ONE_IS_ALL = ("num_layers", "val_batches", "test_batches")  # mlx-lm's convention
-
-
 # settings that apply to some modes only: given for another mode they are refused (on the
 # command line and through the API: a value other than the default), or, from a --config file
 # (an mlx-lm config carries lora_parameters whatever its fine_tune_type), noted and dropped
@@ -175,7 +292,6 @@ MODE_ONLY = {
     "lora_dropout": LORA_MODES, "lora_targets": LORA_MODES, "num_layers": LORA_MODES,
     "init": ("pretrain",),
 }  # fmt: skip
-SEED_LIMIT = 2**64  # MLX's generator takes a seed in [0, 2^64)
 
 
 def mode_only_problem(name: str, mode: str) -> str | None:
@@ -185,63 +301,6 @@ def mode_only_problem(name: str, mode: str) -> str | None:
         return None
     flag = name.replace("_", "-")
     return f"--{flag} applies to --mode {in_words(modes, 'or')}, not --mode {mode}"
-
-
-def _check(cfg: TrainConfig) -> None:
-    settings.check_types(cfg)
-    for f in fields(TrainConfig):
-        value = getattr(cfg, f.name)
-        if value is not None and "choices" in f.metadata and value not in f.metadata["choices"]:
-            raise ValueError(f"{f.name} must be one of {f.metadata['choices']}, got {value!r}")
-    for name, low, inclusive in _RANGES:
-        value = getattr(cfg, name)
-        if value == -1 and name in _MINUS_ONE_IS_ALL:
-            continue
-        if value is not None and (value < low or (value == low and not inclusive)):
-            bound = f">= {low}" if inclusive else f"> {low}"
-            raise ValueError(f"{name.replace('_', '-')} must be {bound}, got {value}")
-    if not 0 <= cfg.seed < SEED_LIMIT:
-        raise ValueError(f"seed must be in 0 .. 2^64 - 1, got {cfg.seed}")
-    if not cfg.lora_dropout < 1:
-        raise ValueError(f"lora-dropout must be < 1, got {cfg.lora_dropout}")
-    if cfg.grad_checkpoint and cfg.lora_dropout:
-        raise ValueError(
-            "--grad-checkpoint with --lora-dropout: the recomputed blocks would draw other "
-            "dropout masks than the forward did (wrong gradients); use one of them"
-        )
-    defaults = {f.name: f.default for f in fields(TrainConfig)}
-    for name in MODE_ONLY:
-        problem = mode_only_problem(name, cfg.mode)
-        if problem and getattr(cfg, name) != defaults[name]:
-            raise ValueError(problem)
-    if cfg.parallel > 1 and cfg.mode != "lora":
-        raise ValueError(f"--parallel trains LoRA adapters: not --mode {cfg.mode}")
-    if cfg.parallel > 1 and cfg.carry_state:
-        raise ValueError("--parallel and --carry-state do not go together")
-    if cfg.max_cache is not None and not cfg.carry_state:
-        raise ValueError("--max-cache sets the KV window of --carry-state: it needs --carry-state")
-    if cfg.mode == "pretrain" and cfg.dtype:
-        raise ValueError("--mode pretrain trains a new model in float32: no --dtype")
-    if cfg.mode == "pretrain" and cfg.quantize:
-        raise ValueError("--mode pretrain trains every weight: no --quantize")
-    if cfg.train_mode == "sft" and (cfg.beta != 0.1 or cfg.dpo_loss != "sigmoid"):
-        raise ValueError("--beta and --dpo-loss apply to --train-mode dpo or orpo")
-    if cfg.train_mode == "orpo" and cfg.dpo_loss != "sigmoid":
-        raise ValueError("--dpo-loss applies to --train-mode dpo (orpo has one loss)")
-    if cfg.train_mode != "sft":
-        refused = (("--mode pretrain", cfg.mode == "pretrain"), ("--parallel", cfg.parallel > 1),
-                   ("--carry-state", cfg.carry_state), ("--sql", cfg.sql is not None),
-                   ("--no-mask-prompt", not cfg.mask_prompt))  # fmt: skip
-        for flag, on in refused:
-            if on:
-                raise ValueError(f"--train-mode {cfg.train_mode} trains on preference pairs: "
-                                 f"not with {flag}")  # fmt: skip
-    if cfg.mode == "pissa" and cfg.quantize:
-        raise ValueError(
-            "--mode pissa needs a float base: its residual would be quantized anew, and the "
-            "saved adapter, applied to the original quantized base, would not be the trained "
-            "model (use --mode lora or miss on a quantized base)"
-        )
 
 
 # mlx-lm's LoRA config keys with no flag of ours: accepted as mlx-lm writes them by default,
@@ -270,11 +329,9 @@ _MLX_LM_INSTEAD = {
 }
 
 
-def from_yaml(data: dict, notes: list[str] | None = None) -> dict:
+def _read_yaml(data: dict) -> dict:
     """Our fields from a YAML config (ours, or mlx-lm's LoRA config). ValueError naming an
-    unknown key or a value of the wrong type; ``notes`` collects how mlx-lm settings were
-    read."""
-    notes = [] if notes is None else notes
+    unknown key or a value of the wrong type."""
     names = settings.names(TrainConfig)
     out = {}
     for key, value in data.items():
@@ -329,21 +386,3 @@ def _typed(name: str, value):
 # mlx_lm.lora's flags with no field of ours, accepted on the command line as in its config
 # (the keys of _MLX_LM_KEYS, read by from_yaml): its command pasted as it is works
 MLX_LM_FLAGS = ("train", "optimizer")
-
-
-def parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m mlx_rwkvx.train``, generated from TrainConfig, plus
-    mlx-lm's ``--train`` and ``--optimizer`` (MLX_LM_FLAGS)."""
-    p = settings.make_parser(
-        TrainConfig,
-        "mlx_rwkvx.train",
-        "Train an RWKV-7, RWKV-X or RFA model: LoRA, DoRA, state tuning, full fine-tuning or "
-        "pretraining. Flags beat a --config file (ours, or mlx-lm's LoRA config); the file "
-        "beats the defaults.",
-    )
-    p.add_argument("--train", action="store_true", default=argparse.SUPPRESS,
-                   help="mlx-lm's flag, accepted: training is what this command does")  # fmt: skip
-    p.add_argument("--optimizer", choices=_MLX_LM_KEYS["optimizer"], default=argparse.SUPPRESS,
-                   help="mlx-lm's: adamw (AdamW, the default) or adam (no weight decay, unless "
-                   "--weight-decay gives one)")  # fmt: skip
-    return p

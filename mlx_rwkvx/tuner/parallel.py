@@ -19,6 +19,7 @@ import os
 import sys
 from contextlib import contextmanager
 
+from mlx_rwkvx._mlx_lm import LoRALinear
 from mlx_rwkvx.adapters.files import FINAL_ADAPTER, save_adapter_tensors
 from mlx_rwkvx.adapters.tensors import adapter_tensors
 from mlx_rwkvx.data.examples import IGNORE_INDEX
@@ -29,7 +30,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.tuner.lora import LoRALinear
 
 
 class StackedLoRALinear(nn.Module):

@@ -1673,7 +1673,7 @@ def _command_cases(add):
         ("a tokenizer of None", TINY, None, {}, T, "tokenizer must have encode"),
         ("sampler=42", TINY, tok, dict(sampler=42), T, "sampler must be a function"),
         ("temp=nan", TINY, tok, dict(temp=nan), V, "temp must be a finite number"),
-        ("seed=-1", TINY, tok, dict(seed=-1), V, r"seed must be an int in 0 .. 2\^64 - 1"),
+        ("seed=-1", TINY, tok, dict(seed=-1), V, r"seed must be in 0 .. 2\^64 - 1, got -1"),
     ):
         add(
             "api",

@@ -128,7 +128,7 @@ def test_the_parallel_remainder_is_a_note(base, tmp_path, capsys):
 def test_a_config_setting_the_mode_ignores_is_a_note(tmp_path, capsys, rank):
     config = tmp_path / "run.yaml"
     config.write_text(f"mode: state\n{rank}\n")
-    cfg = train_cli.config_from(["--config", str(config)])
+    cfg = train_cli.read_settings(["--config", str(config)])
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["note: --config: lora_rank does not apply to --mode state: ignored"], err
     assert cfg.mode == "state" and cfg.lora_rank == 32  # the default: the file's was dropped

@@ -11,7 +11,7 @@ import types
 from mlx_rwkvx.data.chat import chat_example
 from mlx_rwkvx.errors import GenerationError
 from mlx_rwkvx.generation import Chat, chat_format, encode_chat
-from mlx_rwkvx.generation.stream import _encode
+from mlx_rwkvx.generation.stream import encode_prompt
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, WorldTokenizer
 
 import pytest
@@ -38,13 +38,13 @@ def test_special_token_text_in_a_message_stays_text(tok, role):
     assert _specials(tok, ids) == ["<|im_start|>", "<|im_end|>"] * 2 + ["<|im_start|>"]
     assert tok.decode(ids) == fmt.apply(messages)
     # what the prompt was before: the message's text as four turn tokens more
-    assert len(_specials(tok, _encode(tok, fmt.apply(messages)))) == 9
+    assert len(_specials(tok, encode_prompt(tok, fmt.apply(messages)))) == 9
 
 
 def test_a_conversation_without_such_text_encodes_as_before(tok):
     for template in (None, "chatml"):
         fmt = chat_format(tok, template)
-        assert encode_chat(tok, fmt, CHAT) == _encode(tok, fmt.apply(CHAT))
+        assert encode_chat(tok, fmt, CHAT) == encode_prompt(tok, fmt.apply(CHAT))
 
 
 def test_a_template_that_rewrites_the_text_refuses_special_token_text(tok, tmp_path):
@@ -53,7 +53,7 @@ def test_a_template_that_rewrites_the_text_refuses_special_token_text(tok, tmp_p
                     "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")  # fmt: skip
     fmt = chat_format(tok, str(path))
     plain = [{"role": "user", "content": "  Hello  "}]
-    assert encode_chat(tok, fmt, plain) == _encode(tok, fmt.apply(plain))
+    assert encode_chat(tok, fmt, plain) == encode_prompt(tok, fmt.apply(plain))
     with pytest.raises(GenerationError, match="special-token text"):
         encode_chat(tok, fmt, [{"role": "user", "content": f" {SPOOF} "}])
     # the same text unchanged by the template: found, and kept as text
@@ -107,12 +107,14 @@ def test_training_data_keeps_its_special_tokens(tok):
 
 
 def test_generate_prompt_through_a_template_keeps_the_prompt_as_text(tok):
-    from mlx_rwkvx.generate import _prompt, config_from
+    from mlx_rwkvx import settings
+    from mlx_rwkvx.generate import PROG, GenerateConfig, _prompt
 
-    cfg = config_from(["--model", "m", "--prompt", SPOOF, "--system", "Be brief."])
+    argv = ["--model", "m", "--prompt", SPOOF]
+    cfg = settings.load(GenerateConfig, [*argv, "--system", "Be brief."], PROG)
     ids, stops = _prompt(cfg, tok)
     # the template's own: system and user turns, and the generation prompt
     assert _specials(tok, ids) == ["<|im_start|>", "<|im_end|>"] * 2 + ["<|im_start|>"]
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
-    cfg = config_from(["--model", "m", "--prompt", SPOOF, "--ignore-chat-template"])
+    cfg = settings.load(GenerateConfig, [*argv, "--ignore-chat-template"], PROG)
     assert _prompt(cfg, tok) == (SPOOF, [])  # the text as given: the user's own choice

@@ -171,7 +171,7 @@ def test_user_errors_are_user_errors(tmp_path):
          "do not fit in the KV cache"),
         (lambda: list(stream_generate(model, tok, "caf\u00e9 \u20ac")), "cannot encode"),
         (lambda: list(stream_generate(model, tok, [200, 300])), "outside the vocabulary"),
-        (lambda: list(stream_generate(model, tok, "x", top_p=2)), "top_p and min_p"),
+        (lambda: list(stream_generate(model, tok, "x", top_p=2)), "top_p must be in 0 .. 1"),
         (lambda: list(stream_generate(model, tok, "x", max_tokens=0)), "max_tokens"),
         (lambda: Session(model, max_cache=0), "max_cache"),
         (lambda: Chat(model, tok, template="nope"), "chat template 'nope'"),
@@ -368,16 +368,18 @@ print("ok")
 
 
 def test_generation_config_yaml(tmp_path):
-    from mlx_rwkvx.generate import config_from
+    from mlx_rwkvx import settings
+    from mlx_rwkvx.generate import PROG, GenerateConfig
 
     (tmp_path / "g.yaml").write_text(
         json.dumps({"model": "m", "temp": 0.5, "max_kv_size": 64, "adapter_path": "a"})
     )
-    cfg = config_from(["--config", str(tmp_path / "g.yaml"), "--temp", "0.7"])
+    argv = ["--config", str(tmp_path / "g.yaml"), "--temp", "0.7"]
+    cfg = settings.load(GenerateConfig, argv, PROG)
     assert (cfg.model, cfg.temp, cfg.max_cache, cfg.adapter) == ("m", 0.7, 64, "a")
     (tmp_path / "bad.yaml").write_text("tempo: 1\n")
     with pytest.raises(SystemExit) as e:
-        config_from(["--config", str(tmp_path / "bad.yaml")])
+        settings.load(GenerateConfig, ["--config", str(tmp_path / "bad.yaml")], PROG)
     assert e.value.code == 2
 
 

@@ -78,7 +78,11 @@ def cached(server: Server, messages, headers) -> int:
 
 def test_an_empty_key_is_refused_in_one_line(model, tmp_path):
     from mlx_rwkvx.errors import UsageError
-    from mlx_rwkvx.server.main import api_keys, config_from
+    from mlx_rwkvx.server.main import PROG, ServerConfig, api_keys
+    from mlx_rwkvx.settings import load
+
+    def settings_of(argv):
+        return load(ServerConfig, argv, PROG)
 
     r = run_module("server", "--model", model, "--api-key", "", timeout=120)
     lines = r.stderr.strip().splitlines()
@@ -88,17 +92,17 @@ def test_an_empty_key_is_refused_in_one_line(model, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("# no keys yet\n\n")
     with pytest.raises(UsageError, match="no key in it"):
-        api_keys(config_from(["--model", model, "--api-key-file", str(empty)]))
+        api_keys(settings_of(["--model", model, "--api-key-file", str(empty)]))
     with pytest.raises(UsageError, match="no such file|No such file"):
-        api_keys(config_from(["--model", model, "--api-key-file", str(tmp_path / "nope")]))
+        api_keys(settings_of(["--model", model, "--api-key-file", str(tmp_path / "nope")]))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLX_RWKVX_API_KEY", "")
         with pytest.raises(UsageError, match="MLX_RWKVX_API_KEY.*empty key"):
-            api_keys(config_from(["--model", model]))
+            api_keys(settings_of(["--model", model]))
         mp.setenv("MLX_RWKVX_API_KEY", "from-env")
-        assert api_keys(config_from(["--model", model])) == ["from-env"]
+        assert api_keys(settings_of(["--model", model])) == ["from-env"]
     with pytest.raises(UsageError, match="printable ASCII"):
-        api_keys(config_from(["--model", model, "--api-key", "two words"]))
+        api_keys(settings_of(["--model", model, "--api-key", "two words"]))
 
 
 def test_keys_by_bearer_in_any_case_or_x_api_key(keyed):

@@ -15,7 +15,6 @@ from mlx_rwkvx.errors import TrainError
 from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.preference import load_pairs, pair_logprobs
-from mlx_rwkvx.tuner.trainer import train
 
 import mlx.core as mx
 import numpy as np
@@ -172,7 +171,7 @@ def test_a_resumed_orpo_run_ends_where_the_whole_run_did(ws, tmp_path):
         (dict(carry_state=True), "not with --carry-state"),
         (dict(train_mode="sft", beta=0.5), "--beta and --dpo-loss apply to"),
         (dict(train_mode="orpo", dpo_loss="ipo"), "--dpo-loss applies to --train-mode dpo"),
-        (dict(beta=0.0), "beta must be > 0"),
+        (dict(beta=0.0), "--beta must be positive"),
     ],
 )
 def test_what_does_not_go_with_it_is_one_line(ws, tmp_path, change, message):

@@ -233,7 +233,7 @@ class Demo:
             if "loss" in record:
                 steps.append((record["step"], record["loss"]))
 
-        self.run("mlx_rwkvx.train", args, lambda: train(train_cli.config_from(args), log=log))
+        self.run("mlx_rwkvx.train", args, lambda: train(train_cli.read_settings(args), log=log))
         self.steps[name] = steps
         return steps
 

@@ -10,49 +10,22 @@ from __future__ import annotations
 
 import sys
 
-from mlx_rwkvx import cli
-from mlx_rwkvx.settings import parse
-from mlx_rwkvx.tuner.config import (
-    MLX_LM_FLAGS,
-    MODE_ONLY,
-    TrainConfig,
-    from_yaml,
-    mode_only_problem,
-    parser,
-)
-from mlx_rwkvx.tuner.trainer import NonFinite, TrainError, train
+from mlx_rwkvx import cli, settings
+from mlx_rwkvx.tuner.config import TrainConfig
+from mlx_rwkvx.tuner.trainer import NonFinite, train
 
 PROG = "mlx_rwkvx.train"
 
 
-def config_from(argv: list[str] | None) -> TrainConfig:
-    """The run's settings: defaults, then the YAML --config, then the flags. A setting that
-    does not apply to the run's --mode is refused (TrainError) on the command line, and noted
-    and dropped from the file."""
-    args, settings = parse(parser(), argv, from_yaml)
-    if "lora_alpha" in args:  # the command line's alpha beats the file's scale
-        settings.pop("lora_scale", None)
-    # mlx-lm's --train and --optimizer read as its config's keys: they beat the file too
-    settings.update(from_yaml({k: args.pop(k) for k in MLX_LM_FLAGS if k in args}))
-    mode = args.get("mode", settings.get("mode", "lora"))
-    for name in MODE_ONLY:
-        problem = mode_only_problem(name, mode)
-        if problem and name in args:
-            raise TrainError(problem)
-    unused = [name for name in MODE_ONLY if mode_only_problem(name, mode) and name in settings]
-    if unused:  # an mlx-lm config carries lora_parameters whatever its fine_tune_type
-        verb = "does" if len(unused) == 1 else "do"
-        print(f"note: --config: {', '.join(unused)} {verb} not apply to --mode {mode}: ignored",
-              file=sys.stderr)  # fmt: skip
-        for name in unused:
-            settings.pop(name)
-    settings.update(args)
-    return TrainConfig(**settings)
+def read_settings(argv: list[str] | None) -> TrainConfig:
+    """The run's settings as ``python -m mlx_rwkvx.train argv`` reads them (``settings.load``;
+    the demo runs its stages through it): UsageError or TrainError for what does not fit."""
+    return settings.load(TrainConfig, argv, PROG)
 
 
 def main(argv: list[str] | None = None) -> None:
     def body():
-        cfg = config_from(argv)
+        cfg = read_settings(argv)
         try:
             return train(cfg)
         except NonFinite as e:

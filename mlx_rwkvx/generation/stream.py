@@ -42,11 +42,22 @@ from mlx_rwkvx._mlx_lm import (
 )
 from mlx_rwkvx.errors import GenerationError, UserError
 from mlx_rwkvx.models.model import Model
+from mlx_rwkvx.settings import bounds_problem
 
 import mlx.core as mx
 
 DEFAULT_MAX_CACHE = 2048  # Foundry's KV cache length
 DEFAULT_PREFILL_STEP = 2048  # tokens per parallel prefill piece
+# the sampling arguments' limits: generate's and the server's flags declare these, and
+# generate() checks its own arguments against them
+SAMPLING_LIMITS = {
+    "temp": dict(ge=0),
+    "top_p": dict(ge=0, le=1),
+    "min_p": dict(ge=0, le=1),
+    "top_k": dict(ge=0),
+    "repetition_penalty": dict(gt=0),
+    "seed": dict(ge=0, le=2**64 - 1),  # MLX's generator takes a seed in [0, 2^64)
+}
 
 
 def default_max_cache(model: Model) -> int:
@@ -262,27 +273,22 @@ class StopStrings:
 def _sampling(
     sampler, logits_processors, temp, top_p, min_p, top_k, repetition_penalty, seed
 ) -> tuple[Callable, list]:
-    for name, value, lo in (
-        ("temp", temp, 0.0),
-        ("top_p", top_p, 0.0),
-        ("min_p", min_p, 0.0),
-        ("top_k", top_k, 0),
-    ):
-        if not _number(value) or not value >= lo:
-            raise GenerationError(
-                f"generate: {name} must be a finite number >= {lo}, got {value!r}"
-            )
-    if top_p > 1 or min_p > 1:
-        raise GenerationError(f"generate: top_p and min_p must be at most 1, got {top_p}, {min_p}")
-    if repetition_penalty is not None and not (
-        _number(repetition_penalty) and repetition_penalty > 0
-    ):
-        raise GenerationError(
-            f"generate: repetition_penalty must be a positive number, got {repetition_penalty!r}"
-        )
+    given = dict(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k,
+                 repetition_penalty=repetition_penalty)  # fmt: skip
+    for name, value in given.items():
+        if value is None and name == "repetition_penalty":
+            continue
+        if not _number(value):
+            raise GenerationError(f"generate: {name} must be a finite number, got {value!r}")
+        problem = bounds_problem(value, **SAMPLING_LIMITS[name])
+        if problem:
+            raise GenerationError(f"generate: {name} {problem}")
     if seed is not None:
-        if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64):
+        if not (isinstance(seed, int) and not isinstance(seed, bool)):
             raise GenerationError(f"generate: seed must be an int in 0 .. 2^64 - 1, got {seed!r}")
+        problem = bounds_problem(seed, **SAMPLING_LIMITS["seed"])
+        if problem:
+            raise GenerationError(f"generate: seed {problem}")
         mx.random.seed(seed)
     if sampler is not None and not callable(sampler):
         raise TypeError(f"generate: sampler must be a function of the logits, got {sampler!r}")

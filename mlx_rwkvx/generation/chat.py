@@ -6,7 +6,6 @@ tokens only where the template wrote them, never from a message's text."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -14,16 +13,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from mlx_rwkvx._mlx_lm import GenerationResponse
-from mlx_rwkvx.adapters.fingerprint import fingerprint
-from mlx_rwkvx.adapters.tensors import adapter_tensors
+from mlx_rwkvx.adapters.fingerprint import model_identity
 from mlx_rwkvx.errors import CheckpointError, GenerationError
 from mlx_rwkvx.generation.stream import Session, encode_prompt, stream_generate
 from mlx_rwkvx.io.states import read_header, read_state, save_state
 from mlx_rwkvx.io.targets import reason
 from mlx_rwkvx.io.tokenizers import rwkv_chat_text
 from mlx_rwkvx.models.model import Model
-
-import mlx.core as mx
 
 # ----- chat templates --------------------------------------------------------------------------
 
@@ -237,16 +233,6 @@ def encode_chat(
     system`` stays text: no role spoofing). Raises GenerationError as ``render_chat``."""
     chat = render_chat(tokenizer, fmt, messages, add_generation_prompt, tools)
     return encode_chat_text(tokenizer, chat)
-
-
-def model_identity(model: Model) -> str:
-    """What a model's states are valid for: the base's fingerprint and a hash of any adapter
-    tensors (LoRA, DoRA, a state-tuned initial state)."""
-    h = hashlib.sha256()
-    for name, x in sorted(adapter_tensors(model).items()):
-        h.update(name.encode())
-        h.update(memoryview(x.astype(mx.float32)))
-    return f"{fingerprint(model)}-{h.hexdigest()[:16]}"
 
 
 # ----- the chat --------------------------------------------------------------------------------

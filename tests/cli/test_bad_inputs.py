@@ -1992,7 +1992,7 @@ def saved_chat(tmp):
     chat.save(tmp / "chat.safetensors")
     tensors, meta = mx.load(str(tmp / "chat.safetensors"), return_metadata=True)
     for name, x in tensors.items():
-        if name.startswith("now.") and mx.issubdtype(x.dtype, mx.floating):
+        if name.startswith("state.") and mx.issubdtype(x.dtype, mx.floating):
             tensors[name] = mx.full(x.shape, float("nan"))
     mx.save_safetensors(str(tmp / "chat.safetensors"), tensors, metadata=meta)
     return model, tok, tmp / "chat.safetensors"

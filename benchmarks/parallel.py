@@ -33,7 +33,7 @@ from mlx_rwkvx.models import Model, ModelConfig
 from mlx_rwkvx.perf import best_time
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.distributed import all_sum, data_parallel_group
-from mlx_rwkvx.tuner.optimizer import make_optimizer
+from mlx_rwkvx.tuner.optimizer import optimizer_for
 from mlx_rwkvx.tuner.parallel import stack_adapters
 from mlx_rwkvx.tuner.trainer import Step
 
@@ -61,10 +61,10 @@ def _lora_model(p: dict, shards: int = 1) -> Model:
 
 def _lora_step(model: Model, shards: int = 1, group=None, eps: float | None = None) -> Step:
     cfg = TrainConfig(mode="lora", lr=1e-3, warmup=0, parallel=shards).resolved()
-    optimizer = make_optimizer(cfg, 100)[0]
+    optimizer = optimizer_for(cfg, 100)[0]
     if eps is not None:  # AdamW's eps in place of RWKV's (measure's check)
         optimizer.eps = eps
-    return Step(model, optimizer, cfg, group)
+    return Step(model, optimizer, stacked=shards, group=group)
 
 
 def _shard_rows(p: dict, shard: int):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from types import SimpleNamespace
+from functools import partial
 
 from benchmarks.common import (
     Goal,
@@ -26,7 +26,7 @@ from mlx_rwkvx.data.loss import batch_loss
 from mlx_rwkvx.models import Model, ModelConfig
 from mlx_rwkvx.perf import matmul_gflops
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.optimizer import make_optimizer
+from mlx_rwkvx.tuner.optimizer import optimizer_for
 from mlx_rwkvx.tuner.preference import Pair, pair_logprobs, preference_loss
 from mlx_rwkvx.tuner.preference_run import PreferenceStep
 from mlx_rwkvx.tuner.trainer import Step
@@ -116,14 +116,14 @@ def measure(quick: bool = False) -> dict:
     verify = {"ln2": rel_err(first, math.log(2)), "logprob": rel_err(policy[0][0].item(), alone)}
     if not max(verify.values()) <= 1e-5:
         raise VerificationFailed(f"preference: {verify}")
-    optimizer, _ = make_optimizer(cfg, 100)
-    run = SimpleNamespace(model=model, cfg=cfg, optimizer=optimizer)
-    dpo_step = PreferenceStep(run, pairs, reference)
+    optimizer, _ = optimizer_for(cfg, 100)
+    terms = partial(preference_loss, "dpo", beta=cfg.beta, kind=cfg.dpo_loss)
+    dpo_step = PreferenceStep(model, optimizer, pairs, reference, terms=terms)
     indices = np.arange(len(pairs))
     dpo = _step_time_and_peak(lambda: dpo_step([indices]), c["steps"])
     sft_model = _model(c)
-    sft_optimizer, _ = make_optimizer(cfg, 100)
-    step = Step(sft_model, sft_optimizer, cfg)
+    sft_optimizer, _ = optimizer_for(cfg, 100)
+    step = Step(sft_model, sft_optimizer)
     batch = _sequences(pairs)
     sft = _step_time_and_peak(lambda: step([batch]), c["steps"])
     fed_dpo = len(pairs) * (c["prompt"] + 2 * c["answer"])

@@ -23,7 +23,7 @@ from mlx_rwkvx.adapters.targets import target_paths
 from mlx_rwkvx.models import Model, ModelConfig
 from mlx_rwkvx.perf import matmul_gflops
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.optimizer import make_optimizer
+from mlx_rwkvx.tuner.optimizer import optimizer_for
 from mlx_rwkvx.tuner.trainer import Step
 
 import mlx.core as mx
@@ -72,7 +72,7 @@ def _mlx_lm_fit(cfg, B: int, T: int) -> tuple[int, int]:
 def _lora_step(model: Model, rank: int, tcfg: TrainConfig) -> Step:
     """LoRA on ``model``'s rwkv targets, and the trainer's own step for it."""
     apply_lora(model, target_paths(model, "rwkv"), rank=rank, alpha=2.0 * rank)
-    return Step(model, make_optimizer(tcfg, 100)[0], tcfg)
+    return Step(model, optimizer_for(tcfg, 100)[0], grad_clip=tcfg.grad_clip)
 
 
 def _train_shape(shape: dict, rank: int, tmp: str) -> dict:

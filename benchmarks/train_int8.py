@@ -31,7 +31,7 @@ from mlx_rwkvx.data.records import write_bin
 from mlx_rwkvx.io.load import load, save
 from mlx_rwkvx.models import Model
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.trainer import train
+from mlx_rwkvx.tuner.from_config import train_from_config
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -85,8 +85,8 @@ def checkpoint_worker(folder: str, quick: bool = False) -> dict:
 
 
 def train_worker(folder: str, quick: bool = False, grad_checkpoint: bool = False) -> dict:
-    """One INT8 LoRA training step through ``train()`` on the checkpoint above: the process's
-    peak resident memory and the run's time."""
+    """One INT8 LoRA training step through ``train_from_config`` on the checkpoint above: the
+    process's peak resident memory and the run's time."""
     T = sizes(INT8_T, quick)
     # configure() keeps up to a quarter of RAM of freed buffers for reuse on the CPU: with no
     # cache, the resident memory is what the step needs (Metal manages its own)
@@ -95,7 +95,8 @@ def train_worker(folder: str, quick: bool = False, grad_checkpoint: bool = False
     settings = dict(quantize="int8", iters=1, batch_size=1, max_seq_len=T, save_every=10,
                     grad_checkpoint=grad_checkpoint)  # fmt: skip
     out = folder + ("/out_checkpoint" if grad_checkpoint else "/out")
-    train(TrainConfig(model=folder + "/bf16", data=folder + "/data.bin", output=out, **settings))
+    cfg = TrainConfig(model=folder + "/bf16", data=folder + "/data.bin", output=out, **settings)
+    train_from_config(cfg)
     return {
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "mlx_peak": mx.get_peak_memory(),

@@ -42,9 +42,9 @@ from mlx_rwkvx.cli import help_text
 from mlx_rwkvx.errors import UserError
 from mlx_rwkvx.io.targets import output_lock, remove_path, remove_stale, resolve_target
 from mlx_rwkvx.models import Model, ModelConfig
+from mlx_rwkvx.tuner.from_config import train_from_config
 from mlx_rwkvx.tuner.merge import merge_adapters
 from mlx_rwkvx.tuner.pretokenize import pretokenize
-from mlx_rwkvx.tuner.trainer import train
 
 import mlx.core as mx
 import numpy as np
@@ -233,7 +233,8 @@ class Demo:
             if "loss" in record:
                 steps.append((record["step"], record["loss"]))
 
-        self.run("mlx_rwkvx.train", args, lambda: train(train_cli.read_settings(args), log=log))
+        read = train_cli.read_settings
+        self.run("mlx_rwkvx.train", args, lambda: train_from_config(read(args), log=log))
         self.steps[name] = steps
         return steps
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import sys
 
 from mlx_rwkvx import cli, settings
+from mlx_rwkvx.errors import NonFinite
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.trainer import NonFinite, train
+from mlx_rwkvx.tuner.from_config import train_from_config
 
 PROG = "mlx_rwkvx.train"
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     def body():
         cfg = read_settings(argv)
         try:
-            return train(cfg)
+            return train_from_config(cfg)
         except NonFinite as e:
             print(f"{PROG}: {e}", file=sys.stderr)
             sys.exit(1)

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the package, 
 import mlx_rwkvx  # noqa: E402
 from mlx_rwkvx.data.examples import load_examples  # noqa: E402
 from mlx_rwkvx.tuner.config import TrainConfig  # noqa: E402
-from mlx_rwkvx.tuner.trainer import evaluate, train  # noqa: E402
+from mlx_rwkvx.tuner.from_config import train_from_config  # noqa: E402
+from mlx_rwkvx.tuner.trainer import evaluate  # noqa: E402
 
 RATES = (1.0, 3e-2, 3e-3, 3e-4)  # RWKV-PEFT's, then smaller ones (rwkv-metal's 3e-4 among them)
 
@@ -59,9 +60,10 @@ def main() -> None:
     for lr in RATES:
         run = out / f"lr-{lr:g}"
         tic = time.time()
-        train(TrainConfig(model=str(base), data=str(task), output=str(run), mode="state", lr=lr,
+        cfg = TrainConfig(model=str(base), data=str(task), output=str(run), mode="state", lr=lr,
                           iters=args.iters, batch_size=16, log_every=100, save_every=10**6,
-                          seed=0))  # fmt: skip
+                          seed=0)  # fmt: skip
+        train_from_config(cfg)
         model, _ = mlx_rwkvx.load(base, adapter=run)
         rows.append({"run": f"lr {lr:g}", "seconds": time.time() - tic,
                      **_losses(model, tokenizer, task / "valid.jsonl", base_valid)})  # fmt: skip

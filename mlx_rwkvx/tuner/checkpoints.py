@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from mlx_rwkvx._crash import crash_point
@@ -78,7 +77,7 @@ def scan_checkpoints(out: Path) -> tuple[int | None, dict[int, str]]:
 
 def trained_tensors(model: Model, mode: str) -> dict[str, mx.array]:
     """What a run trains, under the model's paths: the adapter's tensors, or for full
-    fine-tuning and pretraining every trainable weight."""
+    fine-tuning and pretraining (``mode`` "full" or "pretrain") every trainable weight."""
     if mode in ("full", "pretrain"):
         return dict(tree_flatten(model.trainable_parameters()))
     return adapter_tensors(model)
@@ -92,40 +91,44 @@ RESUME_FIXED = ("mode", "train_mode", "beta", "dpo_loss", "lora_rank", "lora_alp
                 "max_cache", "parallel")  # fmt: skip
 
 
-def save_checkpoint(out: Path, run) -> None:
-    """The three files of one checkpoint, the manifest last; each atomically. A checkpoint is
+def save_checkpoint(out: Path, state, model: Model, optimizer, *, config: dict, settings: dict,
+                    base: str, full: bool) -> None:  # fmt: skip
+    """The three files of the checkpoint of ``state`` (a ``TrainState``), the manifest last;
+    each atomically. ``config``: the adapter config its metadata holds; ``settings``: the
+    run's, which ``--resume`` compares; ``base``: the base's fingerprint; ``full``: every
+    trainable weight is saved (full fine-tuning, pretraining), else the adapter. A checkpoint is
     whole or absent: if a write fails (a full disk) or is interrupted, the files of this one
     already written are removed again, and the older checkpoints stay as they were."""
-    names = checkpoint_names(run.step)
+    names = checkpoint_names(state.step)
     try:
-        _save_checkpoint(out, run, names)
+        _save_checkpoint(out, state, model, optimizer, names, config, settings, base, full)
     except BaseException:
         for key in ("manifest", "state", "weights"):  # the manifest first: never complete
             (out / names[key]).unlink(missing_ok=True)
         raise
 
 
-def _save_checkpoint(out: Path, run, names: dict[str, str]) -> None:
-    if run.cfg.mode in ("full", "pretrain"):
+def _save_checkpoint(out: Path, state, model, optimizer, names: dict[str, str], config: dict,
+                     settings: dict, base: str, full: bool) -> None:  # fmt: skip
+    if full:
         with atomic_target(str(out / names["weights"]), folder=False) as tmp:
-            config = json.dumps(run.adapter_config())
-            save_safetensors(tmp, trained_tensors(run.model, "full"), {"adapter_config": config})
+            metadata = {"adapter_config": json.dumps(config)}
+            save_safetensors(tmp, trained_tensors(model, "full"), metadata)
     else:
-        save_adapter(out / names["weights"], run.model, run.adapter_config())
-    state = dict(tree_flatten(run.optimizer.state))
+        save_adapter(out / names["weights"], model, config)
     meta = {
-        "step": str(run.step),
-        "position": json.dumps(run.position),
-        "tokens": str(run.tokens),
-        "train": json.dumps(asdict(run.cfg)),
-        "base": run.base,
-        "ranks": str(run.ranks),
-        "shard_tokens": json.dumps(run.stack_tokens),
-    }  # fmt: skip (the file's old name)
+        "step": str(state.step),
+        "position": json.dumps(state.position),
+        "tokens": str(state.tokens),
+        "train": json.dumps(settings),
+        "base": base,
+        "ranks": str(state.ranks),
+        "shard_tokens": json.dumps(state.stack_tokens),  # the file's old name
+    }
     with atomic_target(str(out / names["state"]), folder=False) as tmp:
-        save_safetensors(tmp, state, meta)
-    crash_point("save", run.step)  # weights and state written, the manifest not yet
-    manifest = {"complete": True, "step": run.step, "files": [names["weights"], names["state"]]}
+        save_safetensors(tmp, dict(tree_flatten(optimizer.state)), meta)
+    crash_point("save", state.step)  # weights and state written, the manifest not yet
+    manifest = {"complete": True, "step": state.step, "files": [names["weights"], names["state"]]}
     with atomic_target(str(out / names["manifest"]), folder=False) as tmp:
         save_text(tmp, json.dumps(manifest))
 
@@ -140,41 +143,44 @@ def _read_checkpoint_file(path: Path, step: int):
         raise TrainError(f"--resume: {e}; {hint}") from None
 
 
-def load_checkpoint(out: Path, step: int, run) -> None:
-    """Restore ``run`` from checkpoint ``step``: TrainError when it was made by a run with
-    other settings (see RESUME_FIXED) or on another base, its tensors do not fit, or a file
-    of it cannot be read."""
+def load_checkpoint(out: Path, step: int, state, model: Model, optimizer, *, settings: dict,
+                    base: str, full: bool) -> None:  # fmt: skip
+    """Restore ``state`` (a ``TrainState``), the model's trained tensors and the optimizer from
+    checkpoint ``step``: TrainError when it was made by a run with other ``settings`` (see
+    RESUME_FIXED) or on another ``base``, its tensors do not fit, or a file of it cannot be
+    read."""
     names = checkpoint_names(step)
-    state, meta = _read_checkpoint_file(out / names["state"], step)
+    optimizer_state, meta = _read_checkpoint_file(out / names["state"], step)
     then = json.loads(meta.get("train", "{}"))
     if "init" in then:  # a run of before init "seeds" was called "foundry"
         then["init"] = INIT_ALIASES.get(then["init"], then["init"])
-    changed = [k for k in RESUME_FIXED if k in then and then[k] != getattr(run.cfg, k)]
+    changed = [k for k in RESUME_FIXED if k in then and then[k] != settings.get(k)]
     if changed:
-        was = ", ".join(f"{k.replace('_', '-')} {then[k]!r} (now {getattr(run.cfg, k)!r})"
+        was = ", ".join(f"{k.replace('_', '-')} {then[k]!r} (now {settings.get(k)!r})"
                         for k in changed)  # fmt: skip
         raise TrainError(f"--resume: checkpoint_{step} was trained with {was}; resume with the "
                          "run's settings or start a new --output")  # fmt: skip
-    if meta.get("base", run.base) != run.base:
+    if meta.get("base", base) != base:
         raise TrainError(f"--resume: checkpoint_{step} was trained on another base model")
-    if int(meta.get("ranks", 1)) != run.ranks:  # each rank's share of the data depends on it
+    if int(meta.get("ranks", 1)) != state.ranks:  # each rank's share of the data depends on it
         raise TrainError(f"--resume: checkpoint_{step} was trained on {meta.get('ranks', 1)} "
-                         f"ranks, this run has {run.ranks}; resume with as many")  # fmt: skip
+                         f"ranks, this run has {state.ranks}; resume with as many")  # fmt: skip
     others = [k for k in ("lr", "warmup", "weight_decay", "grad_clip", "iters", "epochs", "data")
-              if k in then and then[k] != getattr(run.cfg, k)]  # fmt: skip
+              if k in then and then[k] != settings.get(k)]  # fmt: skip
     if others:
         print(f"note: resuming with other {', '.join(others)} than checkpoint_{step}'s run",
               file=sys.stderr)  # fmt: skip
     weights, _ = _read_checkpoint_file(out / names["weights"], step)
-    expected = {n: tuple(x.shape) for n, x in trained_tensors(run.model, run.cfg.mode).items()}
+    trained = trained_tensors(model, "full" if full else "adapter")
+    expected = {n: tuple(x.shape) for n, x in trained.items()}
     wrong = sorted(set(weights) ^ set(expected)) + sorted(
         n for n in weights if n in expected and tuple(weights[n].shape) != expected[n]
     )
     if wrong:
         raise TrainError(f"--resume: checkpoint_{step}'s tensors do not fit this run: {wrong[:4]}")
-    load_adapter_tensors(run.model, weights)
-    run.optimizer.state = tree_unflatten(list(state.items()))
-    run.step, run.tokens = int(meta["step"]), int(meta["tokens"])
-    run.stack_tokens = json.loads(meta.get("shard_tokens", "[]")) or run.stack_tokens
-    run.position = json.loads(meta["position"])
-    mx.eval(run.model.parameters(), run.optimizer.state)
+    load_adapter_tensors(model, weights)
+    optimizer.state = tree_unflatten(list(optimizer_state.items()))
+    state.step, state.tokens = int(meta["step"]), int(meta["tokens"])
+    state.stack_tokens = json.loads(meta.get("shard_tokens", "[]")) or state.stack_tokens
+    state.position = json.loads(meta["position"])
+    mx.eval(model.parameters(), optimizer.state)

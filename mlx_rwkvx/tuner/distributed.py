@@ -1,7 +1,7 @@
 """Data parallelism across Macs over ``mx.distributed`` (``mlx.launch``): the group of ranks,
 each rank's share of the examples, the gradient all-sum (one collective per 32 MB bucket) and
 rank 0's run state broadcast to every rank. Entry points: ``data_parallel_group``,
-``rank_share``, ``all_sum``, ``broadcast``, ``broadcast_run``, ``peers_lost``."""
+``rank_share``, ``all_sum``, ``broadcast``, ``broadcast_state``, ``peers_lost``."""
 
 from __future__ import annotations
 
@@ -80,14 +80,14 @@ def rank_share(examples, group):
     return examples[group.rank() : keep : size]
 
 
-def broadcast_run(run, group) -> None:
-    """Rank 0's trainable parameters, optimizer state, step, tokens and data position on
-    every rank."""
-    run.model.update(broadcast(run.model.trainable_parameters(), group))
-    if run.optimizer.state:
-        run.optimizer.state = broadcast(run.optimizer.state, group)
-    pos = run.position
-    counters = [run.step, run.tokens, pos["epoch"], pos["batch"], *run.stack_tokens]
+def broadcast_state(model, optimizer, state, group) -> None:
+    """Rank 0's trainable parameters, optimizer state, and ``state``'s (a ``TrainState``)
+    step, tokens and data position on every rank."""
+    model.update(broadcast(model.trainable_parameters(), group))
+    if optimizer.state:
+        optimizer.state = broadcast(optimizer.state, group)
+    pos = state.position
+    counters = [state.step, state.tokens, pos["epoch"], pos["batch"], *state.stack_tokens]
     # integers summed as integers (a float32 sum would round a count above 2^24); tokens as
     # two 31-bit halves, so that no count overflows int32
     ints = [part for c in counters for part in (c >> 31, c & (2**31 - 1))]
@@ -96,9 +96,9 @@ def broadcast_run(run, group) -> None:
     step, tokens, epoch, batch, *stacks = [
         (hi << 31) + lo for hi, lo in zip(summed[::2], summed[1::2], strict=True)
     ]
-    run.step, run.tokens, run.position = step, tokens, {"epoch": epoch, "batch": batch}
-    run.stack_tokens = stacks
-    mx.eval(run.model.parameters(), run.optimizer.state)
+    state.step, state.tokens, state.position = step, tokens, {"epoch": epoch, "batch": batch}
+    state.stack_tokens = stacks
+    mx.eval(model.parameters(), optimizer.state)
 
 
 PEER_LOST = "connection to a peer was lost"  # MLX's ring backend, when another rank exits

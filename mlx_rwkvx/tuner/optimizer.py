@@ -1,6 +1,7 @@
 """The optimizer of a run: AdamW (``mlx.optimizers``) with a linear warm-up, then cosine decay
 to the mode's final rate, and RWKV's weight-decay groups for full fine-tuning and pretraining.
-Entry point: ``make_optimizer(cfg, total_steps)``."""
+Entry points: ``make_optimizer(total_steps, lr=...)``, ``optimizer_for(cfg, total_steps)`` (a
+run's, from its settings)."""
 
 from __future__ import annotations
 
@@ -23,19 +24,28 @@ def _no_decay(path: str, param) -> bool:
     return param.ndim < 2 or not path.endswith(".weight") or bool(_LOW_RANK.search(path))
 
 
-def make_optimizer(cfg: TrainConfig, total_steps: int):
-    """(optimizer, schedule): AdamW with linear warm-up then cosine decay to the mode's final
-    rate; for full fine-tuning and pretraining, no weight decay on norms, biases and other
-    vectors and low-rank matrices (RWKV's grouping: see _no_decay)."""
-    warmup = min(cfg.warmup, max(total_steps - 1, 0))
-    final = cfg.lr * FINAL_LR_RATIO[cfg.mode]
-    decay = optim.cosine_decay(cfg.lr, max(total_steps - warmup, 1), final)
+def make_optimizer(total_steps: int, *, lr: float, warmup: int = 0, weight_decay: float = 0.0,
+                   final_lr: float = 0.0, rwkv_groups: bool = False):  # fmt: skip
+    """(optimizer, schedule): AdamW with ``warmup`` steps of linear warm-up, then cosine decay
+    from ``lr`` to ``final_lr`` at ``total_steps``; ``rwkv_groups`` (full fine-tuning and
+    pretraining): no weight decay on norms, biases and other vectors and low-rank matrices
+    (RWKV's grouping: see _no_decay)."""
+    warmup = min(warmup, max(total_steps - 1, 0))
+    decay = optim.cosine_decay(lr, max(total_steps - warmup, 1), final_lr)
     # the warm-up's first step already moves (lr / (warmup + 1)); step `warmup` reaches lr
-    warm = optim.linear_schedule(cfg.lr / (warmup + 1), cfg.lr, warmup) if warmup else None
+    warm = optim.linear_schedule(lr / (warmup + 1), lr, warmup) if warmup else None
     schedule = optim.join_schedules([warm, decay], [warmup]) if warmup else decay
     adamw = dict(learning_rate=schedule, betas=list(ADAM_BETAS), eps=ADAM_EPS)
-    if cfg.mode in ("full", "pretrain"):
+    if rwkv_groups:
         no_decay = optim.AdamW(weight_decay=0.0, **adamw)
-        decay = optim.AdamW(weight_decay=cfg.weight_decay, **adamw)
+        decay = optim.AdamW(weight_decay=weight_decay, **adamw)
         return optim.MultiOptimizer([no_decay, decay], [_no_decay]), schedule
-    return optim.AdamW(weight_decay=cfg.weight_decay, **adamw), schedule
+    return optim.AdamW(weight_decay=weight_decay, **adamw), schedule
+
+
+def optimizer_for(cfg: TrainConfig, total_steps: int):
+    """``make_optimizer`` as a run's (resolved) settings ask: the mode's final rate, RWKV's
+    weight-decay groups for full fine-tuning and pretraining."""
+    return make_optimizer(total_steps, lr=cfg.lr, warmup=cfg.warmup,
+                          weight_decay=cfg.weight_decay, final_lr=cfg.lr * FINAL_LR_RATIO[cfg.mode],
+                          rwkv_groups=cfg.mode in ("full", "pretrain"))  # fmt: skip

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict
 from pathlib import Path
 
 from mlx_rwkvx.adapters.files import ADAPTER_CONFIG, FINAL_ADAPTER, save_adapter
@@ -19,7 +18,6 @@ from mlx_rwkvx.io.load import save
 from mlx_rwkvx.io.targets import check_not_unsafe
 from mlx_rwkvx.tuner import parallel
 from mlx_rwkvx.tuner.checkpoints import newest_checkpoint
-from mlx_rwkvx.tuner.config import TrainConfig
 
 METRICS = "metrics.jsonl"
 MODEL_DIR = "model"  # full fine-tuning and pretraining write a native model folder here
@@ -29,16 +27,16 @@ _WRITTEN = re.compile(
 )
 
 
-def check_inputs(out: Path, cfg: TrainConfig) -> str:
+def check_inputs(out: Path, inputs: dict[str, str | None]) -> str:
     """The real path of --output: TargetError when it is a folder no command may write (the
     home folder, the current folder or one above it, ``/``: the check every writer makes),
-    TrainError when it, or a file the run writes into it, is one of the run's inputs
-    (training only adds files, and never over what it reads)."""
+    TrainError when it, or a file the run writes into it, is one of the run's ``inputs``
+    (``{"model": path, "data": path, ...}``: training only adds files, and never over what it
+    reads)."""
     real = check_not_unsafe(out, "--output")
     written = [os.path.join(real, name) for name in (MODEL_DIR, FINAL_ADAPTER, ADAPTER_CONFIG,
                                                       METRICS)]  # fmt: skip
-    for name in ("model", "data", "val_data"):
-        given = getattr(cfg, name)
+    for name, given in inputs.items():
         if not given or not os.path.lexists(given):
             continue
         source = os.path.realpath(given)
@@ -144,24 +142,24 @@ class Metrics:
         self._file.close()
 
 
-def write_final(run, out: Path) -> None:
-    """The run's result: ``adapter_final.safetensors`` and ``adapter_config.json`` (with
-    --parallel also ``thread_<i>``, rfa_train's name), or for full fine-tuning and pretraining
-    a native model folder ``model/`` with the tokenizer's files."""
-    cfg = run.cfg
-    if cfg.mode in ("full", "pretrain"):
-        save(run.model, out / MODEL_DIR, tokenizer=run.tokenizer, overwrite=True)
+def write_final(out: Path, model, *, full: bool, tokenizer, config: dict, settings: dict,
+                stack_tokens: list[int]) -> None:  # fmt: skip
+    """The run's result: ``adapter_final.safetensors`` and ``adapter_config.json`` (``config``,
+    with the run's ``settings``; with --parallel's ``stack_tokens`` also ``thread_<i>``,
+    rfa_train's name), or, ``full`` (full fine-tuning, pretraining), a native model folder
+    ``model/`` with the ``tokenizer``'s files."""
+    if full:
+        save(model, out / MODEL_DIR, tokenizer=tokenizer, overwrite=True)
         print(f"wrote {out / MODEL_DIR}")
         return
-    config = run.adapter_config()
-    if cfg.parallel > 1:
-        parallel.write_threads(out, run.model, config, run.stack_tokens)
-        what = f" (the FedAvg of thread_0..{cfg.parallel - 1})"
+    if len(stack_tokens) > 1:
+        parallel.write_threads(out, model, config, stack_tokens)
+        what = f" (the FedAvg of thread_0..{len(stack_tokens) - 1})"
     else:
-        save_adapter(out / FINAL_ADAPTER, run.model, config)
+        save_adapter(out / FINAL_ADAPTER, model, config)
         what = ""
     with atomic_target(str(out / ADAPTER_CONFIG), folder=False) as tmp:
-        save_text(tmp, json.dumps({**config, "train": asdict(cfg)}, indent=2))
+        save_text(tmp, json.dumps({**config, "train": settings}, indent=2))
     print(f"wrote {out / FINAL_ADAPTER}{what}")
 
 

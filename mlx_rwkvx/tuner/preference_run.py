@@ -1,6 +1,7 @@
 """A preference run (``--train-mode dpo`` or ``orpo``): the trainer's ``Task`` of preference
-pairs (``tuner/preference.py``): the pairs of the data folder's train and valid splits, their
-stream of micro-batches, the step and the evaluations.
+pairs (``tuner/preference.py``): its step (``PreferenceStep``) and evaluation, and, built from
+a run's settings (``task``), the pairs of the data folder's train and valid splits and their
+stream of micro-batches.
 
 DPO's reference is the model as the run builds it, before any step: every adapter starts as
 the identity (LoRA's and MiSS's B are zeros, DoRA's magnitude is the weight's norm, PiSSA's
@@ -15,7 +16,9 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import fields
+from functools import partial
 
 from mlx_rwkvx.data.records import find_split
 from mlx_rwkvx.errors import DataError, NonFinite, TrainError
@@ -28,7 +31,7 @@ from mlx_rwkvx.tuner.preference import (
     pair_logprobs,
     preference_loss,
 )
-from mlx_rwkvx.tuner.steps import StepResult, Task
+from mlx_rwkvx.tuner.steps import RunData, StepResult, Task
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,16 +42,16 @@ from mlx.utils import tree_map
 SUMS = tuple(f.name for f in fields(PreferenceTerms))  # a batch's sums over its pairs
 
 
-def _pairs(cfg: TrainConfig, tokenizer, vocab: int, split: str, path: str | None) -> list[Pair]:
+def _pairs(tokenizer, vocab: int, split: str, path: str | None, max_seq_len: int) -> list[Pair]:
     file = find_split(path, split) if path else None
     if file is None:
         if split == "train":
-            raise TrainError(f"--data {cfg.data}: no {split}.jsonl of preference pairs")
+            raise TrainError(f"--data {path}: no {split}.jsonl of preference pairs")
         return []
     if tokenizer is None:
         raise TrainError(f"{file}: preference pairs need the model's tokenizer")
     try:
-        return load_pairs(file, tokenizer, max_seq_len=cfg.max_seq_len, vocab_size=vocab)
+        return load_pairs(file, tokenizer, max_seq_len=max_seq_len, vocab_size=vocab)
     except DataError as e:
         raise TrainError(str(e)) from e
 
@@ -59,7 +62,7 @@ def _batches(n: int, size: int, seed: int, epoch: int) -> list[np.ndarray]:
     return [order[i : i + size] for i in range(0, n - n % size or n, size)]
 
 
-def _reference(model, pairs: list[Pair], batch_size: int) -> np.ndarray:
+def reference_logprobs(model, pairs: list[Pair], batch_size: int) -> np.ndarray:
     """``[len(pairs), 2]``: the model's log-probabilities of each pair's chosen and rejected
     answers, dropout off."""
     was = model.training
@@ -75,9 +78,8 @@ def _reference(model, pairs: list[Pair], batch_size: int) -> np.ndarray:
     return out
 
 
-def _terms(cfg: TrainConfig, policy, reference):
-    return preference_loss(cfg.train_mode, policy, reference, beta=cfg.beta, kind=cfg.dpo_loss,
-                           lam=cfg.beta)  # fmt: skip
+def _no_reference(model, pairs: list[Pair], batch_size: int) -> np.ndarray:
+    return np.zeros((len(pairs), 2), dtype=np.float32)  # ORPO has no reference
 
 
 def _means(sums: dict, n: int, prefix: str = "") -> dict:
@@ -101,30 +103,33 @@ def _add(a: dict | None, b: dict) -> dict:
 
 
 class PreferenceStep:
-    """One optimizer step over micro-batches of pairs: the gradient of the mean pair loss over
-    the step's pairs (with ``group``, a data-parallel run's: the summed gradients, pair counts
-    and logged sums all-summed over its ranks, each rank's pairs its own share), clipped by its
-    global norm, one AdamW update; NonFinite before anything is updated when the loss or the
-    norm is not finite."""
+    """One optimizer step over micro-batches of pairs (each an array of indices into ``pairs``):
+    the gradient of the mean pair loss (``terms(policy, reference)``: a ``PreferenceTerms``)
+    over the step's pairs (with ``group``, a data-parallel run's: the summed gradients, pair
+    counts and logged sums all-summed over its ranks, each rank's pairs its own share), clipped
+    by its global norm ``grad_clip`` (0: none), one update; NonFinite before anything is
+    updated when the loss or the norm is not finite. ``reference``: ``[len(pairs), 2]``, the
+    reference model's log-probabilities (``reference_logprobs``; ORPO: unused)."""
 
-    def __init__(self, run, pairs: list[Pair], reference: np.ndarray, group=None):
-        self.run, self.pairs, self.reference = run, pairs, reference
+    def __init__(self, model, optimizer, pairs: list[Pair], reference: np.ndarray, *,
+                 terms: Callable, grad_clip: float = 1.0, grad_checkpoint: bool = False,
+                 group=None):  # fmt: skip
+        self.model, self.optimizer, self.pairs, self.reference = model, optimizer, pairs, reference
+        self.grad_clip = grad_clip
         self.group = group if group is not None and group.size() > 1 else None
-        cfg = run.cfg
 
         def loss(model, batch, ref_c, ref_r):
-            policy = pair_logprobs(model, batch, checkpoint=cfg.grad_checkpoint)
-            return _values(_terms(cfg, policy, (ref_c, ref_r)))
+            policy = pair_logprobs(model, batch, checkpoint=grad_checkpoint)
+            return _values(terms(policy, (ref_c, ref_r)))
 
-        self.loss_and_grad = nn.value_and_grad(run.model, loss)
+        self.loss_and_grad = nn.value_and_grad(model, loss)
 
     def __call__(self, micro_batches, stop: bool = False):
-        run, cfg = self.run, self.run.cfg
         grads, sums, n, fed = None, None, 0, 0
         for indices in micro_batches:
             batch = [self.pairs[i] for i in indices]
             ref = self.reference[indices]
-            values, g = self.loss_and_grad(run.model, batch, mx.array(ref[:, 0]),
+            values, g = self.loss_and_grad(self.model, batch, mx.array(ref[:, 0]),
                                            mx.array(ref[:, 1]))  # fmt: skip
             values = mx.stack(values)
             sums = values if sums is None else sums + values
@@ -137,7 +142,7 @@ class PreferenceStep:
             grads, sums, count, flag = all_sum((grads, sums, count, flag), self.group)
         n = int(count.item())
         grads = tree_map(lambda x: x / n, grads)
-        grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        grads, norm = optim.clip_grad_norm(grads, self.grad_clip or math.inf)
         mx.eval(grads, norm)
         norm = norm.item()
         sums = dict(zip(SUMS, sums.tolist(), strict=True))
@@ -145,70 +150,89 @@ class PreferenceStep:
             raise NonFinite(f"the loss is {sums['loss']}")
         if not math.isfinite(norm):
             raise NonFinite(f"the gradient norm is {norm}")
-        run.optimizer.update(run.model, grads)
-        mx.eval(run.model.parameters(), run.optimizer.state)
+        self.optimizer.update(self.model, grads)
+        mx.eval(self.model.parameters(), self.optimizer.state)
         return StepResult(sums["loss"], n, norm, [], flag.item() > 0, fed, _means(sums, n))
 
 
-def _evaluate(run, pairs: list[Pair], reference: np.ndarray, max_batches, prefix: str) -> dict:
+def _evaluate(model, pairs: list[Pair], reference: np.ndarray, terms: Callable, batch_size: int,
+              max_batches, prefix: str) -> dict:  # fmt: skip
     """The mean pair loss and terms over ``pairs`` (the first ``max_batches`` batches)."""
-    cfg, model = run.cfg, run.model
     was = model.training
     model.eval()
     sums, n = None, 0
     try:
-        for i, start in enumerate(range(0, len(pairs), cfg.batch_size)):
+        for i, start in enumerate(range(0, len(pairs), batch_size)):
             if max_batches is not None and i >= max_batches:
                 break
-            batch = pairs[start : start + cfg.batch_size]
+            batch = pairs[start : start + batch_size]
             ref = reference[start : start + len(batch)]
             policy = pair_logprobs(model, batch)
-            terms = _terms(cfg, policy, (mx.array(ref[:, 0]), mx.array(ref[:, 1])))
-            sums = _add(sums, {k: v.item() for k, v in zip(SUMS, _values(terms), strict=True)})
+            values = _values(terms(policy, (mx.array(ref[:, 0]), mx.array(ref[:, 1]))))
+            sums = _add(sums, {k: v.item() for k, v in zip(SUMS, values, strict=True)})
             n += len(batch)
     finally:
         model.train(was)
     return {f"{prefix}loss": sums["loss"] / max(n, 1), **_means(sums, n, prefix)}
 
 
-def task(cfg: TrainConfig, built, group, lead: bool):
-    """The trainer's ``Task`` of a preference run (its reference computed now): under
-    ``mlx.launch`` (``group``), this rank's share of the pairs and its share's reference;
-    validation on rank 0 (``lead``)."""
-    vocab = built.model.config.vocab_size
-    pairs = rank_share(_pairs(cfg, built.tokenizer, vocab, "train", cfg.data), group)
+def task(cfg: TrainConfig, built, group, lead: bool) -> tuple[Task, RunData]:
+    """The trainer's ``Task`` of a preference run and its data, from the run's settings (the
+    reference computed now): under ``mlx.launch`` (``group``), this rank's share of the pairs
+    and its share's reference; validation on rank 0 (``lead``)."""
+    model, vocab, size = built.model, built.model.config.vocab_size, cfg.batch_size
+    pairs = rank_share(_pairs(built.tokenizer, vocab, "train", cfg.data, cfg.max_seq_len), group)
     val_path = cfg.val_data or (cfg.data if os.path.isdir(cfg.data) else None)
-    val = _pairs(cfg, built.tokenizer, vocab, "valid", val_path) if lead else []
+    val = _pairs(built.tokenizer, vocab, "valid", val_path, cfg.max_seq_len) if lead else []
     if cfg.test:
         print("--test: a preference run evaluates on valid.jsonl (no test split)",
               file=sys.stderr)  # fmt: skip
-    if len(pairs) < cfg.batch_size:
+    if len(pairs) < size:
         share = f" (a rank's share, of {group.size()} ranks)" if group is not None else ""
         raise TrainError(f"{len(pairs)} preference pairs{share}: fewer than --batch-size "
-                         f"{cfg.batch_size}")  # fmt: skip
-    reference = _reference(built.model, pairs, cfg.batch_size) if cfg.train_mode == "dpo" else (
-        np.zeros((len(pairs), 2), dtype=np.float32))  # fmt: skip
-    val_reference = _reference(built.model, val, cfg.batch_size) if (
-        val and cfg.train_mode == "dpo") else np.zeros((len(val), 2), dtype=np.float32)  # fmt: skip
+                         f"{size}")  # fmt: skip
+    dpo = cfg.train_mode == "dpo"
+    logprobs = reference_logprobs if dpo else _no_reference
+    reference, val_reference = logprobs(model, pairs, size), logprobs(model, val, size)
+    terms = partial(preference_loss, cfg.train_mode, beta=cfg.beta, kind=cfg.dpo_loss,
+                    lam=cfg.beta)  # fmt: skip
 
     def stream(position):
+        return PairStream(len(pairs), size, cfg.seed, position)
+
+    def step(model, optimizer, group):
+        return PreferenceStep(model, optimizer, pairs, reference, terms=terms,
+                              grad_clip=cfg.grad_clip, grad_checkpoint=cfg.grad_checkpoint,
+                              group=group)  # fmt: skip
+
+    def validate(max_batches):
+        return _evaluate(model, val, val_reference, terms, size, max_batches, "val_")
+
+    per_epoch = max(1, (len(pairs) // size) // cfg.grad_accum)
+    task = Task(step=step, validate=validate if val else None)
+    return task, RunData(f"{len(pairs)} preference pairs", pairs, per_epoch, stream)
+
+
+class PairStream:
+    """Micro-batches of pair indices from ``position`` (``{"epoch", "batch"}``) on, epoch after
+    epoch in the seed's order; ``position`` follows it (the data position after the last)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, position: dict):
+        self.position = dict(position)
+        self._batches = self._from(n, batch_size, seed, self.position)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch, self.position = next(self._batches)
+        return batch
+
+    @staticmethod
+    def _from(n: int, size: int, seed: int, position: dict):
         epoch, start = position["epoch"], position["batch"]
         while True:
-            batches = _batches(len(pairs), cfg.batch_size, cfg.seed, epoch)
+            batches = _batches(n, size, seed, epoch)
             for i in range(start, len(batches)):
                 yield batches[i], {"epoch": epoch, "batch": i + 1}
             epoch, start = epoch + 1, 0
-
-    return Task(
-        what=f"{len(pairs)} preference pairs",
-        examples=pairs,
-        per_epoch=max(1, (len(pairs) // cfg.batch_size) // cfg.grad_accum),
-        stream=stream,
-        step=lambda run, group: PreferenceStep(run, pairs, reference, group),
-        validate=lambda run, max_batches: _evaluate(
-            run, val, val_reference, max_batches, "val_"
-        ),  # fmt: skip
-        evaluate_test=lambda run: {},
-        val=val,
-        test=[],
-    )

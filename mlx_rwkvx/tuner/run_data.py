@@ -1,7 +1,8 @@
 """The data of a run, as its settings pick it: the train, validation and test examples (bad
 data stops the start; what was skipped or cut is said once), and the stream of micro-batches
 from a data position on, which the loop follows (it owns the position). Entry points:
-``train_examples``, ``validation_examples``, ``test_examples``, ``stream``."""
+``train_examples``, ``validation_examples``, ``test_examples`` (built from the settings),
+``Stream``."""
 
 from __future__ import annotations
 
@@ -71,17 +72,33 @@ def test_examples(cfg: TrainConfig, tokenizer, vocab: int):
     return train_examples(cfg, tokenizer, vocab, "test", found)
 
 
-def stream(cfg: TrainConfig, parts: list, position: dict) -> Iterator[tuple[tuple, dict]]:
-    """``(micro-batch, the data position after it)`` from ``position`` (``{"epoch",
-    "batch"}``) on, epoch after epoch; ``parts``: the examples, or with --parallel their N
-    parts (each micro-batch then holds the parts' batches side by side)."""
-    epoch, start = position["epoch"], position["batch"]
-    while True:
-        options = dict(batch_size=cfg.batch_size, seed=cfg.seed, epoch=epoch, start=start,
-                       pad_to_multiple=PAD_MULTIPLE)  # fmt: skip
-        streams = [batches(part, **options) for part in parts]
-        # equal parts: equally many batches (strict=False: zip stops with the shortest)
-        for i, group in enumerate(zip(*streams, strict=False)):
-            batch = group[0] if len(group) == 1 else parallel.side_by_side(group, cfg.batch_size)
-            yield batch, {"epoch": epoch, "batch": start + i + 1}
-        epoch, start = epoch + 1, 0
+class Stream:
+    """The micro-batches of ``parts`` (the examples, or with --parallel their N parts: each
+    micro-batch then holds the parts' batches side by side) from ``position`` (``{"epoch",
+    "batch"}``) on, epoch after epoch; ``position`` follows it: the data position after the
+    last micro-batch given (what a checkpoint saves)."""
+
+    def __init__(self, parts: list, batch_size: int, seed: int, position: dict):
+        self.parts, self.batch_size, self.seed = parts, batch_size, seed
+        self.position = dict(position)
+        self._batches = self._from(self.position)
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> tuple:
+        batch, self.position = next(self._batches)
+        return batch
+
+    def _from(self, position: dict) -> Iterator[tuple[tuple, dict]]:
+        epoch, start = position["epoch"], position["batch"]
+        while True:
+            options = dict(batch_size=self.batch_size, seed=self.seed, epoch=epoch, start=start,
+                           pad_to_multiple=PAD_MULTIPLE)  # fmt: skip
+            streams = [batches(part, **options) for part in self.parts]
+            # equal parts: equally many batches (strict=False: zip stops with the shortest)
+            for i, group in enumerate(zip(*streams, strict=False)):
+                one = len(group) == 1
+                batch = group[0] if one else parallel.side_by_side(group, self.batch_size)
+                yield batch, {"epoch": epoch, "batch": start + i + 1}
+            epoch, start = epoch + 1, 0

@@ -13,9 +13,9 @@ from mlx_rwkvx import train as train_cli
 from mlx_rwkvx.errors import UsageError
 from mlx_rwkvx.io import convert as conversion
 from mlx_rwkvx.models import Model
+from mlx_rwkvx.tuner import from_config
 from mlx_rwkvx.tuner import merge as merging
 from mlx_rwkvx.tuner import pretokenize as pretokenizing
-from mlx_rwkvx.tuner import trainer
 
 import mlx.core as mx
 import pytest
@@ -46,7 +46,7 @@ def test_a_bug_keeps_its_traceback(command, model, tmp_path, monkeypatch):
                                                "--output", tmp_path / "o.bin"]),
     }[command]  # fmt: skip
     where = {
-        "train": (trainer, "build"),
+        "train": (from_config, "build"),
         "convert": (conversion, "load"),
         "merge": (merging, "read"),
         "pretokenize": (pretokenizing, "load_examples"),

@@ -12,7 +12,7 @@ command line.
 """
 
 import sys
-from types import SimpleNamespace
+from functools import partial
 
 import mlx_rwkvx  # first: OpenBLAS before mlx.core
 from mlx_rwkvx.adapters.lora import apply_lora
@@ -21,9 +21,9 @@ from mlx_rwkvx.data.examples import IGNORE_INDEX
 from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.distributed import data_parallel_group
-from mlx_rwkvx.tuner.optimizer import make_optimizer
-from mlx_rwkvx.tuner.preference import Pair
-from mlx_rwkvx.tuner.preference_run import PreferenceStep, _reference
+from mlx_rwkvx.tuner.optimizer import optimizer_for
+from mlx_rwkvx.tuner.preference import Pair, preference_loss
+from mlx_rwkvx.tuner.preference_run import PreferenceStep, reference_logprobs
 from mlx_rwkvx.tuner.trainer import Step
 
 import mlx.core as mx
@@ -72,14 +72,14 @@ def start(train_mode: str):
     apply_lora(model, target_paths(model, "attn"), rank=4, alpha=8.0)
     cfg = TrainConfig(model="m", data="d", output="o", lr=1e-2, warmup=0, iters=3,
                       train_mode=train_mode).resolved()  # fmt: skip
-    optimizer, _ = make_optimizer(cfg, 3)
+    optimizer, _ = optimizer_for(cfg, 3)
     return model, cfg, optimizer
 
 
 def sft(group, batches):
     """Three SFT steps, one micro-batch each: the trained parameters."""
     model, cfg, optimizer = start("sft")
-    step = Step(model, optimizer, cfg, group)
+    step = Step(model, optimizer, grad_clip=cfg.grad_clip, group=group)
     for batch in batches:
         step([batch])
     return dict(tree_flatten(model.trainable_parameters())), None
@@ -90,9 +90,10 @@ def dpo(group, batches):
     step's log)."""
     model, cfg, optimizer = start("dpo")
     every = [p for batch in batches for p in batch]
-    reference = _reference(model, every, 2)  # the starting model's, as the trainer's
-    step = PreferenceStep(SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer), every,
-                          reference, group)  # fmt: skip
+    reference = reference_logprobs(model, every, 2)  # the starting model's, as the trainer's
+    terms = partial(preference_loss, "dpo", beta=cfg.beta, kind=cfg.dpo_loss)
+    step = PreferenceStep(model, optimizer, every, reference, terms=terms,
+                          grad_clip=cfg.grad_clip, group=group)  # fmt: skip
     logs, first = [], 0
     for batch in batches:
         result = step([np.arange(first, first + len(batch))])

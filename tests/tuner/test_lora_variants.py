@@ -17,8 +17,8 @@ from mlx_rwkvx.adapters.targets import target_paths
 from mlx_rwkvx.adapters.tensors import adapter_tensors, load_adapter_tensors
 from mlx_rwkvx.adapters.variants import MissLinear, PissaLinear, saved_lora_parameters
 from mlx_rwkvx.models import Model, preset
+from mlx_rwkvx.tuner.from_config import train_from_config
 from mlx_rwkvx.tuner.merge import merge_adapters, read
-from mlx_rwkvx.tuner.trainer import train
 
 import mlx.core as mx
 import numpy as np
@@ -84,7 +84,7 @@ def test_the_saved_update_on_the_original_base_is_the_trained_model(variant, tmp
 def test_each_variant_lowers_the_loss_and_saves_lora(workspace, tmp_path, variant):  # noqa: F811
     kw = dict(lora_rank=4) if variant == "miss" else dict(lora_rank=4, lora_alpha=8)
     cfg = _cfg(workspace, tmp_path / variant, mode=variant, iters=12, lr=1e-2, save_every=6, **kw)
-    out = train(cfg)
+    out = train_from_config(cfg)
     losses = list(_losses(out).values())
     assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
     config = json.loads((out / "adapter_config.json").read_text())
@@ -98,7 +98,7 @@ def test_each_variant_lowers_the_loss_and_saves_lora(workspace, tmp_path, varian
                  "checkpoint_12.json"):  # fmt: skip
         (out / name).unlink()
     (out / "adapter_final.safetensors").unlink()
-    again = train(_cfg(workspace, out, mode=variant, iters=12, lr=1e-2, save_every=6,
+    again = train_from_config(_cfg(workspace, out, mode=variant, iters=12, lr=1e-2, save_every=6,
                        resume=True, **kw))  # fmt: skip
     resumed = _losses(again)
     assert abs(resumed[12] - dict(zip(range(1, 13), losses, strict=True))[12]) <= 1e-5
@@ -106,8 +106,9 @@ def test_each_variant_lowers_the_loss_and_saves_lora(workspace, tmp_path, varian
 
 def test_pissa_on_a_quantized_base_is_refused(workspace, tmp_path):  # noqa: F811
     with pytest.raises(Exception, match="--mode pissa needs a float base"):
-        train(_cfg(workspace, tmp_path / "q", mode="pissa", quantize="int8", lora_rank=4,
-                   lora_alpha=8))  # fmt: skip
+        cfg = _cfg(workspace, tmp_path / "q", mode="pissa", quantize="int8", lora_rank=4,
+                   lora_alpha=8)  # fmt: skip
+        train_from_config(cfg)
 
 
 def _fused_weights(model: Model) -> dict[str, np.ndarray]:

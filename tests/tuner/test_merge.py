@@ -20,7 +20,8 @@ from mlx_rwkvx.data.examples import load_examples
 from mlx_rwkvx.io.targets import is_temp
 from mlx_rwkvx.tuner import merge as merging
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.trainer import evaluate, train
+from mlx_rwkvx.tuner.from_config import train_from_config
+from mlx_rwkvx.tuner.trainer import evaluate
 
 import mlx.core as mx
 import numpy as np
@@ -252,7 +253,7 @@ def test_merged_halves_know_both(tmp_path):
     rng = np.random.default_rng(0)
     words = lambda n: "".join(chr(c) for c in rng.integers(97, 123, n))  # noqa: E731
     pairs = _pairs_data(tmp_path / "pairs", [f"{words(3)}: {words(4)}" for _ in range(64)])
-    pre = train(
+    pre = train_from_config(
         TrainConfig(
             model="rwkv-x-tiny",
             mode="pretrain",
@@ -265,9 +266,10 @@ def test_merged_halves_know_both(tmp_path):
     )
     halves = (["cat: meow"] * 3, ["dog: woof"] * 3)
     runs = [
-        train(TrainConfig(model=str(pre / "model"), data=str(_pairs_data(tmp_path / f"h{i}", h)),
-                          output=str(tmp_path / f"run{i}"), lora_rank=8, lora_alpha=16,
-                          lr=5e-3, warmup=2, iters=40, batch_size=3, lora_targets="all"))
+        train_from_config(
+            TrainConfig(model=str(pre / "model"), data=str(_pairs_data(tmp_path / f"h{i}", h)),
+                        output=str(tmp_path / f"run{i}"), lora_rank=8, lora_alpha=16,
+                        lr=5e-3, warmup=2, iters=40, batch_size=3, lora_targets="all"))
         for i, h in enumerate(halves)
     ]  # fmt: skip
     union = _pairs_data(tmp_path / "union", [*halves[0], *halves[1]])

@@ -14,6 +14,7 @@ import mlx_rwkvx
 from mlx_rwkvx.errors import TrainError
 from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.tuner.config import TrainConfig
+from mlx_rwkvx.tuner.from_config import train_from_config
 from mlx_rwkvx.tuner.preference import load_pairs, pair_logprobs
 
 import mlx.core as mx
@@ -105,7 +106,7 @@ def test_preference_accuracy_rises_on_held_out_pairs(ws, tmp_path, train_mode):
     base, tok = mlx_rwkvx.load(ws / "base")
     before, nll_before = _held_out(base, tok, ws)
     assert 0.25 <= before <= 0.75, before  # the base has no preference: about half
-    out = train(_cfg(ws, tmp_path / train_mode, train_mode=train_mode, val_every=10,
+    out = train_from_config(_cfg(ws, tmp_path / train_mode, train_mode=train_mode, val_every=10,
                      **RUNS[train_mode]))  # fmt: skip
     model, _ = mlx_rwkvx.load(ws / "base", adapter=out)
     after, nll_after = _held_out(model, tok, ws)
@@ -125,7 +126,8 @@ def test_preference_accuracy_rises_on_held_out_pairs(ws, tmp_path, train_mode):
 @pytest.mark.parametrize("mode", ["lora", "dora", "pissa", "miss", "state", "full"])
 def test_dpo_starts_at_ln_2_in_every_mode(ws, tmp_path, mode):
     """The reference is the model as it starts: the first step's loss is -log sigmoid(0)."""
-    out = train(_cfg(ws, tmp_path / mode, mode=mode, iters=1, lr=1e-3, data=str(ws / "few")))
+    cfg = _cfg(ws, tmp_path / mode, mode=mode, iters=1, lr=1e-3, data=str(ws / "few"))
+    out = train_from_config(cfg)
     first = _metrics(out)[0]
     assert math.isclose(first["loss"], math.log(2), rel_tol=1e-5), first
     # the policy's batches are not the reference's (another order): their sums agree to float32
@@ -144,7 +146,7 @@ def test_dpo_on_multi_turn_conversations(ws, tmp_path):
         assert len(edges) == 2 and p.chosen_trained[0] and p.chosen_trained[-1], p.chosen_trained
     chosen, _, count, _ = pair_logprobs(base, pairs)
     nll = mx.mean(-chosen / count).item()
-    out = train(_cfg(ws, tmp_path / "chat", data=str(ws / "chat"), iters=2))
+    out = train_from_config(_cfg(ws, tmp_path / "chat", data=str(ws / "chat"), iters=2))
     first, second = _metrics(out)[:2]
     assert math.isclose(first["loss"], math.log(2), rel_tol=1e-5), first
     assert math.isclose(first["chosen_nll"], nll, rel_tol=1e-5), (first, nll)
@@ -153,12 +155,12 @@ def test_dpo_on_multi_turn_conversations(ws, tmp_path):
 
 def test_a_resumed_orpo_run_ends_where_the_whole_run_did(ws, tmp_path):
     kw = dict(train_mode="orpo", iters=8, save_every=4)  # ORPO through the trainer, briefly
-    whole = train(_cfg(ws, tmp_path / "whole", **kw))
-    out = train(_cfg(ws, tmp_path / "cut", **kw))
+    whole = train_from_config(_cfg(ws, tmp_path / "whole", **kw))
+    out = train_from_config(_cfg(ws, tmp_path / "cut", **kw))
     for name in ("checkpoint_8.safetensors", "checkpoint_8.state.safetensors",
                  "checkpoint_8.json", "adapter_final.safetensors"):  # fmt: skip
         (out / name).unlink()
-    again = train(_cfg(ws, out, resume=True, **kw))
+    again = train_from_config(_cfg(ws, out, resume=True, **kw))
     want = {r["step"]: r["loss"] for r in _metrics(whole) if "loss" in r}
     got = {r["step"]: r["loss"] for r in _metrics(again) if "loss" in r}
     assert math.isclose(got[8], want[8], rel_tol=1e-5), (got, want)
@@ -176,19 +178,20 @@ def test_a_resumed_orpo_run_ends_where_the_whole_run_did(ws, tmp_path):
 )
 def test_what_does_not_go_with_it_is_one_line(ws, tmp_path, change, message):
     with pytest.raises(TrainError, match=message):
-        train(_cfg(ws, tmp_path / "x", **change))
+        train_from_config(_cfg(ws, tmp_path / "x", **change))
 
 
 def test_sft_data_for_dpo_names_the_line(ws, tmp_path):
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "train.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
     with pytest.raises(TrainError, match=r"train.jsonl:1: not a preference record"):
-        train(_cfg(ws, tmp_path / "x", data=str(tmp_path / "sft")))
+        train_from_config(_cfg(ws, tmp_path / "x", data=str(tmp_path / "sft")))
 
 
 def test_dpo_on_an_int8_base(ws, tmp_path):
     """--quantize: the reference and the policy on the INT8 base (no float copy)."""
-    out = train(_cfg(ws, tmp_path / "q", quantize="int8", iters=2, data=str(ws / "few")))
+    cfg = _cfg(ws, tmp_path / "q", quantize="int8", iters=2, data=str(ws / "few"))
+    out = train_from_config(cfg)
     first = _metrics(out)[0]
     assert math.isclose(first["loss"], math.log(2), rel_tol=1e-5), first
     model, _ = mlx_rwkvx.load(ws / "base", adapter=out, quantize="int8")

@@ -20,7 +20,8 @@ from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.models import Model, preset, rfa_config
 from mlx_rwkvx.tuner.build import build
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.trainer import TrainError, batch_loss, train
+from mlx_rwkvx.tuner.from_config import train_from_config
+from mlx_rwkvx.tuner.trainer import TrainError, batch_loss
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -66,7 +67,7 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 def test_lora_learns_a_memorisable_set(workspace, tmp_path):
-    out = train(_cfg(workspace, tmp_path / "run", iters=40, save_every=100, test=True))
+    out = train_from_config(_cfg(workspace, tmp_path / "run", iters=40, save_every=100, test=True))
     losses = _losses(out)
     assert losses[40] <= 0.5 * losses[1], losses
     final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
@@ -91,7 +92,7 @@ def test_each_mode_trains_exactly_what_it_trains_and_lowers_the_loss(workspace, 
     cfg = _cfg(workspace, tmp_path / mode, mode=mode, iters=12, lr=lr, save_every=100)
     mx.random.seed(cfg.seed)  # what train starts from: the same build of the same settings
     start = dict(tree_flatten(build(cfg.resolved({"rwkv7", "moba"})).model.trainable_parameters()))
-    out = train(cfg)
+    out = train_from_config(cfg)
     losses = list(_losses(out).values())
     assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]), losses
     # the checkpoint holds exactly the trained tensors, every one of them moved
@@ -117,7 +118,7 @@ def test_each_mode_trains_exactly_what_it_trains_and_lowers_the_loss(workspace, 
 
 
 def test_pretrain_from_a_preset(tmp_path, workspace):
-    out = train(
+    out = train_from_config(
         TrainConfig(model="rwkv-x-tiny", mode="pretrain", data=str(workspace / "data"),
                     output=str(tmp_path / "pre"), iters=3, batch_size=2, log_every=1)
     )  # fmt: skip
@@ -350,19 +351,19 @@ def test_settings_out_of_range_are_one_line(workspace, tmp_path, capsys, change,
 def test_output_that_is_a_file(workspace, tmp_path):
     (tmp_path / "f").write_text("mine")
     with pytest.raises(TrainError, match="is a file"):
-        train(_cfg(workspace, tmp_path / "f"))
+        train_from_config(_cfg(workspace, tmp_path / "f"))
     assert (tmp_path / "f").read_text() == "mine"
 
 
 def test_resume_refuses_other_settings_and_keeps_the_run(workspace, tmp_path):
-    out = train(_cfg(workspace, tmp_path / "run", iters=2))
+    out = train_from_config(_cfg(workspace, tmp_path / "run", iters=2))
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     with pytest.raises(TrainError, match=r"lora-rank 4 \(now 8\)"):
-        train(_cfg(workspace, out, iters=4, lora_rank=8, resume=True))
+        train_from_config(_cfg(workspace, out, iters=4, lora_rank=8, resume=True))
     with pytest.raises(TrainError, match=r"batch-size 3 \(now 2\)"):
-        train(_cfg(workspace, out, iters=4, batch_size=2, resume=True))
+        train_from_config(_cfg(workspace, out, iters=4, batch_size=2, resume=True))
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
-    train(_cfg(workspace, out, iters=4, resume=True))  # the same settings go on
+    train_from_config(_cfg(workspace, out, iters=4, resume=True))  # the same settings go on
     assert sorted(_losses(out)) == [1, 2, 3, 4]
 
 
@@ -371,8 +372,8 @@ def test_a_run_that_died_before_its_first_checkpoint_can_start_again(workspace, 
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": NaN}\n{"step": 2, "lo')
     with pytest.raises(TrainError, match="no complete checkpoint"):
-        train(_cfg(workspace, out, iters=2, resume=True))
-    train(_cfg(workspace, out, iters=2))
+        train_from_config(_cfg(workspace, out, iters=2, resume=True))
+    train_from_config(_cfg(workspace, out, iters=2))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
@@ -382,7 +383,7 @@ def test_dropout_is_off_in_evaluation_and_in_a_loaded_adapter(workspace, tmp_pat
     from mlx_rwkvx.data.examples import Example
     from mlx_rwkvx.tuner.trainer import evaluate
 
-    out = train(_cfg(workspace, tmp_path / "run", iters=2, lora_dropout=0.5))
+    out = train_from_config(_cfg(workspace, tmp_path / "run", iters=2, lora_dropout=0.5))
     model, _ = mlx_rwkvx.load(workspace / "base", adapter=out)
     tokens = mx.array([list(b"3+4=7")])
     assert not model.training
@@ -401,13 +402,13 @@ def test_bad_test_split_stops_the_start(workspace, tmp_path):
         (data / name).write_bytes((workspace / "data" / name).read_bytes())
     (data / "test.jsonl").write_text('{"text": "fine"}\n{"text": \n')
     with pytest.raises(TrainError, match="test.jsonl"):
-        train(_cfg(workspace, tmp_path / "out", data=str(data), test=True))
+        train_from_config(_cfg(workspace, tmp_path / "out", data=str(data), test=True))
     assert not (tmp_path / "out").exists()
 
 
 def test_grad_checkpoint_trains_the_same(workspace, tmp_path):
-    plain = train(_cfg(workspace, tmp_path / "plain", iters=3))
-    again = train(_cfg(workspace, tmp_path / "ckpt", iters=3, grad_checkpoint=True))
+    plain = train_from_config(_cfg(workspace, tmp_path / "plain", iters=3))
+    again = train_from_config(_cfg(workspace, tmp_path / "ckpt", iters=3, grad_checkpoint=True))
     a, b = _losses(plain), _losses(again)
     assert a.keys() == b.keys()
     for step in a:
@@ -518,7 +519,7 @@ def test_the_last_steps_validation_is_not_taken_twice(workspace, tmp_path, monke
     calls = []
     real = trainer.evaluate
     monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
-    out = train(_cfg(workspace, tmp_path / "run", iters=4, val_every=2))
+    out = train_from_config(_cfg(workspace, tmp_path / "run", iters=4, val_every=2))
     assert len(calls) == 2  # steps 2 and 4
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in rows if "val_loss" in r and r["step"] == 4]
@@ -527,7 +528,7 @@ def test_the_last_steps_validation_is_not_taken_twice(workspace, tmp_path, monke
 
 def test_val_every_without_validation_data_says_so(workspace, tmp_path, capsys):
     data = str(workspace / "data" / "train.jsonl")  # a file: no valid split beside it
-    train(_cfg(workspace, tmp_path / "run", data=data, iters=2, val_every=1))
+    train_from_config(_cfg(workspace, tmp_path / "run", data=data, iters=2, val_every=1))
     err = capsys.readouterr().err
     assert "--val-every 1: no validation data" in err, err
 
@@ -535,11 +536,11 @@ def test_val_every_without_validation_data_says_so(workspace, tmp_path, capsys):
 @pytest.mark.parametrize("damaged", ["checkpoint_2.safetensors", "checkpoint_2.state.safetensors"])
 def test_resume_from_a_damaged_checkpoint_is_one_error(workspace, tmp_path, damaged):
     # a checkpoint file cut short after its manifest was written (a copy, a failing disk)
-    out = train(_cfg(workspace, tmp_path / "run", iters=2))
+    out = train_from_config(_cfg(workspace, tmp_path / "run", iters=2))
     (out / damaged).write_bytes((out / damaged).read_bytes()[:100])
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     with pytest.raises(TrainError, match=rf"{damaged}: cannot read.*older one"):
-        train(_cfg(workspace, out, iters=4, resume=True))
+        train_from_config(_cfg(workspace, out, iters=4, resume=True))
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
@@ -565,7 +566,7 @@ def test_output_below_a_file_is_one_line(workspace, tmp_path, capsys):
 
 def test_a_preset_name_without_pretrain_says_how(workspace, tmp_path):
     with pytest.raises(TrainError, match="rwkv-x-tiny: a preset.*--mode pretrain"):
-        train(_cfg(workspace, tmp_path / "out", model="rwkv-x-tiny"))
+        train_from_config(_cfg(workspace, tmp_path / "out", model="rwkv-x-tiny"))
     assert not (tmp_path / "out").exists()
 
 
@@ -574,12 +575,12 @@ def test_pretraining_decays_only_what_rwkvs_trainer_decays():
     # head; not norms, biases, token-shift mixes, w0 (the decay's up.bias), k_k/k_a/r_k, nor
     # the low-rank w1/w2, a1/a2, v1/v2, g1/g2 (parameters of their own there: our LowRank's
     # down.weight and up.weight). One AdamW step with zero gradients shows what decays.
-    from mlx_rwkvx.tuner.optimizer import make_optimizer
+    from mlx_rwkvx.tuner.optimizer import optimizer_for
 
     model = Model(rwkv7_cfg(vocab_size=64), seed=0)
     cfg = TrainConfig(mode="pretrain", model="m", data="d", output="o", lr=0.1, warmup=0,
                       weight_decay=0.5).resolved()  # fmt: skip
-    optimizer, _ = make_optimizer(cfg, 10)
+    optimizer, _ = optimizer_for(cfg, 10)
     before = {k: v + 1.0 for k, v in tree_flatten(model.trainable_parameters())}  # none zero
     model.load_weights(list(before.items()), strict=False)
     optimizer.update(model, tree_unflatten([(k, mx.zeros_like(v)) for k, v in before.items()]))

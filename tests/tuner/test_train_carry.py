@@ -15,8 +15,9 @@ from mlx_rwkvx.data.loss import batch_loss, segment_loss
 from mlx_rwkvx.models import Model, ModelConfig, preset
 from mlx_rwkvx.models.attention import MobaBlock, Qwen2Block
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.optimizer import make_optimizer
-from mlx_rwkvx.tuner.trainer import Step, train
+from mlx_rwkvx.tuner.from_config import train_from_config
+from mlx_rwkvx.tuner.optimizer import optimizer_for
+from mlx_rwkvx.tuner.trainer import Step
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -99,8 +100,9 @@ def test_trim_state_keeps_rwkv_states_and_checks_its_arguments():
 
 def _step(model, **kw):
     cfg = TrainConfig(model="m", data="d", output="o", carry_state=True, lr=1e-3, **kw).resolved()
-    optimizer, _ = make_optimizer(cfg, 10)
-    return Step(model, optimizer, cfg)
+    optimizer, _ = optimizer_for(cfg, 10)
+    return Step(model, optimizer, grad_clip=cfg.grad_clip, grad_checkpoint=cfg.grad_checkpoint,
+                segment=cfg.max_seq_len, max_cache=cfg.max_cache)  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -176,7 +178,7 @@ def test_memory_stays_flat_in_the_texts_length():
         inputs, targets = _batch(256, 1, T)
         step = _step(model, max_seq_len=64, max_cache=128)
         if not carry:
-            step.cfg.carry_state = False
+            step.segment = None  # the text in one piece
         mx.eval(step.loss_and_grad(inputs, targets))  # traced and compiled
         mx.clear_cache()
         mx.reset_peak_memory()
@@ -233,7 +235,7 @@ def test_carry_state_trains_long_texts_with_a_bounded_number_of_traces(long_text
         return parts
 
     monkeypatch.setattr(mlx_rwkvx.tuner.trainer, "segments", counted_segments)
-    out = train(
+    out = train_from_config(
         TrainConfig(
             model=str(long_texts / "base"),
             data=str(long_texts / "data"),

@@ -15,7 +15,8 @@ from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.tuner import optimizer
 from mlx_rwkvx.tuner.build import build
 from mlx_rwkvx.tuner.config import TrainConfig
-from mlx_rwkvx.tuner.trainer import TrainError, train
+from mlx_rwkvx.tuner.from_config import train_from_config
+from mlx_rwkvx.tuner.trainer import TrainError
 
 import mlx.core as mx
 import numpy as np
@@ -78,14 +79,15 @@ def test_parallel_equals_separate_runs(workspace, tmp_path, monkeypatch):
     monkeypatch.setattr(optimizer, "ADAM_EPS", LINEAR_EPS)
     # no weight decay: at this lr it would shrink A by 10% a step, the same in both runs
     linear = dict(lr=LINEAR_LR, weight_decay=0.0)
-    out = train(cfg(workspace, "all.jsonl", tmp_path / "par", parallel=2, **linear))
+    out = train_from_config(cfg(workspace, "all.jsonl", tmp_path / "par", parallel=2, **linear))
     threads = [tensors(out / f"thread_{i}.safetensors") for i in range(2)]
     init_cfg = cfg(workspace, "all.jsonl", tmp_path / "x").resolved()
     mx.random.seed(init_cfg.seed)  # theta_0: the adapters' init, as train builds it
     start = build(init_cfg).model
     init = {k: np.array(v) for k, v in tree_flatten(start.trainable_parameters())}
     for i in range(2):
-        alone = train(cfg(workspace, f"shard{i}.jsonl", tmp_path / f"alone{i}", **linear))
+        one = cfg(workspace, f"shard{i}.jsonl", tmp_path / f"alone{i}", **linear)
+        alone = train_from_config(one)
         ref = tensors(alone / "adapter_final.safetensors")
         assert sorted(ref) == sorted(threads[i]) == sorted(init)
         for name, x in ref.items():
@@ -108,7 +110,8 @@ def test_parallel_equals_separate_runs(workspace, tmp_path, monkeypatch):
 
 
 def test_parallel_resumes_after_a_kill(workspace, tmp_path):
-    whole = train(cfg(workspace, "all.jsonl", tmp_path / "whole", parallel=2, save_every=3))
+    settings = cfg(workspace, "all.jsonl", tmp_path / "whole", parallel=2, save_every=3)
+    whole = train_from_config(settings)
     cut = cfg(workspace, "all.jsonl", tmp_path / "cut", parallel=2, save_every=3)
     defaults = vars(TrainConfig())  # the settings given: those that differ from the defaults
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(cut).items()
@@ -116,7 +119,7 @@ def test_parallel_resumes_after_a_kill(workspace, tmp_path):
     killed = run_module("train", *flags, env={"MLX_RWKVX_CRASH_AT": "step:5"})
     assert killed.returncode == -9, killed.stderr
     assert (tmp_path / "cut" / "checkpoint_3.json").exists()
-    resumed = train(dataclasses.replace(cut, resume=True))
+    resumed = train_from_config(dataclasses.replace(cut, resume=True))
     for i in range(2):
         a = tensors(whole / f"thread_{i}.safetensors")
         b = tensors(resumed / f"thread_{i}.safetensors")
@@ -135,7 +138,7 @@ def test_parallel_resumes_after_a_kill(workspace, tmp_path):
 )
 def test_parallel_refusals(workspace, tmp_path, kw, message):
     with pytest.raises(TrainError, match=message):
-        train(cfg(workspace, "all.jsonl", tmp_path / "x", **{"parallel": 2, **kw}))
+        train_from_config(cfg(workspace, "all.jsonl", tmp_path / "x", **{"parallel": 2, **kw}))
     assert not (tmp_path / "x").exists()
 
 

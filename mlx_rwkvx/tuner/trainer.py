@@ -51,7 +51,7 @@ class WindowStop(Exception):
 
 class Step:
     """One training step, compiled: ``loss_and_grad`` of each micro-batch (with --carry-state,
-    segment by segment of ``max_seq_len`` columns, each starting from the state the previous
+    segment by segment of ``segment`` columns, each starting from the state the previous
     one ended with, its KV caches cut to ``max_cache``; no gradient crosses a boundary), the
     gradients summed over micro-batches and ranks, then one update. NonFinite before anything
     is updated when the loss or the gradient norm is not finite. The compiled functions see a

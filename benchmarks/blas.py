@@ -42,8 +42,12 @@ def numpy_matmul_gflops(n: int) -> float:
 def matmul_worker(sizes) -> dict:
     """MLX fp32 matmul GFLOP/s per size in this process, with the BLAS and core type it found."""
     blas = blas_in_use()
-    return {"blas": blas["blas"], "core": blas["core"], "core_note": blas["core_note"],
-            "gflops": {str(n): matmul_gflops(n) for n in sizes}}  # fmt: skip
+    return {
+        "blas": blas["blas"],
+        "core": blas["core"],
+        "core_note": blas["core_note"],
+        "gflops": {str(n): matmul_gflops(n) for n in sizes},
+    }
 
 
 def verify_matmul() -> float:

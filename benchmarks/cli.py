@@ -132,8 +132,13 @@ def main(
         if command != "render":
             output_folder(out_dir)  # before anything is measured
         if command == "all":
-            run_all(sections, args.quick, args.skip, out_dir,
-                    "python scripts/bench.py " + shlex.join(argv))  # fmt: skip
+            run_all(
+                sections,
+                args.quick,
+                args.skip,
+                out_dir,
+                "python scripts/bench.py " + shlex.join(argv),
+            )
         elif command == "render":
             write_report(read_report(out_dir / JSON_NAME), sections, out_dir, with_json=False)
         else:

@@ -34,7 +34,7 @@ EVALUATE = {
         repeats=2,
         memory=dict(C=256, layers=4, vocab=65536, texts=16, T=256, batch=4),
         matmul_n=2048,
-    ),  # fmt: skip
+    ),
     "quick": dict(
         model=None,
         texts=4,
@@ -43,7 +43,7 @@ EVALUATE = {
         repeats=2,
         memory=dict(C=64, layers=2, vocab=512, texts=4, T=64, batch=2),
         matmul_n=256,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -72,8 +72,9 @@ def measure(quick: bool = False) -> dict:
     model.eval()
     mx.eval(model.parameters())
     examples = _examples(cfg["texts"], cfg["T"], model_cfg.vocab_size)
-    stream = list(batches(examples, batch_size=cfg["batch"], seed=0, epoch=0,
-                          pad_to_multiple=PAD_MULTIPLE))  # fmt: skip
+    stream = list(
+        batches(examples, batch_size=cfg["batch"], seed=0, epoch=0, pad_to_multiple=PAD_MULTIPLE)
+    )
     arrays = [(mx.array(x), mx.array(y)) for x, y in stream]
 
     def bare():  # the fused forward on the same batches, nothing else
@@ -90,15 +91,17 @@ def measure(quick: bool = False) -> dict:
     if not err <= 1e-5:
         raise VerificationFailed(f"dataset_loss {ours.loss} vs the bare forward {reference}")
     t_bare = best_time(bare, repeats=cfg["repeats"], warmup=0)
-    t_ours = best_time(lambda: dataset_loss(model, examples, cfg["batch"]),
-                       repeats=cfg["repeats"], warmup=0)  # fmt: skip
+    t_ours = best_time(
+        lambda: dataset_loss(model, examples, cfg["batch"]), repeats=cfg["repeats"], warmup=0
+    )
     tokens = ours.tokens
     gflops = matmul_gflops(cfg["matmul_n"])
     flops = _bound_flops(model_cfg, tokens)
     # memory: the same evaluation on 1x and 10x the data, a smaller model
     m = cfg["memory"]
-    small_cfg = ModelConfig(vocab_size=m["vocab"], hidden_size=m["C"],
-                            block_types=["rwkv7"] * m["layers"])  # fmt: skip
+    small_cfg = ModelConfig(
+        vocab_size=m["vocab"], hidden_size=m["C"], block_types=["rwkv7"] * m["layers"]
+    )
     small = Model(small_cfg, seed=0)
     mx.eval(small.parameters())
     peaks = {}
@@ -106,10 +109,17 @@ def measure(quick: bool = False) -> dict:
         data = _examples(m["texts"] * scale, m["T"], m["vocab"], seed=scale)
         peaks[scale] = time_and_peak(lambda d=data: dataset_loss(small, d, m["batch"]), 1)
     return {
-        "model": cfg["model"] or "tiny", "tokens": tokens, "batch": cfg["batch"], "T": cfg["T"],
-        "verify": err, "bare": t_bare, "ours": t_ours, "gflops": gflops, "flops": flops,
+        "model": cfg["model"] or "tiny",
+        "tokens": tokens,
+        "batch": cfg["batch"],
+        "T": cfg["T"],
+        "verify": err,
+        "bare": t_bare,
+        "ours": t_ours,
+        "gflops": gflops,
+        "flops": flops,
         "memory": {**m, "peak_1x": peaks[1]["peak"], "peak_10x": peaks[10]["peak"]},
-    }  # fmt: skip
+    }
 
 
 def render(r: dict) -> Rendered:
@@ -136,11 +146,18 @@ def render(r: dict) -> Rendered:
         f"{m['vocab']}, batches of {m['batch']} x {m['T']}): {m['peak_1x'] / 2**20:.0f} MiB "
         f"on {m['texts']} texts, {m['peak_10x'] / 2**20:.0f} MiB on {10 * m['texts']}.",
     ]
-    return with_goals(lines, [
-        Goal("evaluate tokens/s, of the bare forward with the fused loss",
-             rate_ours / rate_bare, 0.9, True),
-        Goal("evaluation peak memory, 10x the data / 1x", growth, 1.1, False),
-    ])  # fmt: skip
+    return with_goals(
+        lines,
+        [
+            Goal(
+                "evaluate tokens/s, of the bare forward with the fused loss",
+                rate_ours / rate_bare,
+                0.9,
+                True,
+            ),
+            Goal("evaluation peak memory, 10x the data / 1x", growth, 1.1, False),
+        ],
+    )
 
 
 SECTION = Section(measure, render, "the loss on a data set vs the bare fused forward; memory")

@@ -31,11 +31,18 @@ import mlx.core as mx
 import numpy as np
 
 GENERATE = {
-    "full": dict(prompt_T=2000, first_turn=1500, new_turn=100, decode_steps=48, matmul_n=2048,
-                 stream_bytes=1 << 30),
-    "quick": dict(prompt_T=64, first_turn=48, new_turn=8, decode_steps=8, matmul_n=256,
-                  stream_bytes=1 << 26),
-}  # fmt: skip
+    "full": dict(
+        prompt_T=2000,
+        first_turn=1500,
+        new_turn=100,
+        decode_steps=48,
+        matmul_n=2048,
+        stream_bytes=1 << 30,
+    ),
+    "quick": dict(
+        prompt_T=64, first_turn=48, new_turn=8, decode_steps=8, matmul_n=256, stream_bytes=1 << 26
+    ),
+}
 
 
 def _compiled_step_session(model) -> Session:
@@ -88,14 +95,24 @@ def measure(quick: bool = False) -> dict:
         chat["rwkv-x"] = second_turn(x_model, AnyIdTokenizer(x_cfg.vocab_size), *turns)
     wkv = chunked_flops(T, cfg.n_heads, cfg.head_size) * len(cfg.block_types)
     return {
-        "matmul_n": cfg_sizes["matmul_n"], "matmul_gflops": rate, "bandwidth_gbs": bandwidth,
-        "model": model_facts(cfg, T, err), "linear_params": lin, "head_params": head,
-        "wkv_flops": wkv, "ttft_s": ttft, "short_ttft_s": short_ttft, "decode_tok_s": decode,
+        "matmul_n": cfg_sizes["matmul_n"],
+        "matmul_gflops": rate,
+        "bandwidth_gbs": bandwidth,
+        "model": model_facts(cfg, T, err),
+        "linear_params": lin,
+        "head_params": head,
+        "wkv_flops": wkv,
+        "ttft_s": ttft,
+        "short_ttft_s": short_ttft,
+        "decode_tok_s": decode,
         "matvec_tok_s": matvec,
         "chat": chat,
-        "x_model": {"layers": len(x_cfg.block_types), "hidden": x_cfg.hidden_size,
-                    "block_types": x_cfg.block_types},
-    }  # fmt: skip
+        "x_model": {
+            "layers": len(x_cfg.block_types),
+            "hidden": x_cfg.hidden_size,
+            "block_types": x_cfg.block_types,
+        },
+    }
 
 
 def render(r: dict) -> Rendered:
@@ -126,8 +143,10 @@ def render(r: dict) -> Rendered:
     ]
     step = r["ttft_s"].get("generate_step, our model")  # absent from runs before it was measured
     if step is not None:
-        lines.append(f"| mlx-lm generate_step, our model (the last token a step of its own) "
-                     f"| {step:.2f} s | {step / bound:.2f} |")  # fmt: skip
+        lines.append(
+            f"| mlx-lm generate_step, our model (the last token a step of its own) "
+            f"| {step:.2f} s | {step / bound:.2f} |"
+        )
     lines += [
         f"| mlx-lm generate_step, its rwkv7 (its WKV a step loop on the CPU) | {theirs:.2f} s "
         f"| {theirs / bound:.2f} |",
@@ -138,8 +157,10 @@ def render(r: dict) -> Rendered:
     ]
     short = r.get("short_ttft_s")
     if short is not None and step is not None:
-        rows = [(T, ours, step), (short["tokens"], short["mlx_rwkvx"],
-                                  short["generate_step, our model"])]  # fmt: skip
+        rows = [
+            (T, ours, step),
+            (short["tokens"], short["mlx_rwkvx"], short["generate_step, our model"]),
+        ]
         lines += [
             "Our prefill against mlx-lm's generate_step on the same model (why generation keeps "
             "its own prefill, and decodes with generate_step):",
@@ -166,21 +187,31 @@ def render(r: dict) -> Rendered:
     ]
     for name, tps in r["decode_tok_s"].items():
         lines.append(f"| {name} | {tps:.1f} | {tps / base:.0%} | {tps / read_bound:.0%} |")
-    lines += ["", "What MLX's one-row matmul reaches over those weights, three ways:", "",
-              "| one-row matmuls of every Linear | tok/s | GB/s streamed | of the read bound |",
-              "|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "What MLX's one-row matmul reaches over those weights, three ways:",
+        "",
+        "| one-row matmuls of every Linear | tok/s | GB/s streamed | of the read bound |",
+        "|---|---|---|---|",
+    ]
     for name, tps in mv.items():
         lines.append(
             f"| {name} | {tps:.1f} | {tps * weight_bytes / 1e9:.1f} | {tps / read_bound:.0%} |"
         )
-    lines += ["", "Second chat turn: time to its first token against prefilling its new tokens "
-              "alone in a fresh session (the history is not re-read: RWKV blocks carry their "
-              "state, attention blocks attend to their caches).", "",
-              "| model | first turn | new tokens | second turn | new tokens alone | ratio |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "Second chat turn: time to its first token against prefilling its new tokens "
+        "alone in a fresh session (the history is not re-read: RWKV blocks carry their "
+        "state, attention blocks attend to their caches).",
+        "",
+        "| model | first turn | new tokens | second turn | new tokens alone | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     xm = r["x_model"]
-    names = {"rwkv7": f"RWKV-7 {m['layers']} x C={m['hidden']}",
-             "rwkv-x": f"RWKV-X {xm['layers']} blocks C={xm['hidden']}"}  # fmt: skip
+    names = {
+        "rwkv7": f"RWKV-7 {m['layers']} x C={m['hidden']}",
+        "rwkv-x": f"RWKV-X {xm['layers']} blocks C={xm['hidden']}",
+    }
     goals = [
         Goal(f"time to first token T={T} / bound", ours / bound, 1.3, False),
         Goal("fp32 decode / MLX one-row matmuls", r["decode_tok_s"]["fp32"] / base, 0.9, True),

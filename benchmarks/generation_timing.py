@@ -84,8 +84,9 @@ def decode_tps(model, steps: int, factory=None) -> float:
     tokenizer = AnyIdTokenizer(model.config.vocab_size)
 
     def run():
-        for _ in stream_generate(model, tokenizer, [1, 2, 3, 4], max_tokens=steps,
-                                 session=factory()):  # fmt: skip
+        for _ in stream_generate(
+            model, tokenizer, [1, 2, 3, 4], max_tokens=steps, session=factory()
+        ):
             pass
 
     def prompt_only():
@@ -108,9 +109,11 @@ def matvec_tps(model, steps: int) -> dict:
 
     compiled = mx.compile(lambda *ws: rows(ws, False))
     out = {}
-    for name, fn in (("x @ W.T", lambda: rows(weights, False)),
-                     ("x @ W, W transposed once", lambda: rows(transposed, True)),
-                     ("x @ W.T, compiled", lambda: compiled(*weights))):  # fmt: skip
+    for name, fn in (
+        ("x @ W.T", lambda: rows(weights, False)),
+        ("x @ W, W transposed once", lambda: rows(transposed, True)),
+        ("x @ W.T, compiled", lambda: compiled(*weights)),
+    ):
 
         def run(fn=fn):
             for _ in range(steps):
@@ -147,5 +150,9 @@ def second_turn(model, tokenizer, first_turn: int, new_turn: int, repeats: int) 
         next(stream_generate(model, tokenizer, ids, max_tokens=8))
 
     alone = best_time(alone_turn, repeats=repeats)
-    return {"second_turn_s": min(times[1:]), "alone_s": alone, "new_tokens": fed,
-            "held_tokens": reused}  # fmt: skip
+    return {
+        "second_turn_s": min(times[1:]),
+        "alone_s": alone,
+        "new_tokens": fed,
+        "held_tokens": reused,
+    }

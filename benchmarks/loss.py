@@ -42,8 +42,10 @@ def measure(quick: bool = False) -> dict:
     def fused(h_, W_):
         return cross_entropy_head(h_, W_, targets)[0]
 
-    grads = {name: mx.value_and_grad(fn, argnums=(0, 1)) for name, fn in (("dense", dense),
-             ("fused", fused))}  # fmt: skip
+    grads = {
+        name: mx.value_and_grad(fn, argnums=(0, 1))
+        for name, fn in (("dense", dense), ("fused", fused))
+    }
     (d_loss, d_grads), (f_loss, f_grads) = (grads[n](h, W) for n in ("dense", "fused"))
     verify = {
         "loss": rel_err(f_loss, d_loss),

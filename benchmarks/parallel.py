@@ -77,8 +77,21 @@ def _data_parallel(quick: bool) -> list[dict]:
     """Both ranks' results of ``python -m benchmarks.parallel --worker`` under mlx.launch."""
     launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
     worker = worker_command("parallel", quick=quick)
-    cmd = [launcher, "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1", "--starting-port",
-           str(40000 + os.getpid() % 20000), "--python", worker[0], "--", *worker[1:]]  # fmt: skip
+    cmd = [
+        launcher,
+        "--backend",
+        "ring",
+        "-n",
+        "2",
+        "--hosts",
+        "127.0.0.1",
+        "--starting-port",
+        str(40000 + os.getpid() % 20000),
+        "--python",
+        worker[0],
+        "--",
+        *worker[1:],
+    ]
     out = subprocess.run(cmd, env=worker_env(), check=True, capture_output=True, text=True)
     ranks = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return sorted(ranks, key=lambda r: r["rank"])
@@ -121,9 +134,15 @@ def measure(quick: bool = False) -> dict:
     t_par = time_steps(lambda: par_step([together]), p["steps"])
     trainable = sum(v.size for _, v in tree_flatten(_lora_model(p).trainable_parameters()))
     # 2 ranks on localhost, each its own batch of the single shard's size
-    return {"p": p, "verify_error": err, "verify_bound": bound, "one_shard_s": t_one,
-            "parallel_s": t_par, "trainable": trainable,
-            "ranks": _data_parallel(quick)}  # fmt: skip
+    return {
+        "p": p,
+        "verify_error": err,
+        "verify_bound": bound,
+        "one_shard_s": t_one,
+        "parallel_s": t_par,
+        "trainable": trainable,
+        "ranks": _data_parallel(quick),
+    }
 
 
 def rank_worker(quick: bool = False) -> dict:
@@ -142,8 +161,13 @@ def rank_worker(quick: bool = False) -> dict:
         mx.eval(all_sum(grads, group))
 
     t_reduce = best_time(reduce, repeats=5)
-    return {"rank": group.rank(), "step_s": t_step, "all_sum_s": t_reduce, "bytes": nbytes,
-            "tokens": p["batch"] * p["T"]}  # fmt: skip
+    return {
+        "rank": group.rank(),
+        "step_s": t_step,
+        "all_sum_s": t_reduce,
+        "bytes": nbytes,
+        "tokens": p["batch"] * p["T"],
+    }
 
 
 def render(r: dict) -> Rendered:
@@ -179,8 +203,12 @@ def render(r: dict) -> Rendered:
             f"{k['bytes'] / 1e6:.1f} MB |"
         )
     total = sum(k["tokens"] / k["step_s"] for k in r["ranks"])
-    lines += ["", f"Both ranks together: {total:.0f} tokens/s ({total / one:.2f} x one process "
-              "alone on this machine).", ""]  # fmt: skip
+    lines += [
+        "",
+        f"Both ranks together: {total:.0f} tokens/s ({total / one:.2f} x one process "
+        "alone on this machine).",
+        "",
+    ]
     return with_goals(lines, [Goal(f"--parallel {n} tokens/s vs one shard", par / one, 2.5, True)])
 
 

@@ -45,17 +45,21 @@ PREFERENCE = {
         rank=32,
         steps=2,
         matmul_n=2048,
-    ),  # fmt: skip
+    ),
     "quick": dict(
         layers=2, C=64, vocab=512, pairs=2, prompt=16, answer=8, rank=4, steps=1, matmul_n=256
-    ),  # fmt: skip
+    ),
 }
 IGNORE = -100
 
 
 def _model(c: dict) -> Model:
-    cfg = ModelConfig(vocab_size=c["vocab"], hidden_size=c["C"], head_size=min(64, c["C"] // 2),
-                      block_types=["rwkv7"] * c["layers"])  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=c["vocab"],
+        hidden_size=c["C"],
+        head_size=min(64, c["C"] // 2),
+        block_types=["rwkv7"] * c["layers"],
+    )
     model = Model(cfg, seed=0)
     apply_lora(model, target_paths(model, "rwkv"), rank=c["rank"], alpha=2.0 * c["rank"])
     return model
@@ -65,8 +69,10 @@ def _pairs(c: dict) -> list[Pair]:
     rng = np.random.default_rng(0)
     out = []
     for _ in range(c["pairs"]):
-        prompt, chosen, rejected = (rng.integers(1, c["vocab"], size=n).astype(np.int32)
-                                    for n in (c["prompt"], c["answer"], c["answer"]))  # fmt: skip
+        prompt, chosen, rejected = (
+            rng.integers(1, c["vocab"], size=n).astype(np.int32)
+            for n in (c["prompt"], c["answer"], c["answer"])
+        )
         trained = np.ones(c["answer"], dtype=bool)
         out.append(Pair(prompt, chosen, trained, rejected, trained.copy()))
     return out
@@ -82,8 +88,16 @@ def _sequences(pairs: list[Pair]) -> tuple[mx.array, mx.array]:
 
 
 def _config(c: dict) -> TrainConfig:
-    cfg = TrainConfig(model="m", data="d", output="o", lr=1e-5, lora_rank=c["rank"],
-                      lora_alpha=2.0 * c["rank"], train_mode="dpo", iters=100)  # fmt: skip
+    cfg = TrainConfig(
+        model="m",
+        data="d",
+        output="o",
+        lr=1e-5,
+        lora_rank=c["rank"],
+        lora_alpha=2.0 * c["rank"],
+        train_mode="dpo",
+        iters=100,
+    )
     return cfg.resolved({"rwkv7"})
 
 
@@ -128,10 +142,19 @@ def measure(quick: bool = False) -> dict:
     sft = _step_time_and_peak(lambda: step([batch]), c["steps"])
     fed_dpo = len(pairs) * (c["prompt"] + 2 * c["answer"])
     fed_sft = 2 * len(pairs) * (c["prompt"] + c["answer"])
-    return {**c, "verify": verify, "dpo": dpo, "sft": sft, "fed_dpo": fed_dpo,
-            "fed_sft": fed_sft, "gflops": matmul_gflops(c["matmul_n"]),
-            "bound_flops": {"dpo": lora_step_flops(model.config, fed_dpo),
-                            "sft": lora_step_flops(model.config, fed_sft)}}  # fmt: skip
+    return {
+        **c,
+        "verify": verify,
+        "dpo": dpo,
+        "sft": sft,
+        "fed_dpo": fed_dpo,
+        "fed_sft": fed_sft,
+        "gflops": matmul_gflops(c["matmul_n"]),
+        "bound_flops": {
+            "dpo": lora_step_flops(model.config, fed_dpo),
+            "sft": lora_step_flops(model.config, fed_sft),
+        },
+    }
 
 
 def render(r: dict) -> Rendered:
@@ -170,10 +193,10 @@ def render(r: dict) -> Rendered:
             dpo["time"] / sft["time"],
             1.2,
             False,
-        ),  # fmt: skip
+        ),
         Goal(
             "DPO step peak memory / LoRA SFT step's", dpo["peak"] / max(sft["peak"], 1), 1.2, False
-        ),  # fmt: skip
+        ),
     ]
     return with_goals(lines, goals)
 

@@ -194,8 +194,9 @@ def render_report(report: dict, sections: Mapping[str, Section], plot: str | Non
     lines += ["| section | goal | value | bound | |", "|---|---|---|---|---|", *summary, ""]
     lines += ["## Contents", ""]
     for name, (entry, _) in rendered.items():
-        lines.append(f"- [{name}](#{name}): {sections[name].help}; "
-                     f"{_section_status(entry, machine)}")  # fmt: skip
+        lines.append(
+            f"- [{name}](#{name}): {sections[name].help}; {_section_status(entry, machine)}"
+        )
     lines.append("")
     if plot:
         lines += [f"![WKV7 and MoBA time against T, LoRA training tokens/s]({plot})", ""]

@@ -70,9 +70,16 @@ def write_section(title: str, command: str, lines: list[str], path: Path) -> Non
     """Echo one result section, then add it at the end of ``path`` (a BENCHMARKS.md);
     ReportError where it cannot be written."""
     text = "\n".join(
-        [f"## {title} ({now()})", "", f"Machine: {machine_description()}",
-         f"Command: `{command}`", "", *lines, ""]
-    )  # fmt: skip
+        [
+            f"## {title} ({now()})",
+            "",
+            f"Machine: {machine_description()}",
+            f"Command: `{command}`",
+            "",
+            *lines,
+            "",
+        ]
+    )
     print(text)
     try:
         before = path.read_text() if path.exists() else APPENDED_HEADER
@@ -135,8 +142,9 @@ def run_all(
                 _save(partial, json.dumps(report, indent=1) + "\n")
                 kept.append(name)
             except CheckpointError as e:
-                print(f"{partial}: cannot be written ({_why(e)}); measuring goes on",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"{partial}: cannot be written ({_why(e)}); measuring goes on", file=sys.stderr
+                )
             print("\n".join(section.render(results).lines) + f"\n\n({seconds:.0f} s)\n")
         write_report(report, sections, out_dir)
     except BaseException:

@@ -32,17 +32,49 @@ import mlx.core as mx
 import numpy as np
 
 SERVE = {
-    "full": dict(width=768, layers=12, history=1500, new=48, answer=8, variants=6,
-                 stream_tokens=48, streams=(1, 2, 4, 8), schema_tokens=96,
-                 load=dict(requests=320, clients=16, cache_bytes=256 << 20),
-                 soak=dict(clients=16, requests=50, answer=12, prompts=12, cache_bytes=16 << 20,
-                           deadline=120.0, walk_away=1.0)),
-    "quick": dict(width=64, layers=2, history=40, new=8, answer=4, variants=1,
-                  stream_tokens=4, streams=(1, 2), schema_tokens=8,
-                  load=dict(requests=12, clients=4, cache_bytes=16 << 20),
-                  soak=dict(clients=4, requests=8, answer=4, prompts=3, cache_bytes=1 << 20,
-                            deadline=60.0, walk_away=0.5)),
-}  # fmt: skip
+    "full": dict(
+        width=768,
+        layers=12,
+        history=1500,
+        new=48,
+        answer=8,
+        variants=6,
+        stream_tokens=48,
+        streams=(1, 2, 4, 8),
+        schema_tokens=96,
+        load=dict(requests=320, clients=16, cache_bytes=256 << 20),
+        soak=dict(
+            clients=16,
+            requests=50,
+            answer=12,
+            prompts=12,
+            cache_bytes=16 << 20,
+            deadline=120.0,
+            walk_away=1.0,
+        ),
+    ),
+    "quick": dict(
+        width=64,
+        layers=2,
+        history=40,
+        new=8,
+        answer=4,
+        variants=1,
+        stream_tokens=4,
+        streams=(1, 2),
+        schema_tokens=8,
+        load=dict(requests=12, clients=4, cache_bytes=16 << 20),
+        soak=dict(
+            clients=4,
+            requests=8,
+            answer=4,
+            prompts=3,
+            cache_bytes=1 << 20,
+            deadline=60.0,
+            walk_away=0.5,
+        ),
+    ),
+}
 VOCAB = 65536  # RWKV World's: the tokenizer the models load with, and the schema's vocabulary
 # at least 40 items: an answer of a hundred tokens or more, whatever the model
 SCHEMA = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 40}
@@ -53,17 +85,32 @@ def _configs(width: int, layers: int) -> dict[str, ModelConfig]:
     if width == 768 and layers == 12:
         rwkv7 = preset("rwkv7-0.1b")
     else:
-        rwkv7 = ModelConfig(vocab_size=VOCAB, hidden_size=width, block_types=["rwkv7"] * layers,
-                            **heads)  # fmt: skip
+        rwkv7 = ModelConfig(
+            vocab_size=VOCAB, hidden_size=width, block_types=["rwkv7"] * layers, **heads
+        )
     n_attn = max(1, layers // 4)
-    rwkv_x = ModelConfig(vocab_size=VOCAB, hidden_size=width, moba_chunk_size=64, moba_top_k=3,
-                         block_types=rwkv_x_block_types(layers - n_attn, n_attn),
-                         **heads)  # fmt: skip
-    kinds = ["qwen2" if (i + 1) % 4 == 0 else "rwkv7" for i in range(layers)] if layers >= 4 \
-        else ["rwkv7", "qwen2"]  # fmt: skip
-    rfa = rfa_config(vocab_size=VOCAB, hidden_size=width, block_types=kinds,
-                     n_q_heads=max(2, width // 64), n_kv_heads=max(1, width // 256),
-                     intermediate_size=width * 3, **heads)  # fmt: skip
+    rwkv_x = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=width,
+        moba_chunk_size=64,
+        moba_top_k=3,
+        block_types=rwkv_x_block_types(layers - n_attn, n_attn),
+        **heads,
+    )
+    kinds = (
+        ["qwen2" if (i + 1) % 4 == 0 else "rwkv7" for i in range(layers)]
+        if layers >= 4
+        else ["rwkv7", "qwen2"]
+    )
+    rfa = rfa_config(
+        vocab_size=VOCAB,
+        hidden_size=width,
+        block_types=kinds,
+        n_q_heads=max(2, width // 64),
+        n_kv_heads=max(1, width // 256),
+        intermediate_size=width * 3,
+        **heads,
+    )
     return {"rwkv7": rwkv7, "rwkv-x": rwkv_x, "rfa": rfa}
 
 
@@ -82,19 +129,25 @@ def _second_turns(path: str, cache_dir: str, c: dict, rng, args=(), then=None) -
     out = {"server": [], "restart": []}
     server = Server("--model", path, "--cache-dir", cache_dir, *args)
     try:
-        status, r = server.post("/v1/chat/completions", {**body, "messages": first,
-                                                         "logprobs": True})  # fmt: skip
+        status, r = server.post(
+            "/v1/chat/completions", {**body, "messages": first, "logprobs": True}
+        )
         if status != 200:
             raise VerificationFailed(f"turn 1: {status} {r}")
         # verified first: the served answer's log-probabilities are the generation layer's
         theirs = [e["logprob"] for e in r["choices"][0]["logprobs"]["content"]]
-        ours = [x.logprobs[x.token].item() for x in stream_generate(
-            model, tok, fmt.apply(first), max_tokens=c["answer"], stop=fmt.stops)]  # fmt: skip
+        ours = [
+            x.logprobs[x.token].item()
+            for x in stream_generate(
+                model, tok, fmt.apply(first), max_tokens=c["answer"], stop=fmt.stops
+            )
+        ]
         err = rel_err(np.array(theirs), np.array(ours)) if len(ours) == len(theirs) else 1.0
         out["verify"] = err
         if not err <= 1e-4:
-            raise VerificationFailed(f"the served answer's log-probabilities vs the generation "
-                                     f"layer's: {err:.1e}")  # fmt: skip
+            raise VerificationFailed(
+                f"the served answer's log-probabilities vs the generation layer's: {err:.1e}"
+            )
         history = first + [{"role": "assistant", "content": r["choices"][0]["message"]["content"]}]
         for phase in ("server", "restart"):
             if phase == "restart":
@@ -105,11 +158,15 @@ def _second_turns(path: str, cache_dir: str, c: dict, rng, args=(), then=None) -
                 messages = history + [{"role": "user", "content": words(rng, c["new"])}]
                 s = server.stream("/v1/chat/completions", {**body, "messages": messages})
                 cached = s["usage"]["prompt_tokens_details"]["cached_tokens"]
-                out[phase].append({"first": s["first"], "cached": cached,
-                                   "prompt": s["usage"]["prompt_tokens"],
-                                   "here": _prefill_here(model, tok, fmt, messages, cached),
-                                   "alone": _prefill_here(model, tok, fmt, messages, cached,
-                                                          alone=True)})  # fmt: skip
+                out[phase].append(
+                    {
+                        "first": s["first"],
+                        "cached": cached,
+                        "prompt": s["usage"]["prompt_tokens"],
+                        "here": _prefill_here(model, tok, fmt, messages, cached),
+                        "alone": _prefill_here(model, tok, fmt, messages, cached, alone=True),
+                    }
+                )
         if then is not None:
             out["then"] = then(server)
     finally:
@@ -133,8 +190,7 @@ def _prefill_here(model, tok, fmt, messages, cached: int, alone: bool = False) -
             _HELD[key] = session.snapshot()
         session.restore(_HELD[key])
     tic = time.perf_counter()
-    next(stream_generate(model, tok, ids[cached:], max_tokens=1, session=session,
-                         stop=fmt.stops))  # fmt: skip
+    next(stream_generate(model, tok, ids[cached:], max_tokens=1, session=session, stop=fmt.stops))
     return time.perf_counter() - tic
 
 
@@ -150,11 +206,15 @@ def _schema_overhead(path: str, c: dict) -> dict:
     n = c["schema_tokens"]
     rates = {}
     for name in ("free", "schema", "free", "schema"):  # each twice: the second counts
-        procs = [GrammarProcessor(table, grammar, model.config.vocab_size)] if (
-            name == "schema") else []  # fmt: skip
+        procs = (
+            [GrammarProcessor(table, grammar, model.config.vocab_size)]
+            if (name == "schema")
+            else []
+        )
         last, text = None, []
-        for last in stream_generate(model, tok, "A list:", max_tokens=n, temp=1.0, seed=0,
-                                    logits_processors=procs):  # fmt: skip
+        for last in stream_generate(
+            model, tok, "A list:", max_tokens=n, temp=1.0, seed=0, logits_processors=procs
+        ):
             text.append(last.text)
         if name == "schema" and last.finish_reason == "stop":
             json.loads("".join(text))  # it closed: it parses
@@ -165,8 +225,10 @@ def _schema_overhead(path: str, c: dict) -> dict:
 def measure(quick: bool = False) -> dict:
     c = sizes(SERVE, quick)
     rng = np.random.default_rng(0)
-    out: dict = {"sizes": {k: c[k] for k in ("width", "layers", "history", "new", "answer")},
-                 "turns": {}}  # fmt: skip
+    out: dict = {
+        "sizes": {k: c[k] for k in ("width", "layers", "history", "new", "answer")},
+        "turns": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         from mlx_rwkvx.io.load import save
 
@@ -181,12 +243,15 @@ def measure(quick: bool = False) -> dict:
         for name, path in paths.items():
             extra, then = (), None
             if name == "rwkv7":  # its restarted server goes on with the streams and the load
-                extra = ("--cache-bytes", str(load["cache_bytes"]),
-                         "--max-queue", str(load["clients"] * 2))  # fmt: skip
+                extra = (
+                    "--cache-bytes",
+                    str(load["cache_bytes"]),
+                    "--max-queue",
+                    str(load["clients"] * 2),
+                )
 
                 def then(server, path=path):
-                    return {"streams": streams(server, path, c),
-                            "load": load_test(server, path, c)}  # fmt: skip
+                    return {"streams": streams(server, path, c), "load": load_test(server, path, c)}
 
             turns = _second_turns(path, os.path.join(tmp, name + ".states"), c, rng, extra, then)
             out.update(turns.pop("then", {}))
@@ -226,45 +291,79 @@ def render(r: dict) -> Rendered:
             here = min(x["here"] for x in runs)
             alone = min(x["alone"] for x in runs)
             x = runs[0]
-            lines.append(f"| {names[key]} | {label} | {x['prompt']} | {x['cached']} | "
-                         f"{best * 1e3:.0f} ms | {here * 1e3:.0f} ms | {best / here:.2f} | "
-                         f"{alone * 1e3:.0f} ms | {best / alone:.2f} |")  # fmt: skip
+            lines.append(
+                f"| {names[key]} | {label} | {x['prompt']} | {x['cached']} | "
+                f"{best * 1e3:.0f} ms | {here * 1e3:.0f} ms | {best / here:.2f} | "
+                f"{alone * 1e3:.0f} ms | {best / alone:.2f} |"
+            )
             name = "second turn's first token / its new tokens on the restored state, "
             goals.append(Goal(f"{name}{names[key]}, {label}", best / here, 1.1, False))
             if key == "rwkv7":
-                goals.append(Goal(f"second turn's first token / its new tokens alone, RWKV-7, "
-                                  f"{label}", best / alone, 1.1, False))  # fmt: skip
+                goals.append(
+                    Goal(
+                        f"second turn's first token / its new tokens alone, RWKV-7, {label}",
+                        best / alone,
+                        1.1,
+                        False,
+                    )
+                )
     one = r["streams"]["1"]["tokens"] / r["streams"]["1"]["wall"]
-    lines += ["", "Concurrent streams (text completions of the same length, RWKV-7):", "",
-              "| streams | tokens | wall | aggregate tokens/s | vs one stream |",
-              "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "Concurrent streams (text completions of the same length, RWKV-7):",
+        "",
+        "| streams | tokens | wall | aggregate tokens/s | vs one stream |",
+        "|---|---|---|---|---|",
+    ]
     for n, x in r["streams"].items():
         rate = x["tokens"] / x["wall"]
-        lines.append(f"| {n} | {x['tokens']} | {x['wall']:.1f} s | {rate:.1f} | "
-                     f"{rate / one:.2f} |")  # fmt: skip
+        lines.append(f"| {n} | {x['tokens']} | {x['wall']:.1f} s | {rate:.1f} | {rate / one:.2f} |")
     top = max(r["streams"], key=int)
-    goals.append(Goal(f"{top} concurrent streams' tokens/s / one stream's",
-                      r["streams"][top]["tokens"] / r["streams"][top]["wall"] / one,
-                      4.0, True))  # fmt: skip
+    goals.append(
+        Goal(
+            f"{top} concurrent streams' tokens/s / one stream's",
+            r["streams"][top]["tokens"] / r["streams"][top]["wall"] / one,
+            4.0,
+            True,
+        )
+    )
     sch = r["schema"]
-    lines += ["", f"Decode holding the answer to a JSON schema (an array of enums, through "
-              f"llguidance, RWKV World's 65,536 tokens): {sch['schema']['tps']:.1f} tokens/s "
-              f"over {sch['schema']['tokens']} tokens, against {sch['free']['tps']:.1f} without "
-              f"({sch['free']['tokens']} tokens)."]  # fmt: skip
-    goals.append(Goal("decode tokens/s with a JSON schema / without",
-                      sch["schema"]["tps"] / sch["free"]["tps"], 0.7, True))  # fmt: skip
+    lines += [
+        "",
+        f"Decode holding the answer to a JSON schema (an array of enums, through "
+        f"llguidance, RWKV World's 65,536 tokens): {sch['schema']['tps']:.1f} tokens/s "
+        f"over {sch['schema']['tokens']} tokens, against {sch['free']['tps']:.1f} without "
+        f"({sch['free']['tokens']} tokens).",
+    ]
+    goals.append(
+        Goal(
+            "decode tokens/s with a JSON schema / without",
+            sch["schema"]["tps"] / sch["free"]["tps"],
+            0.7,
+            True,
+        )
+    )
     ld = r["load"]
     growth = (ld["rss_after"] - ld["rss_before"]) / 2**20
-    lines += ["", f"Load test: {ld['requests']} requests from {ld['clients']} clients in "
-              f"{ld['wall']:.0f} s (a third streamed, a sixth hanging up after three tokens): "
-              f"{ld['5xx']} answered 5xx, {ld['4xx']} 4xx (a full queue), the server "
-              f"{'still answering' if ld['alive'] else 'NOT answering'} after; its resident "
-              f"memory grew {growth:.0f} MiB (from after a warm-up of a request a client) "
-              f"under a state cache of "
-              f"{ld['cache_bytes'] / 2**20:.0f} MiB."]  # fmt: skip
+    lines += [
+        "",
+        f"Load test: {ld['requests']} requests from {ld['clients']} clients in "
+        f"{ld['wall']:.0f} s (a third streamed, a sixth hanging up after three tokens): "
+        f"{ld['5xx']} answered 5xx, {ld['4xx']} 4xx (a full queue), the server "
+        f"{'still answering' if ld['alive'] else 'NOT answering'} after; its resident "
+        f"memory grew {growth:.0f} MiB (from after a warm-up of a request a client) "
+        f"under a state cache of "
+        f"{ld['cache_bytes'] / 2**20:.0f} MiB.",
+    ]
     goals.append(Goal("load test 5xx answers", ld["5xx"] + (0 if ld["alive"] else 1), 0, False))
-    goals.append(Goal("load test resident memory growth / --cache-bytes",
-                      growth * 2**20 / ld["cache_bytes"], 1.5, False))  # fmt: skip
+    goals.append(
+        Goal(
+            "load test resident memory growth / --cache-bytes",
+            growth * 2**20 / ld["cache_bytes"],
+            1.5,
+            False,
+        )
+    )
     if "soak" in r:  # results carried over from a run without the soak have none
         lines += ["", *soak_lines(r["soak"])]
         goals += soak_goals(r["soak"])

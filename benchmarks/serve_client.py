@@ -28,10 +28,19 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_rwkvx.server", *args, "--port", str(self.port),
-             "--log-level", "error"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "mlx_rwkvx.server",
+                *args,
+                "--port",
+                str(self.port),
+                "--log-level",
+                "error",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 300
         while True:
             try:
@@ -69,9 +78,12 @@ class Server:
         tic = time.perf_counter()
         first, chunks, usage, status, text, logprobs = None, 0, None, None, [], []
         try:
-            conn.request("POST", route, json.dumps({**body, "stream": True,
-                         "stream_options": {"include_usage": True}}),
-                         {"Content-Type": "application/json"})  # fmt: skip
+            conn.request(
+                "POST",
+                route,
+                json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}),
+                {"Content-Type": "application/json"},
+            )
             r = conn.getresponse()
             status = r.status
             if status != 200:
@@ -94,9 +106,15 @@ class Server:
                         break
         finally:
             conn.close()
-        return {"status": status, "first": first, "chunks": chunks, "usage": usage,
-                "time": time.perf_counter() - tic, "text": "".join(text),
-                "logprobs": logprobs}  # fmt: skip
+        return {
+            "status": status,
+            "first": first,
+            "chunks": chunks,
+            "usage": usage,
+            "time": time.perf_counter() - tic,
+            "text": "".join(text),
+            "logprobs": logprobs,
+        }
 
     def rss(self, field: str = "VmRSS") -> int:
         """The server's resident memory now (``VmHWM``: its peak) in bytes."""
@@ -143,9 +161,15 @@ def streams(server: Server, path: str, c: dict) -> dict:
         results: list = [None] * n
 
         def one(i, n=n, results=results):
-            results[i] = server.stream("/v1/completions", dict(
-                model=path, prompt=f"Stream {i} of {n}:", max_tokens=c["stream_tokens"],
-                temperature=0))  # fmt: skip
+            results[i] = server.stream(
+                "/v1/completions",
+                dict(
+                    model=path,
+                    prompt=f"Stream {i} of {n}:",
+                    max_tokens=c["stream_tokens"],
+                    temperature=0,
+                ),
+            )
 
         wall = concurrently(one, n)
         tokens = sum(r["usage"]["completion_tokens"] for r in results)
@@ -161,8 +185,14 @@ def load_test(server: Server, path: str, c: dict) -> dict:
     statuses, lock = [], threading.Lock()
     rng = np.random.default_rng(99)
     for i in range(spec["clients"]):  # warm: what a first request of each size brings in
-        server.post("/v1/chat/completions", dict(model=path, max_tokens=16, messages=[
-            {"role": "user", "content": words(rng, 8 + 39 * i // spec["clients"])}]))  # fmt: skip
+        server.post(
+            "/v1/chat/completions",
+            dict(
+                model=path,
+                max_tokens=16,
+                messages=[{"role": "user", "content": words(rng, 8 + 39 * i // spec["clients"])}],
+            ),
+        )
     base_rss = server.rss()
     per = spec["requests"] // spec["clients"]
 
@@ -173,8 +203,9 @@ def load_test(server: Server, path: str, c: dict) -> dict:
             messages = [{"role": "user", "content": words(rng, 8 + i % 40)}]
             body = dict(model=path, messages=messages, max_tokens=16, temperature=0.7)
             if i % 3 == 0:
-                s = server.stream("/v1/chat/completions", body,
-                                  hang_up_after=3 if i % 2 else None)["status"]  # fmt: skip
+                s = server.stream("/v1/chat/completions", body, hang_up_after=3 if i % 2 else None)[
+                    "status"
+                ]
             else:
                 s = server.post("/v1/chat/completions", body)[0]
             with lock:
@@ -183,7 +214,14 @@ def load_test(server: Server, path: str, c: dict) -> dict:
     wall = concurrently(client, spec["clients"])
     alive = server.get("/health").get("status") == "ok"
     after = server.rss()
-    return {"requests": len(statuses), "clients": spec["clients"], "wall": wall,
-            "5xx": sum(s >= 500 for s in statuses), "4xx": sum(400 <= s < 500 for s in statuses),
-            "alive": alive, "rss_before": base_rss, "rss_after": after,
-            "cache_bytes": spec["cache_bytes"]}  # fmt: skip
+    return {
+        "requests": len(statuses),
+        "clients": spec["clients"],
+        "wall": wall,
+        "5xx": sum(s >= 500 for s in statuses),
+        "4xx": sum(400 <= s < 500 for s in statuses),
+        "alive": alive,
+        "rss_before": base_rss,
+        "rss_after": after,
+        "cache_bytes": spec["cache_bytes"],
+    }

@@ -52,8 +52,9 @@ def _walk_away(server: Server, body: dict, after: float) -> None:
     """A request whose client closes its connection ``after`` seconds, answered or not."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=after)
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})  # fmt: skip
+        conn.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         conn.getresponse().read()
     except OSError:  # the timeout too: the client goes
         pass
@@ -73,13 +74,22 @@ class _Reference:
         if kind == "embed":
             return "/v1/embeddings", {"model": self.path, "input": [self.prompts[p], "and more"]}
         if kind == "text":
-            return "/v1/completions", {"model": self.path, "prompt": self.prompts[p],
-                                       "max_tokens": max_tokens, "temperature": 0,
-                                       "logprobs": 2}  # fmt: skip
+            return "/v1/completions", {
+                "model": self.path,
+                "prompt": self.prompts[p],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "logprobs": 2,
+            }
         seeded = {"temperature": 0.8, "seed": p} if kind == "seeded" else {"temperature": 0}
-        return "/v1/chat/completions", {"model": self.path, "messages": user,
-                                        "max_tokens": max_tokens, "logprobs": True,
-                                        "top_logprobs": 2, **seeded}  # fmt: skip
+        return "/v1/chat/completions", {
+            "model": self.path,
+            "messages": user,
+            "max_tokens": max_tokens,
+            "logprobs": True,
+            "top_logprobs": 2,
+            **seeded,
+        }
 
     @staticmethod
     def answer_of(kind: str, r: dict):
@@ -90,8 +100,9 @@ class _Reference:
         choice = r["choices"][0]
         if kind == "text":
             lp = choice["logprobs"]
-            steps = [(t, [*top.items()]) for t, top in zip(lp["tokens"], lp["top_logprobs"],
-                                                             strict=True)]  # fmt: skip
+            steps = [
+                (t, [*top.items()]) for t, top in zip(lp["tokens"], lp["top_logprobs"], strict=True)
+            ]
             return choice["text"], steps
         return choice["message"]["content"], _chat_steps(choice["logprobs"]["content"])
 
@@ -107,8 +118,7 @@ class _Reference:
 
 
 def _chat_steps(content: list[dict]) -> list:
-    return [(e["token"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
-            for e in content]  # fmt: skip
+    return [(e["token"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]]) for e in content]
 
 
 # Two tokens whose log-probabilities, alone, lie this close are a tie that float32 rounding
@@ -121,8 +131,9 @@ def _verdict(got, ref) -> str:
     """same, tie (the answers part where the answer alone had a near-tie between the two
     tokens: rounding's choice, and the rest follows from it) or wrong."""
     if isinstance(ref, list):  # embeddings
-        same = len(got) == len(ref) and all(np.allclose(x, y, rtol=1e-4, atol=1e-5)
-                                            for x, y in zip(got, ref, strict=True))  # fmt: skip
+        same = len(got) == len(ref) and all(
+            np.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(got, ref, strict=True)
+        )
         return "same" if same else "wrong"
     (text, steps), (ref_text, ref_steps) = got, ref
     if text == ref_text:
@@ -139,9 +150,16 @@ def soak(path: str, folder: str, spec: dict) -> dict:
     """``spec``: clients, requests (a client), answer (tokens of a good answer), prompts
     (distinct ones), cache_bytes, deadline (seconds a good request may take), walk_away
     (seconds before such a client hangs up)."""
-    server = Server("--model", path, "--cache-dir", folder,
-                    "--cache-bytes", str(spec["cache_bytes"]),
-                    "--max-queue", str(spec["clients"] * 4))  # fmt: skip
+    server = Server(
+        "--model",
+        path,
+        "--cache-dir",
+        folder,
+        "--cache-bytes",
+        str(spec["cache_bytes"]),
+        "--max-queue",
+        str(spec["clients"] * 4),
+    )
     try:
         rng = np.random.default_rng(7)
         prompts = [words(rng, 6 + 5 * i) for i in range(spec["prompts"])]
@@ -164,21 +182,31 @@ def soak(path: str, folder: str, spec: dict) -> dict:
                 i = k * spec["requests"] + j
                 kind, p = KINDS[i % len(KINDS)], (i // len(KINDS)) % spec["prompts"]
                 if kind == "walk-away":
-                    _walk_away(server, {"model": path, "max_tokens": 8192, "messages": [
-                        {"role": "user", "content": prompts[p]}]}, spec["walk_away"])  # fmt: skip
+                    _walk_away(
+                        server,
+                        {
+                            "model": path,
+                            "max_tokens": 8192,
+                            "messages": [{"role": "user", "content": prompts[p]}],
+                        },
+                        spec["walk_away"],
+                    )
                     continue
                 if kind == "bad":
                     body = {"model": path, **BAD[i // len(KINDS) % len(BAD)]}
                     route = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
                     status = server.post(route, body)[0]
-                    note(bad=1, **{"5xx": int(status >= 500),
-                                   "not_4xx": int(not 400 <= status < 500)})  # fmt: skip
+                    note(
+                        bad=1,
+                        **{"5xx": int(status >= 500), "not_4xx": int(not 400 <= status < 500)},
+                    )
                     continue
                 tic = time.monotonic()
                 if kind in ("stream", "hang-up"):
                     _, body = ref.body("chat", p, spec["answer"])
-                    s = server.stream("/v1/chat/completions", body,
-                                      hang_up_after=2 if kind == "hang-up" else None)  # fmt: skip
+                    s = server.stream(
+                        "/v1/chat/completions", body, hang_up_after=2 if kind == "hang-up" else None
+                    )
                     status = s["status"]
                     answer = (s.get("text"), _chat_steps(s.get("logprobs") or []))
                 else:
@@ -192,17 +220,20 @@ def soak(path: str, folder: str, spec: dict) -> dict:
                 if verdict == "wrong":
                     with lock:
                         wrong.append((kind, p))
-                note(good=1, late=int(late), wrong=int(verdict == "wrong"),
-                     tie=int(verdict == "tie"),
-                     **{"5xx": int(status is None or status >= 500)})  # fmt: skip
+                note(
+                    good=1,
+                    late=int(late),
+                    wrong=int(verdict == "wrong"),
+                    tie=int(verdict == "tie"),
+                    **{"5xx": int(status is None or status >= 500)},
+                )
 
         # two rounds: the first brings the server to its working size (batches of every
         # client, the cache full), the second must leave it there (memory, descriptors)
         half = spec["requests"] // 2
         wall = concurrently(lambda k: client(k, range(half)), spec["clients"])
         before = {"rss": server.rss(), "fds": _fds(pid), "folder": _folder_bytes(folder)}
-        wall += concurrently(lambda k: client(k, range(half, spec["requests"])),
-                             spec["clients"])  # fmt: skip
+        wall += concurrently(lambda k: client(k, range(half, spec["requests"])), spec["clients"])
         idle_after = None
         settle = time.monotonic()
         while time.monotonic() - settle < 60:  # the walked-away answers are cancelled
@@ -215,10 +246,19 @@ def soak(path: str, folder: str, spec: dict) -> dict:
         alive = server.post(*ref.body("chat", 0, spec["answer"]))[0] == 200
     finally:
         server.stop()
-    return {**counts, "wrong_kinds": sorted(set(wrong)), "clients": spec["clients"],
-            "requests": spec["requests"], "wall": wall,
-            "idle_after": idle_after, "alive": alive, "before": before, "after": after,
-            "cache_bytes": spec["cache_bytes"], "deadline": spec["deadline"]}  # fmt: skip
+    return {
+        **counts,
+        "wrong_kinds": sorted(set(wrong)),
+        "clients": spec["clients"],
+        "requests": spec["requests"],
+        "wall": wall,
+        "idle_after": idle_after,
+        "alive": alive,
+        "before": before,
+        "after": after,
+        "cache_bytes": spec["cache_bytes"],
+        "deadline": spec["deadline"],
+    }
 
 
 def soak_lines(s: dict) -> list[str]:
@@ -251,12 +291,24 @@ def _which(s: dict) -> str:
 def soak_goals(s: dict) -> list[Goal]:
     idle = 0 if s["idle_after"] is not None and s["alive"] else 1
     return [
-        Goal("soak: 5xx answers, late or wrong good answers, bad requests not a 4xx, "
-             "answers still running or a server not answering at the end",
-             s["5xx"] + s["late"] + s["wrong"] + s["not_4xx"] + idle, 0, False),
+        Goal(
+            "soak: 5xx answers, late or wrong good answers, bad requests not a 4xx, "
+            "answers still running or a server not answering at the end",
+            s["5xx"] + s["late"] + s["wrong"] + s["not_4xx"] + idle,
+            0,
+            False,
+        ),
         Goal("soak: open descriptors grown", s["after"]["fds"] - s["before"]["fds"], 4, False),
-        Goal("soak: resident memory growth over the second half / --cache-bytes",
-             (s["after"]["rss"] - s["before"]["rss"]) / s["cache_bytes"], 1.5, False),
-        Goal("soak: state folder on disk / --cache-bytes",
-             s["after"]["folder"] / s["cache_bytes"], 1.0, False),
+        Goal(
+            "soak: resident memory growth over the second half / --cache-bytes",
+            (s["after"]["rss"] - s["before"]["rss"]) / s["cache_bytes"],
+            1.5,
+            False,
+        ),
+        Goal(
+            "soak: state folder on disk / --cache-bytes",
+            s["after"]["folder"] / s["cache_bytes"],
+            1.0,
+            False,
+        ),
     ]

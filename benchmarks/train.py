@@ -50,8 +50,14 @@ TRAIN = {
     ),
 }
 # mlx-lm's rwkv7 names of our "rwkv" LoRA targets: the same projections on both sides
-MLX_LM_RWKV_TARGETS = ["attn.r_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "ffn.key",
-                       "ffn.value"]  # fmt: skip
+MLX_LM_RWKV_TARGETS = [
+    "attn.r_proj",
+    "attn.k_proj",
+    "attn.v_proj",
+    "attn.o_proj",
+    "ffn.key",
+    "ffn.value",
+]
 # MLX autograd through mlx-lm's WKV7 step loop keeps a full [B, T, H, N] cotangent per step, per
 # layer: ~8 B T^2 H N bytes a layer (the wkv7 section measures it). A shape whose estimate
 # passes this share of RAM is run at a shorter T (halved until it fits).
@@ -79,8 +85,9 @@ def _train_shape(shape: dict, rank: int, tmp: str) -> dict:
     """LoRA steps of ours and of mlx-lm's trainer machinery on the same weights and batch."""
     from mlx_rwkvx._mlx_lm import default_loss, linear_to_lora_layers
 
-    cfg = ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["C"],
-                      block_types=["rwkv7"] * shape["layers"])  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=shape["vocab"], hidden_size=shape["C"], block_types=["rwkv7"] * shape["layers"]
+    )
     model = Model(cfg, seed=0)
     mx.eval(model.parameters())
     theirs = mlx_lm_twin(model, tmp)
@@ -94,8 +101,11 @@ def _train_shape(shape: dict, rank: int, tmp: str) -> dict:
     ours_loss = step([(inputs, targets)]).loss / (B * T)
     # mlx-lm: its LoRA layers, loss and a compiled step as its trainer builds them
     theirs.freeze()
-    linear_to_lora_layers(theirs, len(theirs.layers), {"rank": rank, "scale": 2.0, "dropout": 0.0,
-                                                       "keys": MLX_LM_RWKV_TARGETS})  # fmt: skip
+    linear_to_lora_layers(
+        theirs,
+        len(theirs.layers),
+        {"rank": rank, "scale": 2.0, "dropout": 0.0, "keys": MLX_LM_RWKV_TARGETS},
+    )
     opt = optim.AdamW(learning_rate=1e-4)
     loss_grad = nn.value_and_grad(theirs, default_loss)
     state = [theirs.state, opt.state]
@@ -141,8 +151,12 @@ def measure(quick: bool = False) -> dict:
             shapes[name] = _train_shape(shape, cfg["rank"], tmp)
         print(name, shapes[name])
     rate = matmul_gflops(cfg["matmul_n"])
-    return {"matmul_gflops": rate, "matmul_n": cfg["matmul_n"], "rank": cfg["rank"],
-            "shapes": shapes}  # fmt: skip
+    return {
+        "matmul_gflops": rate,
+        "matmul_n": cfg["matmul_n"],
+        "rank": cfg["rank"],
+        "shapes": shapes,
+    }
 
 
 def tokens_per_s(s: dict) -> tuple[float, float]:

@@ -92,8 +92,14 @@ def train_worker(folder: str, quick: bool = False, grad_checkpoint: bool = False
     # cache, the resident memory is what the step needs (Metal manages its own)
     mx.set_cache_limit(0)
     t0 = time.perf_counter()
-    settings = dict(quantize="int8", iters=1, batch_size=1, max_seq_len=T, save_every=10,
-                    grad_checkpoint=grad_checkpoint)  # fmt: skip
+    settings = dict(
+        quantize="int8",
+        iters=1,
+        batch_size=1,
+        max_seq_len=T,
+        save_every=10,
+        grad_checkpoint=grad_checkpoint,
+    )
     out = folder + ("/out_checkpoint" if grad_checkpoint else "/out")
     cfg = TrainConfig(model=folder + "/bf16", data=folder + "/data.bin", output=out, **settings)
     train_from_config(cfg)
@@ -107,8 +113,10 @@ def train_worker(folder: str, quick: bool = False, grad_checkpoint: bool = False
 
 def _verify(folder: str) -> dict:
     """The checkpoint worker's logits: INT8 against its exact float32 twin."""
-    logits = {k: np.load(f"{folder}/logits_{k}.npy").astype(np.float64)
-              for k in ("int8", "int8_f32", "twin", "bf16", "f32")}  # fmt: skip
+    logits = {
+        k: np.load(f"{folder}/logits_{k}.npy").astype(np.float64)
+        for k in ("int8", "int8_f32", "twin", "bf16", "f32")
+    }
     exact = rel_err(logits["int8_f32"], logits["twin"])
     err = rel_err(logits["int8"], logits["twin"])
     floor = rel_err(logits["bf16"], logits["f32"])
@@ -170,8 +178,11 @@ def render(q: dict) -> Rendered:
             f"| {flag} | {r['T']} | {r['peak_rss'] / 1e9:.2f} GB | {r['mlx_peak'] / 1e9:.2f} GB "
             f"| {r['seconds']:.0f} s |"
         )
-        goals.append(Goal(f"INT8 RFA LoRA ({flag}) peak resident memory, GB",
-                          r["peak_rss"] / 1e9, 3.0, False))  # fmt: skip
+        goals.append(
+            Goal(
+                f"INT8 RFA LoRA ({flag}) peak resident memory, GB", r["peak_rss"] / 1e9, 3.0, False
+            )
+        )
     return with_goals(lines, goals)
 
 

@@ -38,8 +38,9 @@ def measure_choices(crossover_Ts: list[int], chunk_T: int) -> dict:
             if not err <= 2e-6:
                 raise VerificationFailed(f"wkv7 chunked with chunks of {L}: y off by {err:.1e}")
             fb = time_and_peak(fwd_bwd(wkv7_chunked, xs), 3)["time"]
-            lengths.append({"L": L, "fwd": time_and_peak(fwd(wkv7_chunked, xs), 3)["time"],
-                            "fb": fb})  # fmt: skip
+            lengths.append(
+                {"L": L, "fwd": time_and_peak(fwd(wkv7_chunked, xs), 3)["time"], "fb": fb}
+            )
     finally:
         chunk.CHUNK = chosen
     return {

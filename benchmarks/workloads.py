@@ -85,8 +85,13 @@ def rfa_model_config(quick: bool) -> ModelConfig:
 def rwkv_x_chat_config(quick: bool) -> ModelConfig:
     """The 4-block C=256 RWKV-X model of the second-turn goal (3 RWKV-7 blocks, 1 MoBA)."""
     if quick:
-        return ModelConfig(vocab_size=512, hidden_size=64, head_size=16,
-                           block_types=rwkv_x_block_types(3, 1), moba_chunk_size=16)  # fmt: skip
+        return ModelConfig(
+            vocab_size=512,
+            hidden_size=64,
+            head_size=16,
+            block_types=rwkv_x_block_types(3, 1),
+            moba_chunk_size=16,
+        )
     return ModelConfig(vocab_size=4096, hidden_size=256, block_types=rwkv_x_block_types(3, 1))
 
 

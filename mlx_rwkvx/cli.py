@@ -28,8 +28,17 @@ from mlx_rwkvx.errors import (
 from mlx_rwkvx.settings import help_text
 
 T = TypeVar("T")
-__all__ = ["EXIT_CODES", "USER_ERRNOS", "Interrupted", "fail", "help_text", "os_error_text",
-           "run", "sigterm_as_interrupt", "signal_of"]  # fmt: skip
+__all__ = [
+    "EXIT_CODES",
+    "USER_ERRNOS",
+    "Interrupted",
+    "fail",
+    "help_text",
+    "os_error_text",
+    "run",
+    "sigterm_as_interrupt",
+    "signal_of",
+]
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -74,4 +83,3 @@ def run(prog: str, body: Callable[[], T], *, kept: str = "nothing written") -> T
     except KeyboardInterrupt as e:
         print(f"{prog}: interrupted ({getattr(e, 'kept', '') or kept})", file=sys.stderr)
         sys.exit(EXIT_CODES.get(signal_of(e), 130))
-

@@ -54,8 +54,17 @@ DEFAULT_OUT = "mlx_rwkvx-demo"
 TRAIN_SEED, HELD_OUT_SEED, VALID_SEED = 0, 1, 2  # the training texts never hold a held-out question
 MARKER = ".mlx_rwkvx-demo"  # in --out: the manifest of what the demo wrote, which a rerun removes
 # everything the demo writes in --out (its folders are its own: a rerun replaces them whole)
-ENTRIES = ("data", "model_config.json", "pretrain", "mac-1", "mac-2", "merged-fedavg", "merged",
-           "metrics.jsonl", "loss.png")  # fmt: skip
+ENTRIES = (
+    "data",
+    "model_config.json",
+    "pretrain",
+    "mac-1",
+    "mac-2",
+    "merged-fedavg",
+    "merged",
+    "metrics.jsonl",
+    "loss.png",
+)
 SPLIT = "3,1"  # the fine-tuning data: 3 parts on the first Mac, 1 on the second
 ANSWER_DIGITS = 3  # a recall answer: 1 in 1000 by chance
 
@@ -83,15 +92,41 @@ class Sizes:
 
 
 FULL = Sizes(
-    pairs=8, queries=8, word=6, pretrain_units=3600, finetune_examples=1600, held_out=200,
-    hidden=128, head_size=32, blocks=("rwkv7", "rwkv7", "moba", "rwkv7"), chunk=16, top_k=3,
-    batch=16, pretrain_lr=1e-3, finetune_lr=1e-3, finetune_epochs=4, lora_rank=32,
-)  # fmt: skip
+    pairs=8,
+    queries=8,
+    word=6,
+    pretrain_units=3600,
+    finetune_examples=1600,
+    held_out=200,
+    hidden=128,
+    head_size=32,
+    blocks=("rwkv7", "rwkv7", "moba", "rwkv7"),
+    chunk=16,
+    top_k=3,
+    batch=16,
+    pretrain_lr=1e-3,
+    finetune_lr=1e-3,
+    finetune_epochs=4,
+    lora_rank=32,
+)
 QUICK = Sizes(
-    pairs=4, queries=2, word=4, pretrain_units=64, finetune_examples=128, held_out=16,
-    hidden=64, head_size=16, blocks=("rwkv7", "moba", "rwkv7"), chunk=8, top_k=2, batch=8,
-    pretrain_lr=3e-3, finetune_lr=2e-3, finetune_epochs=1, lora_rank=4,
-)  # fmt: skip
+    pairs=4,
+    queries=2,
+    word=4,
+    pretrain_units=64,
+    finetune_examples=128,
+    held_out=16,
+    hidden=64,
+    head_size=16,
+    blocks=("rwkv7", "moba", "rwkv7"),
+    chunk=8,
+    top_k=2,
+    batch=8,
+    pretrain_lr=3e-3,
+    finetune_lr=2e-3,
+    finetune_epochs=1,
+    lora_rank=4,
+)
 
 
 # ----- the corpus --------------------------------------------------------------------------------
@@ -241,8 +276,9 @@ class Demo:
     def score(self, label: str, model: Model, tokenizer) -> dict[str, float]:
         scores = {t: accuracy(model, tokenizer, q) for t, q in self.held_out.items()}
         self.table.append((label, scores))
-        self.say(f"held-out accuracy ({label}): " +
-                 ", ".join(f"{t} {s:.0%}" for t, s in scores.items()))  # fmt: skip
+        self.say(
+            f"held-out accuracy ({label}): " + ", ".join(f"{t} {s:.0%}" for t, s in scores.items())
+        )
         for task in ("recall", "copy", "sum", "reverse"):
             prompt, answer = self.held_out[task][0]
             got = greedy(model, tokenizer, prompt, answer)
@@ -275,11 +311,15 @@ class Demo:
         self.say(f"{len(pretrain)} pretraining texts in {data / 'pretrain'}, for example:")
         for text in pretrain[:1] + pretrain[3:5]:
             self.say(f"  {text}")
-        self.say(f"{s.finetune_examples} fine-tuning texts (the new task: the word reversed) in "
-                 f"{data / 'reverse.jsonl'}, for example:\n  "
-                 + (data / "reverse.jsonl").read_text().split("\n")[0])  # fmt: skip
-        self.say(f"held-out questions ({s.held_out} a task, seed {HELD_OUT_SEED}): "
-                 f"{data / 'held_out.jsonl'}")  # fmt: skip
+        self.say(
+            f"{s.finetune_examples} fine-tuning texts (the new task: the word reversed) in "
+            f"{data / 'reverse.jsonl'}, for example:\n  "
+            + (data / "reverse.jsonl").read_text().split("\n")[0]
+        )
+        self.say(
+            f"held-out questions ({s.held_out} a task, seed {HELD_OUT_SEED}): "
+            f"{data / 'held_out.jsonl'}"
+        )
         self.record("corpus", time.perf_counter() - t0, pretrain_texts=len(pretrain))
 
     def model_config(self) -> ModelConfig:
@@ -301,8 +341,10 @@ class Demo:
         cfg_path = self.out / "model_config.json"
         cfg_path.write_text(json.dumps(asdict(cfg), indent=2))
         untrained = Model(cfg, init="pretrain", seed=TRAIN_SEED)
-        self.say(f"model: {', '.join(cfg.block_types)}; hidden {cfg.hidden_size}; MoBA chunks "
-                 f"of {cfg.moba_chunk_size}, top {cfg.moba_top_k}")  # fmt: skip
+        self.say(
+            f"model: {', '.join(cfg.block_types)}; hidden {cfg.hidden_size}; MoBA chunks "
+            f"of {cfg.moba_chunk_size}, top {cfg.moba_top_k}"
+        )
         tokenizer = mlx_rwkvx.io.tokenizers.ByteTokenizer(256)
         before = self.score("untrained", untrained, tokenizer)
         self.say(
@@ -311,12 +353,35 @@ class Demo:
         )
         t0 = time.perf_counter()
         out = self.out / "pretrain"
-        steps = self.train("pretrain", [
-            "--mode", "pretrain", "--model", str(cfg_path), "--data", str(self.out / "data" /
-            "pretrain"), "--output", str(out), "--epochs", "1", "--batch-size", str(s.batch),
-            "--lr", str(s.pretrain_lr), "--warmup", "50", "--max-seq-len", "256",
-            "--log-every", "25", "--save-every", "100000", "--seed", str(TRAIN_SEED),
-        ])  # fmt: skip
+        steps = self.train(
+            "pretrain",
+            [
+                "--mode",
+                "pretrain",
+                "--model",
+                str(cfg_path),
+                "--data",
+                str(self.out / "data" / "pretrain"),
+                "--output",
+                str(out),
+                "--epochs",
+                "1",
+                "--batch-size",
+                str(s.batch),
+                "--lr",
+                str(s.pretrain_lr),
+                "--warmup",
+                "50",
+                "--max-seq-len",
+                "256",
+                "--log-every",
+                "25",
+                "--save-every",
+                "100000",
+                "--seed",
+                str(TRAIN_SEED),
+            ],
+        )
         seconds = time.perf_counter() - t0
         model, tokenizer = mlx_rwkvx.load(out / "model")
         after = self.score("pretrained", model, tokenizer)
@@ -331,27 +396,62 @@ class Demo:
         parts = self.out / "data" / "reverse.bin"
         source = self.out / "data" / "reverse.jsonl"
         weights = [float(w) for w in SPLIT.split(",")]
-        self.run("mlx_rwkvx.pretokenize", [
-            "--tokenizer", "bytes", "--data", str(source), "--output", str(parts),
-            "--split-weights", SPLIT,
-        ], lambda: pretokenize(str(source), str(parts), "bytes", weights=weights))  # fmt: skip
+        self.run(
+            "mlx_rwkvx.pretokenize",
+            [
+                "--tokenizer",
+                "bytes",
+                "--data",
+                str(source),
+                "--output",
+                str(parts),
+                "--split-weights",
+                SPLIT,
+            ],
+            lambda: pretokenize(str(source), str(parts), "bytes", weights=weights),
+        )
         self.record("split", time.perf_counter() - t0)
         common = [
-            "--model", str(base), "--mode", "lora", "--lora-rank", str(s.lora_rank),
-            "--lora-targets", "all", "--lr", str(s.finetune_lr), "--warmup", "20",
-            "--epochs", str(s.finetune_epochs), "--batch-size", str(s.batch // 2),
-            "--log-every", "25", "--save-every", "100000", "--seed", str(TRAIN_SEED),
-        ]  # fmt: skip
+            "--model",
+            str(base),
+            "--mode",
+            "lora",
+            "--lora-rank",
+            str(s.lora_rank),
+            "--lora-targets",
+            "all",
+            "--lr",
+            str(s.finetune_lr),
+            "--warmup",
+            "20",
+            "--epochs",
+            str(s.finetune_epochs),
+            "--batch-size",
+            str(s.batch // 2),
+            "--log-every",
+            "25",
+            "--save-every",
+            "100000",
+            "--seed",
+            str(TRAIN_SEED),
+        ]
         adapters = []
         for mac, part, extra in (("mac-1", 0, ["--parallel", "2"]), ("mac-2", 1, [])):
             what = "two parts at once (--parallel 2)" if extra else "one part"
             self.stage(f"4. LoRA fine-tuning on {mac}: part {part}, {what}")
             t0 = time.perf_counter()
             out = self.out / mac
-            steps = self.train(mac, [
-                *common, "--data", str(parts.with_name(f"reverse_{part}.bin")), "--output",
-                str(out), *extra,
-            ])  # fmt: skip
+            steps = self.train(
+                mac,
+                [
+                    *common,
+                    "--data",
+                    str(parts.with_name(f"reverse_{part}.bin")),
+                    "--output",
+                    str(out),
+                    *extra,
+                ],
+            )
             seconds = time.perf_counter() - t0
             adapter = out / "adapter_final.safetensors"
             model, tokenizer = mlx_rwkvx.load(base, adapter=adapter)
@@ -378,8 +478,15 @@ class Demo:
 
     def merge(self, output: Path, adapters: list[Path], method: str) -> None:
         """``python -m mlx_rwkvx.merge``, the adapters weighed by the tokens they trained on."""
-        args = ["--output", str(output), "--weights", "auto", "--method", method,
-                *map(str, adapters)]  # fmt: skip
+        args = [
+            "--output",
+            str(output),
+            "--weights",
+            "auto",
+            "--method",
+            method,
+            *map(str, adapters),
+        ]
 
         def call():
             report = merge_adapters(adapters, output, method=method, weights="auto")
@@ -390,36 +497,49 @@ class Demo:
     def report(self, base: Path, merged: Path, started: float) -> None:
         self.stage("results")
         tasks = list(self.held_out)
-        self.say(f"held-out accuracy, {self.sizes.held_out} questions a task (exact match, "
-                 "greedy):")  # fmt: skip
+        self.say(
+            f"held-out accuracy, {self.sizes.held_out} questions a task (exact match, greedy):"
+        )
         self.say("| stage | " + " | ".join(tasks) + " |")
         self.say("|---|" + "---:|" * len(tasks))
         for label, scores in self.table:
             self.say(f"| {label} | " + " | ".join(f"{scores[t]:.1%}" for t in tasks) + " |")
         total = time.perf_counter() - started
-        self.say("\ntime per stage: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.times.items())
-                 + f"; in all {total:.0f} s")  # fmt: skip
-        goals = {"recall after pretraining": self.table[1][1]["recall"],
-                 "reverse after the merge": self.table[-1][1]["reverse"]}  # fmt: skip
+        self.say(
+            "\ntime per stage: "
+            + ", ".join(f"{k} {v:.0f} s" for k, v in self.times.items())
+            + f"; in all {total:.0f} s"
+        )
+        goals = {
+            "recall after pretraining": self.table[1][1]["recall"],
+            "reverse after the merge": self.table[-1][1]["reverse"],
+        }
         for name, value in goals.items():
             met = "met" if value >= 0.9 else "MISSED"
-            self.say(f"goal: {name} {value:.1%} (>= 90%): {met}" + (" (--quick: sizes too "
-                     "small to mean anything)" if self.quick else ""))  # fmt: skip
+            self.say(
+                f"goal: {name} {value:.1%} (>= 90%): {met}"
+                + (" (--quick: sizes too small to mean anything)" if self.quick else "")
+            )
         self.record("total", total, goals=goals, quick=self.quick)
         _plot(self.out, self.steps)
         prompt, answer = self.held_out["reverse"][1]
         self.say("\nChat with the result (the merged adapter on the pretrained model):")
-        self.say(f"  python -m mlx_rwkvx.generate --model {shlex.quote(str(base))} --adapter "
-                 f"{shlex.quote(str(merged))} --temp 0 --max-tokens {len(answer) + 1} --prompt "
-                 f"{shlex.quote(prompt)}")  # fmt: skip
+        self.say(
+            f"  python -m mlx_rwkvx.generate --model {shlex.quote(str(base))} --adapter "
+            f"{shlex.quote(str(merged))} --temp 0 --max-tokens {len(answer) + 1} --prompt "
+            f"{shlex.quote(prompt)}"
+        )
 
 
 def _losses(steps: list[tuple[int, float]]) -> dict:
     """A run's mean training loss over its first and over its last tenth of steps."""
     losses = [loss for _, loss in steps]
     n = max(1, len(losses) // 10)
-    return {"first_loss": sum(losses[:n]) / n, "last_loss": sum(losses[-n:]) / n,
-            "steps": len(losses)}  # fmt: skip
+    return {
+        "first_loss": sum(losses[:n]) / n,
+        "last_loss": sum(losses[-n:]) / n,
+        "steps": len(losses),
+    }
 
 
 def _plot(out: Path, steps: dict[str, list[tuple[int, float]]]) -> None:
@@ -456,25 +576,34 @@ def _prepare(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: not a folder")
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise UserError(f"--out {out}: a folder the demo did not write (no {MARKER}); give an "
-                        "empty or new folder")  # fmt: skip
+        raise UserError(
+            f"--out {out}: a folder the demo did not write (no {MARKER}); give an "
+            "empty or new folder"
+        )
     try:
         if out.exists():
             for name in _written_before(out):
                 remove_path(str(out / name))
             remove_stale(str(out))  # what a killed stage was writing
         # (our own hidden files, such as a killed stage's lock, are no user's)
-        kept = sorted(p.name for p in out.iterdir()
-                      if not p.name.startswith(".mlx_rwkvx")) if out.exists() else []  # fmt: skip
+        kept = (
+            sorted(p.name for p in out.iterdir() if not p.name.startswith(".mlx_rwkvx"))
+            if out.exists()
+            else []
+        )
         out.mkdir(parents=True, exist_ok=True)
-        manifest = {"written_by": f"python -m {PROG}: a rerun removes these, nothing else",
-                    "entries": list(ENTRIES)}  # fmt: skip
+        manifest = {
+            "written_by": f"python -m {PROG}: a rerun removes these, nothing else",
+            "entries": list(ENTRIES),
+        }
         (out / MARKER).write_text(json.dumps(manifest, indent=1) + "\n")
     except OSError as e:
         raise UserError(f"--out {out}: {e.strerror or e}") from e
     if kept:
-        print(f"kept {len(kept)} thing{'s' if len(kept) > 1 else ''} of yours in {out}: "
-              f"{', '.join(kept[:8])}{' ...' if len(kept) > 8 else ''}")  # fmt: skip
+        print(
+            f"kept {len(kept)} thing{'s' if len(kept) > 1 else ''} of yours in {out}: "
+            f"{', '.join(kept[:8])}{' ...' if len(kept) > 8 else ''}"
+        )
 
 
 def _written_before(out: Path) -> list[str]:
@@ -496,11 +625,15 @@ def main(argv: list[str] | None = None) -> None:
         description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--out", default=DEFAULT_OUT,
-                        help=f"where everything goes (default: ./{DEFAULT_OUT})")  # fmt: skip
-    parser.add_argument("--quick", action="store_true",
-                        help="toy sizes: seconds, once MLX has compiled its CPU kernels (the "
-                        "first run on a machine: a minute and a half on 2 cores)")  # fmt: skip
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"where everything goes (default: ./{DEFAULT_OUT})"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="toy sizes: seconds, once MLX has compiled its CPU kernels (the "
+        "first run on a machine: a minute and a half on 2 cores)",
+    )
     args = parser.parse_args(argv)
 
     def body():

@@ -23,7 +23,7 @@ USER_ERRNOS = frozenset(
         "ENAMETOOLONG",
         "ENOTDIR",
         "EISDIR",
-    )  # fmt: skip
+    )
     if hasattr(errno, n)
 )
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report

@@ -47,9 +47,7 @@ class EvaluateConfig(Settings):
     adapter: list[str] | None = opt(
         "an adapter to evaluate on the model it was trained on (repeatable)", "adapter_path"
     )
-    data: str | None = opt(
-        "the data set: a file or folder the trainer reads, or a plain text file"
-    )
+    data: str | None = opt("the data set: a file or folder the trainer reads, or a plain text file")
     split: str | None = opt("a data folder's split (default: test, else valid)")
     sql: str | None = opt(
         "--data is a SQLite database: the query returning (conversation, role, content) rows, "
@@ -143,29 +141,44 @@ def _tasks(cfg: EvaluateConfig) -> list[str]:
     tasks = [t.strip() for spec in cfg.tasks or [] for t in spec.split(",") if t.strip()]
     harness = [t for t in tasks if t != LAMBADA]
     if LAMBADA in tasks and not cfg.data:
-        raise UsageError(f"--tasks {LAMBADA} reads --data, a LAMBADA JSONL (lines {{\"text\": "
-                         "...}}, e.g. RWKV-LM's lambada_test.jsonl)")  # fmt: skip
+        raise UsageError(
+            f'--tasks {LAMBADA} reads --data, a LAMBADA JSONL (lines {{"text": '
+            "...}}, e.g. RWKV-LM's lambada_test.jsonl)"
+        )
     if not tasks and not cfg.data:
         raise UsageError("--data is required (or --tasks)")
-    lm_eval_only = (("--num-shots", cfg.num_shots), ("--limit", cfg.limit),
-                    ("--include-path", cfg.include_path),
-                    ("--apply-chat-template", cfg.apply_chat_template or None))  # fmt: skip
+    lm_eval_only = (
+        ("--num-shots", cfg.num_shots),
+        ("--limit", cfg.limit),
+        ("--include-path", cfg.include_path),
+        ("--apply-chat-template", cfg.apply_chat_template or None),
+    )
     given = [flag for flag, value in lm_eval_only if value is not None]
     if given and not harness:
         raise UsageError(f"{given[0]} goes with lm-evaluation-harness --tasks")
     return list(dict.fromkeys(tasks))
 
 
-def _harness(cfg: EvaluateConfig, path: str, model, tokenizer, tasks: list[str],
-             manager) -> list[dict]:  # fmt: skip
-    lm = make_lm(model, tokenizer, name=path, batch_size=cfg.batch_size,
-                 chat_template=cfg.apply_chat_template)  # fmt: skip
-    results = run_tasks(lm, tasks, num_fewshot=cfg.num_shots, limit=cfg.limit, seed=cfg.seed,
-                        manager=manager)  # fmt: skip
+def _harness(
+    cfg: EvaluateConfig, path: str, model, tokenizer, tasks: list[str], manager
+) -> list[dict]:
+    lm = make_lm(
+        model,
+        tokenizer,
+        name=path,
+        batch_size=cfg.batch_size,
+        chat_template=cfg.apply_chat_template,
+    )
+    results = run_tasks(
+        lm, tasks, num_fewshot=cfg.num_shots, limit=cfg.limit, seed=cfg.seed, manager=manager
+    )
     rows = []
     for task, metrics in results.items():
-        values = {k.removesuffix(",none"): v for k, v in metrics.items()
-                  if isinstance(v, (int, float)) and k not in ("alias", "sample_len")}  # fmt: skip
+        values = {
+            k.removesuffix(",none"): v
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and k not in ("alias", "sample_len")
+        }
         rows.append({"task": task, "metrics": values})
     return rows
 
@@ -177,20 +190,32 @@ def _perplexity(cfg: EvaluateConfig, path: str, model, tokenizer, read: dict):
     seq_len = cfg.max_seq_len or default_seq_len(model)
     key = (path, model.config.vocab_size, seq_len)
     if key not in read:
-        found, file = eval_examples(cfg.data, tokenizer, model.config.vocab_size,
-                                    max_seq_len=seq_len, carry_state=cfg.carry_state,
-                                    split=cfg.split, sql=cfg.sql)  # fmt: skip
+        found, file = eval_examples(
+            cfg.data,
+            tokenizer,
+            model.config.vocab_size,
+            max_seq_len=seq_len,
+            carry_state=cfg.carry_state,
+            split=cfg.split,
+            sql=cfg.sql,
+        )
         lengths = token_byte_lengths(tokenizer, model.config.vocab_size) if tokenizer else None
         read[key] = found, file, lengths
     found, file, lengths = read[key]
     total = sum(int(e.trained.sum()) for e in found)
     with _bar(total, "tok", path) as bar:
         result, seconds = evaluate_loss(
-            model, tokenizer, found, batch_size=cfg.batch_size, max_seq_len=seq_len,
-            carry_state=cfg.carry_state, max_cache=cfg.max_cache or default_max_cache(model),
-            max_batches=cfg.max_batches, on_batch=lambda _, n: bar.update(n),
+            model,
+            tokenizer,
+            found,
+            batch_size=cfg.batch_size,
+            max_seq_len=seq_len,
+            carry_state=cfg.carry_state,
+            max_cache=cfg.max_cache or default_max_cache(model),
+            max_batches=cfg.max_batches,
+            on_batch=lambda _, n: bar.update(n),
             byte_lengths=lengths,
-        )  # fmt: skip
+        )
     row = {"data": file, **Row(path, None, result, seconds).record(), "task": None}
     return row, result.stopped
 
@@ -203,8 +228,9 @@ def _lambada(cfg: EvaluateConfig, path: str, model, tokenizer, docs) -> dict:
 
 def _bar(total: int, unit: str, desc: str):
     """A progress bar on standard error, shown once a run passes 2 seconds."""
-    return tqdm(total=total, unit=unit, desc=desc, delay=2, leave=False, disable=None,
-                file=sys.stderr)  # fmt: skip
+    return tqdm(
+        total=total, unit=unit, desc=desc, delay=2, leave=False, disable=None, file=sys.stderr
+    )
 
 
 def _jobs(cfg: EvaluateConfig) -> list[tuple[str, str | None]]:
@@ -226,8 +252,10 @@ def _jobs(cfg: EvaluateConfig) -> list[tuple[str, str | None]]:
             jobs.append((prints[want], a))
         else:
             given = "the model given" if len(cfg.model) == 1 else "any of the models given"
-            raise AdapterError(f"{a}: the adapter was trained on another base model than "
-                               f"{given} (its base's fingerprint {want})")  # fmt: skip
+            raise AdapterError(
+                f"{a}: the adapter was trained on another base model than "
+                f"{given} (its base's fingerprint {want})"
+            )
     return jobs
 
 
@@ -238,22 +266,41 @@ def _report(cfg: EvaluateConfig, rows: list[dict]) -> None:
     losses = [r for r in rows if r.get("task") is None]
     if losses:
         print(f"{losses[0]['data']}:")
-        _table(("model", "loss", "ppl", "bits/byte", "tokens", "tok/s"), [
-            (_name(r), f"{r['loss']:.4f}", _ppl(r["perplexity"]),
-             "-" if math.isnan(r["bits_per_byte"]) else f"{r['bits_per_byte']:.4f}",
-             str(r["tokens"]), f"{r['tokens_per_s']:.0f}") for r in losses])  # fmt: skip
+        _table(
+            ("model", "loss", "ppl", "bits/byte", "tokens", "tok/s"),
+            [
+                (
+                    _name(r),
+                    f"{r['loss']:.4f}",
+                    _ppl(r["perplexity"]),
+                    "-" if math.isnan(r["bits_per_byte"]) else f"{r['bits_per_byte']:.4f}",
+                    str(r["tokens"]),
+                    f"{r['tokens_per_s']:.0f}",
+                )
+                for r in losses
+            ],
+        )
     lambadas = [r for r in rows if r.get("task") == LAMBADA]
     if lambadas:
         print(f"{LAMBADA} ({lambadas[0]['data']}):")
-        _table(("model", "accuracy", "ppl", "texts"), [
-            (_name(r), f"{100 * r['accuracy']:.2f}%", _ppl(r["perplexity"]), str(r["texts"]))
-            for r in lambadas])  # fmt: skip
+        _table(
+            ("model", "accuracy", "ppl", "texts"),
+            [
+                (_name(r), f"{100 * r['accuracy']:.2f}%", _ppl(r["perplexity"]), str(r["texts"]))
+                for r in lambadas
+            ],
+        )
     harness = [r for r in rows if "metrics" in r]
     if harness:
         print("lm-evaluation-harness:")
-        _table(("model", "task", "metric", "value"), [
-            (_name(r), r["task"], metric, f"{value:.4f}")
-            for r in harness for metric, value in sorted(r["metrics"].items())])  # fmt: skip
+        _table(
+            ("model", "task", "metric", "value"),
+            [
+                (_name(r), r["task"], metric, f"{value:.4f}")
+                for r in harness
+                for metric, value in sorted(r["metrics"].items())
+            ],
+        )
 
 
 def _name(r: dict) -> str:

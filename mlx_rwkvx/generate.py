@@ -111,8 +111,14 @@ class GenerateConfig(Settings):
         if self.prompt is not None and self.chat:
             raise UsageError("--prompt answers once, --chat is a conversation: give one of them")
         if self.ignore_chat_template:
-            given = [flag for flag, value in (("--system", self.system),
-                     ("--chat-template", self.chat_template)) if value is not None]  # fmt: skip
+            given = [
+                flag
+                for flag, value in (
+                    ("--system", self.system),
+                    ("--chat-template", self.chat_template),
+                )
+                if value is not None
+            ]
             if given:
                 raise UsageError(
                     f"{' and '.join(given)} with --ignore-chat-template: the prompt goes in as "
@@ -179,8 +185,10 @@ def _one_answer(cfg: GenerateConfig, model, tokenizer) -> None:
         print(_stats(last), file=sys.stderr)
 
 
-CACHE_FULL = ("[stopped: the attention blocks' KV cache is full (--max-cache {}) and --no-window "
-              "keeps no sliding window]")  # fmt: skip
+CACHE_FULL = (
+    "[stopped: the attention blocks' KV cache is full (--max-cache {}) and --no-window "
+    "keeps no sliding window]"
+)
 
 
 def _stats(r) -> str:
@@ -295,8 +303,9 @@ def _chat_loop(cfg: GenerateConfig, model, tokenizer) -> None:
     if cfg.seed is not None:
         mx.random.seed(cfg.seed)
     screen = _Screen()
-    screen.say(f"chat with {cfg.model} ({chat.format.name} format). /help for commands, "
-               "Ctrl-D to quit.")  # fmt: skip
+    screen.say(
+        f"chat with {cfg.model} ({chat.format.name} format). /help for commands, Ctrl-D to quit."
+    )
     while True:
         try:
             line = input("> ")
@@ -328,8 +337,11 @@ def _chat_loop(cfg: GenerateConfig, model, tokenizer) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cli.run(PROG, lambda: _main(settings.load(GenerateConfig, argv, PROG)),
-            kept="the answer so far is above")  # fmt: skip
+    cli.run(
+        PROG,
+        lambda: _main(settings.load(GenerateConfig, argv, PROG)),
+        kept="the answer so far is above",
+    )
 
 
 def _main(cfg: GenerateConfig) -> None:

@@ -68,10 +68,16 @@ def main(argv: list[str] | None = None) -> None:
         cfg = settings.load(MergeConfig, argv, PROG, description=__doc__, yaml=False)
         mlx_rwkvx.configure()
         return merging.merge_adapters(
-            cfg.adapters, cfg.output, method=cfg.method, weights=cfg.merge_weights(),
-            rank=cfg.rank, fuse_into=cfg.fuse_into, quantize=cfg.quantize, force=cfg.force,
+            cfg.adapters,
+            cfg.output,
+            method=cfg.method,
+            weights=cfg.merge_weights(),
+            rank=cfg.rank,
+            fuse_into=cfg.fuse_into,
+            quantize=cfg.quantize,
+            force=cfg.force,
             overwrite=cfg.overwrite,
-        )  # fmt: skip
+        )
 
     print("\n".join(cli.run(PROG, body)))
 

@@ -23,16 +23,23 @@ def blas_in_use() -> dict:
     """The BLAS MLX's CPU backend uses: ``blas`` (a line naming it), ``core`` (OpenBLAS's core
     type, or None), ``core_note`` (how that core was chosen), ``x86_flags`` (whether the CPU's
     feature flags were read: a misdetected core can be told)."""
-    return {"blas": _blas.describe(), "core": _blas.running_core(),
-            "core_note": _blas.status.core_note, "x86_flags": bool(_blas.cpu_flags())}  # fmt: skip
+    return {
+        "blas": _blas.describe(),
+        "core": _blas.running_core(),
+        "core_note": _blas.status.core_note,
+        "x86_flags": bool(_blas.cpu_flags()),
+    }
 
 
 def numpy_blas() -> str:
     """NumPy's own BLAS: its version, core type and threads when it is an OpenBLAS copy of its
     own (not the one MLX uses)."""
     mlx_one = _blas.mapped_openblas()
-    own = [p for p in _blas.mapped_blas_libraries()
-           if "openblas" in os.path.basename(p).lower() and p != mlx_one]  # fmt: skip
+    own = [
+        p
+        for p in _blas.mapped_blas_libraries()
+        if "openblas" in os.path.basename(p).lower() and p != mlx_one
+    ]
     return _blas.openblas_summary(own[0]) if own else "not an OpenBLAS"
 
 

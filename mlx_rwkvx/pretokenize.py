@@ -65,9 +65,15 @@ def main(argv: list[str] | None = None) -> None:
     def body():
         cfg = settings.load(PretokenizeConfig, argv, PROG, description=__doc__, yaml=False)
         return pretokenize(
-            cfg.data, cfg.output, cfg.tokenizer, max_seq_len=cfg.max_seq_len,
-            weights=cfg.weights(), sql=cfg.sql, skip_bad=cfg.skip_bad, overwrite=cfg.overwrite,
-        )  # fmt: skip
+            cfg.data,
+            cfg.output,
+            cfg.tokenizer,
+            max_seq_len=cfg.max_seq_len,
+            weights=cfg.weights(),
+            sql=cfg.sql,
+            skip_bad=cfg.skip_bad,
+            overwrite=cfg.overwrite,
+        )
 
     cli.run(PROG, body)
 

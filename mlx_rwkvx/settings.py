@@ -51,9 +51,22 @@ def opt(
     ``required``: the command needs it (on the command line or in ``--config``).
     ``positional``: an argument without a flag; ``exclusive``: flags of one group name
     exclude each other."""
-    meta = dict(help=help, aliases=aliases, choices=choices, const=const, also=also,
-                finite=finite, required=required, positional=positional, exclusive=exclusive,
-                metavar=metavar, ge=ge, gt=gt, le=le, lt=lt)  # fmt: skip
+    meta = dict(
+        help=help,
+        aliases=aliases,
+        choices=choices,
+        const=const,
+        also=also,
+        finite=finite,
+        required=required,
+        positional=positional,
+        exclusive=exclusive,
+        metavar=metavar,
+        ge=ge,
+        gt=gt,
+        le=le,
+        lt=lt,
+    )
     return field(default=default, metadata=meta)
 
 
@@ -79,13 +92,15 @@ class Spec:
         if value is None:
             return None if self.optional else "needs a value"
         want, ok = {
-            list: ("a list of strings", isinstance(value, list)
-                   and all(isinstance(v, str) for v in value)),
+            list: (
+                "a list of strings",
+                isinstance(value, list) and all(isinstance(v, str) for v in value),
+            ),
             bool: ("true or false", isinstance(value, bool)),
             int: ("an integer", isinstance(value, int) and not isinstance(value, bool)),
             float: ("a number", isinstance(value, (int, float)) and not isinstance(value, bool)),
             str: ("a string", isinstance(value, str)),
-        }[self.base]  # fmt: skip
+        }[self.base]
         return None if ok else f"must be {want}, got {value!r}"
 
     def value_problem(self, value) -> str | None:
@@ -113,8 +128,11 @@ def bounds_problem(value, ge=None, gt=None, le=None, lt=None) -> str | None:
     if ge is not None and le is not None:
         rule = f"be in {_shown(ge)} .. {_shown(le)}"
     elif not low_ok:
-        rule = ("not be negative" if ge == 0 else f"be at least {_shown(ge)}") if gt is None else (
-            "be positive" if gt == 0 else f"be more than {_shown(gt)}")  # fmt: skip
+        rule = (
+            ("not be negative" if ge == 0 else f"be at least {_shown(ge)}")
+            if gt is None
+            else ("be positive" if gt == 0 else f"be more than {_shown(gt)}")
+        )
     else:
         rule = f"be at most {_shown(le)}" if lt is None else f"be less than {_shown(lt)}"
     if isinstance(value, float) and value.is_integer():
@@ -151,8 +169,10 @@ def _spec(cls, f, hint) -> Spec:
     elif get_origin(hint) is list and get_args(hint) == (str,):
         hint = list
     if hint not in (int, float, bool, str, list):
-        raise TypeError(f"{cls.__name__}.{f.name}: a setting is int, float, bool, str, "
-                        "list[str] or Literal[...], each possibly | None")  # fmt: skip
+        raise TypeError(
+            f"{cls.__name__}.{f.name}: a setting is int, float, bool, str, "
+            "list[str] or Literal[...], each possibly | None"
+        )
     flag = f.name if f.metadata["positional"] else f"--{f.name.replace('_', '-')}"
     return Spec(f.name, flag, hint, optional, choices, dict(f.metadata))
 
@@ -238,8 +258,9 @@ def parser(cls, prog: str, description: str, *, yaml: bool = True) -> argparse.A
     """The command line of ``cls``'s settings (plus ``--config`` with ``yaml``); flags left out
     are absent from the parsed namespace, so that a file's value is not overwritten by a
     default."""
-    p = argparse.ArgumentParser(prog=prog, description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     if yaml:
         p.add_argument("--config", help="a YAML file of these settings")
     groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
@@ -290,16 +311,18 @@ def parse(p: argparse.ArgumentParser, argv, from_yaml) -> tuple[dict, dict]:
         except (OSError, ValueError, YAMLError) as e:
             # one line, not argparse's usage block: YAML's messages span lines of their own
             problem = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            print(f"{p.prog}: error: --config {source}: {' '.join(problem.split())}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"{p.prog}: error: --config {source}: {' '.join(problem.split())}", file=sys.stderr
+            )
             sys.exit(2)
     for note in notes:
         print(f"note: --config {source}: {note}", file=sys.stderr)
     return args, found
 
 
-def load(cls, argv: list[str] | None, prog: str, *, description: str | None = None,
-         yaml: bool = True):  # fmt: skip
+def load(
+    cls, argv: list[str] | None, prog: str, *, description: str | None = None, yaml: bool = True
+):
     """The settings of a command run as ``prog argv``: ``cls``'s defaults, then its YAML
     ``--config`` (with ``yaml``), then the flags; each checked (``cls.check()``).
     ``description``: ``--help``'s text (default: the class's docstring). ``--help``, a flag
@@ -316,4 +339,3 @@ def load(cls, argv: list[str] | None, prog: str, *, description: str | None = No
             raise UsageError(f"{spec.flag} is required{where}")
     cfg.check()
     return cfg
-

@@ -60,13 +60,27 @@ def main() -> None:
     for lr in RATES:
         run = out / f"lr-{lr:g}"
         tic = time.time()
-        cfg = TrainConfig(model=str(base), data=str(task), output=str(run), mode="state", lr=lr,
-                          iters=args.iters, batch_size=16, log_every=100, save_every=10**6,
-                          seed=0)  # fmt: skip
+        cfg = TrainConfig(
+            model=str(base),
+            data=str(task),
+            output=str(run),
+            mode="state",
+            lr=lr,
+            iters=args.iters,
+            batch_size=16,
+            log_every=100,
+            save_every=10**6,
+            seed=0,
+        )
         train_from_config(cfg)
         model, _ = mlx_rwkvx.load(base, adapter=run)
-        rows.append({"run": f"lr {lr:g}", "seconds": time.time() - tic,
-                     **_losses(model, tokenizer, task / "valid.jsonl", base_valid)})  # fmt: skip
+        rows.append(
+            {
+                "run": f"lr {lr:g}",
+                "seconds": time.time() - tic,
+                **_losses(model, tokenizer, task / "valid.jsonl", base_valid),
+            }
+        )
         print(rows[-1], flush=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     print(

@@ -25,8 +25,17 @@ import re
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-CLOCKS = {"monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns", "time", "time_ns",
-          "process_time", "process_time_ns", "now"}  # fmt: skip
+CLOCKS = {
+    "monotonic",
+    "monotonic_ns",
+    "perf_counter",
+    "perf_counter_ns",
+    "time",
+    "time_ns",
+    "process_time",
+    "process_time_ns",
+    "now",
+}
 CLOCK_MODULES = {"time", "datetime"}
 DURATION_WORDS = re.compile(r"elapsed|duration|took|speedup|latency", re.I)
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -60,8 +69,11 @@ def _target_names(target: ast.AST) -> set[str]:
 def _pairs(target: ast.AST, value: ast.AST) -> list[tuple[set[str], ast.AST]]:
     """(names, expression) bound by ``target = value``, element by element where both are
     tuples of one length (``a, b = x, time.monotonic()`` binds only b to the clock)."""
-    if (isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List))
-            and len(target.elts) == len(value.elts)):  # fmt: skip
+    if (
+        isinstance(target, (ast.Tuple, ast.List))
+        and isinstance(value, (ast.Tuple, ast.List))
+        and len(target.elts) == len(value.elts)
+    ):
         return [p for t, v in zip(target.elts, value.elts, strict=True) for p in _pairs(t, v)]
     return [(_target_names(target), value)]
 
@@ -82,8 +94,11 @@ class _Clocks:
                     flows += _pairs(target, node.value)
             elif isinstance(node, (ast.For, ast.AsyncFor)):  # a comprehension's: its own scope
                 flows.append((_target_names(node.target), node.iter))
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                  and node.func.attr in ("append", "extend", "insert")):  # fmt: skip
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("append", "extend", "insert")
+            ):
                 for arg in node.args:
                     flows.append((_target_names(node.func.value), arg))
         changed = True
@@ -102,8 +117,12 @@ class _Clocks:
         local: set[str] = set()
         comps = [n for n in ast.walk(node) if isinstance(n, ast.comprehension)]
         while True:
-            more = {name for c in comps if self.is_point(c.iter, local)
-                    for name in _target_names(c.target)} - local  # fmt: skip
+            more = {
+                name
+                for c in comps
+                if self.is_point(c.iter, local)
+                for name in _target_names(c.target)
+            } - local
             if not more:
                 return local
             local |= more
@@ -130,8 +149,11 @@ def _raises(body: list[ast.stmt]) -> bool:
     for node in (n for stmt in body for n in ast.walk(stmt)):
         if isinstance(node, ast.Raise):
             return True
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "fail"):  # fmt: skip
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "fail"
+        ):
             return True
     return False
 

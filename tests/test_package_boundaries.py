@@ -119,12 +119,14 @@ def test_no_module_uses_another_modules_private_name():
 
 def test_what_counts_as_crossing():
     cases = {
-        "from mlx_rwkvx.generation.stream import _encode": ["from mlx_rwkvx.generation.stream "
-                                                           "import _encode"],
+        "from mlx_rwkvx.generation.stream import _encode": [
+            "from mlx_rwkvx.generation.stream import _encode"
+        ],
         "import mlx_rwkvx.generation.stream as s\ns._encode(1)": ["s._encode"],
         "from mlx_rwkvx.generation import stream\nstream._encode(1)": ["stream._encode"],
         "import mlx_rwkvx.generation.stream\nmlx_rwkvx.generation.stream._encode(1)": [
-            "mlx_rwkvx.generation.stream._encode"],
+            "mlx_rwkvx.generation.stream._encode"
+        ],
         "from mlx_rwkvx import _blas\n_blas._private()": ["_blas._private"],
         # modules named with an underscore are modules; dunders and our own objects are fine
         "from mlx_rwkvx import _blas, _runtime": [],
@@ -132,7 +134,7 @@ def test_what_counts_as_crossing():
         "import mlx_rwkvx\nmlx_rwkvx.__version__": [],
         "from mlx_rwkvx.models import Model\nModel()._cache": [],
         "import numpy as np\nnp._private": [],
-    }  # fmt: skip
+    }
     for source, want in cases.items():
         assert private_uses(source) == sorted(want), source
 
@@ -146,7 +148,10 @@ def test_only_one_module_imports_mlx_lm():
     ]
     assert not bad, f"import mlx-lm's names from {MLX_LM_HOME}, not mlx_lm:\n" + "\n".join(bad)
     assert mlx_lm_imports(FILES[MLX_LM_HOME].read_text())
-    for source in ("import mlx_lm", "from mlx_lm.tuner.lora import LoRALinear",
-                   "def f():\n    from mlx_lm.generate import generate_step",
-                   "importlib.import_module(f'mlx_lm.tool_parsers.{kind}')"):  # fmt: skip
+    for source in (
+        "import mlx_lm",
+        "from mlx_lm.tuner.lora import LoRALinear",
+        "def f():\n    from mlx_lm.generate import generate_step",
+        "importlib.import_module(f'mlx_lm.tool_parsers.{kind}')",
+    ):
         assert mlx_lm_imports(source), source

@@ -57,8 +57,9 @@ def test_modules_are_found():
     assert "mlx_rwkvx.models.cache" in names and len(names) > 40
 
 
-@pytest.mark.parametrize("order", orders(), ids=["seed 0", "seed 0 reversed", "seed 1",
-                                                  "seed 1 reversed"])  # fmt: skip
+@pytest.mark.parametrize(
+    "order", orders(), ids=["seed 0", "seed 0 reversed", "seed 1", "seed 1 reversed"]
+)
 def test_every_module_imports_in_any_order(order):
     program = "import importlib\n"
     program += "".join(f"importlib.import_module({name!r})\n" for name in order) + CALLS

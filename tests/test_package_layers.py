@@ -15,9 +15,22 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mlx_rwkvx"
 # whose prefix its dotted name starts with (the longest). Inference (generation, evaluation, the
 # server and the commands that load models to use them) sits beside the trainer, never on it.
 LAYERS = [
-    [("support", ["mlx_rwkvx", "mlx_rwkvx.errors", "mlx_rwkvx._crash", "mlx_rwkvx._blas",
-                  "mlx_rwkvx._runtime", "mlx_rwkvx._mlx_lm", "mlx_rwkvx.settings", "mlx_rwkvx.perf",
-                  "mlx_rwkvx.cli"])],
+    [
+        (
+            "support",
+            [
+                "mlx_rwkvx",
+                "mlx_rwkvx.errors",
+                "mlx_rwkvx._crash",
+                "mlx_rwkvx._blas",
+                "mlx_rwkvx._runtime",
+                "mlx_rwkvx._mlx_lm",
+                "mlx_rwkvx.settings",
+                "mlx_rwkvx.perf",
+                "mlx_rwkvx.cli",
+            ],
+        )
+    ],
     [("kernels", ["mlx_rwkvx.metal"])],
     [("ops", ["mlx_rwkvx.ops"])],
     [("models", ["mlx_rwkvx.models"])],
@@ -25,15 +38,36 @@ LAYERS = [
     [("adapters", ["mlx_rwkvx.adapters"]), ("data", ["mlx_rwkvx.data"])],
     [("generation", ["mlx_rwkvx.generation"])],
     [("evaluation", ["mlx_rwkvx.evaluation"])],
-    [("inference commands", ["mlx_rwkvx.api", "mlx_rwkvx.info", "mlx_rwkvx.convert",
-                             "mlx_rwkvx.generate", "mlx_rwkvx.evaluate", "mlx_rwkvx.server"]),
-     ("tuner", ["mlx_rwkvx.tuner"])],
-    [("training commands", ["mlx_rwkvx.train", "mlx_rwkvx.merge", "mlx_rwkvx.pretokenize",
-                            "mlx_rwkvx.demo"])],
-]  # fmt: skip
-LAZY = {"load": "mlx_rwkvx.api", "load_model": "mlx_rwkvx.api", "save": "mlx_rwkvx.api",
-        "configure": "mlx_rwkvx._runtime", "generate": "mlx_rwkvx.generation",
-        "stream_generate": "mlx_rwkvx.generation", "Chat": "mlx_rwkvx.generation"}  # fmt: skip
+    [
+        (
+            "inference commands",
+            [
+                "mlx_rwkvx.api",
+                "mlx_rwkvx.info",
+                "mlx_rwkvx.convert",
+                "mlx_rwkvx.generate",
+                "mlx_rwkvx.evaluate",
+                "mlx_rwkvx.server",
+            ],
+        ),
+        ("tuner", ["mlx_rwkvx.tuner"]),
+    ],
+    [
+        (
+            "training commands",
+            ["mlx_rwkvx.train", "mlx_rwkvx.merge", "mlx_rwkvx.pretokenize", "mlx_rwkvx.demo"],
+        )
+    ],
+]
+LAZY = {
+    "load": "mlx_rwkvx.api",
+    "load_model": "mlx_rwkvx.api",
+    "save": "mlx_rwkvx.api",
+    "configure": "mlx_rwkvx._runtime",
+    "generate": "mlx_rwkvx.generation",
+    "stream_generate": "mlx_rwkvx.generation",
+    "Chat": "mlx_rwkvx.generation",
+}
 
 
 def _name(path: Path) -> str:
@@ -81,8 +115,12 @@ def imports(module: str) -> set[str]:
             for a in node.names:  # a submodule imported by name, else the module itself
                 full = f"{node.module}.{a.name}"
                 out.add(full if full in MODULES else node.module)
-        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-              and node.value.id == "mlx_rwkvx" and node.attr in LAZY):  # fmt: skip
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "mlx_rwkvx"
+            and node.attr in LAZY
+        ):
             out.add(LAZY[node.attr])
     return {m for m in out if m != module}
 
@@ -103,8 +141,13 @@ def test_every_import_goes_down_or_stays_in_its_group():
 
 def test_inference_never_imports_the_trainer():
     # the rule the layers exist for, checked on an injected import as well
-    for module in ("mlx_rwkvx.generation.chat", "mlx_rwkvx.evaluation.perplexity",
-                   "mlx_rwkvx.server.app", "mlx_rwkvx.generate", "mlx_rwkvx.api"):  # fmt: skip
+    for module in (
+        "mlx_rwkvx.generation.chat",
+        "mlx_rwkvx.evaluation.perplexity",
+        "mlx_rwkvx.server.app",
+        "mlx_rwkvx.generate",
+        "mlx_rwkvx.api",
+    ):
         assert not allowed(module, "mlx_rwkvx.tuner.trainer"), module
     assert not allowed("mlx_rwkvx.tuner.trainer", "mlx_rwkvx.server.app")
     assert allowed("mlx_rwkvx.tuner.trainer", "mlx_rwkvx.data.loss")
@@ -162,7 +205,11 @@ if __name__ == "__main__":  # python tests/test_package_layers.py: write the ord
 
     readme = PACKAGE.parent / "README.md"
     text = readme.read_text()
-    new = re.sub(r"<!-- layers -->\n.*?\n<!-- /layers -->",
-                 f"<!-- layers -->\n{layer_order()}\n<!-- /layers -->", text, flags=re.S)  # fmt: skip
+    new = re.sub(
+        r"<!-- layers -->\n.*?\n<!-- /layers -->",
+        f"<!-- layers -->\n{layer_order()}\n<!-- /layers -->",
+        text,
+        flags=re.S,
+    )
     readme.write_text(new)
     print(layer_order())

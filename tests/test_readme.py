@@ -411,8 +411,13 @@ class Fixtures:
         from mlx_rwkvx.models import rfa_config
 
         attention = dict(n_q_heads=4, n_kv_heads=2, attn_head_dim=16, intermediate_size=128)
-        cfg = rfa_config(vocab_size=vocab_size, hidden_size=64, head_size=16, **attention,
-                         block_types=["rwkv7", "rwkv7", "qwen2"])  # fmt: skip
+        cfg = rfa_config(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            head_size=16,
+            **attention,
+            block_types=["rwkv7", "rwkv7", "qwen2"],
+        )
         return self._save(cfg, path.with_suffix(".safetensors"))
 
     def _rfa_bpe(self, path: Path) -> Path:
@@ -428,9 +433,12 @@ class Fixtures:
         tokenizer = Tokenizer(models.BPE())
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["<|endoftext|>"],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                      show_progress=False)  # fmt: skip
+        trainer = trainers.BpeTrainer(
+            vocab_size=BPE_VOCAB,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
         lines = (self.get("chats") / "train.jsonl").read_text().splitlines()
         texts = [m["content"] for line in lines for m in json.loads(line)["messages"]]
         tokenizer.train_from_iterator(texts, trainer)
@@ -448,8 +456,13 @@ class Fixtures:
 
         from helpers.model_params import flat_params
 
-        cfg = ModelConfig(vocab_size=256, hidden_size=128, head_size=64, n_q_heads=2,
-                          block_types=rwkv_x_block_types(2, 1))  # fmt: skip
+        cfg = ModelConfig(
+            vocab_size=256,
+            hidden_size=128,
+            head_size=64,
+            n_q_heads=2,
+            block_types=rwkv_x_block_types(2, 1),
+        )
         model = Model(cfg, seed=0)
         write_rwkvx(path.with_suffix(".pth"), cfg, flat_params(model))
         return path.with_suffix(".pth")
@@ -461,20 +474,38 @@ class Fixtures:
     def _qwen2_hf(self, path: Path) -> Path:
         from mlx_rwkvx.models import rfa_config
 
-        cfg = rfa_config(vocab_size=256, hidden_size=64, head_size=16, n_q_heads=4, n_kv_heads=2,
-                         intermediate_size=128, block_types=["qwen2"] * 4)  # fmt: skip
+        cfg = rfa_config(
+            vocab_size=256,
+            hidden_size=64,
+            head_size=16,
+            n_q_heads=4,
+            n_kv_heads=2,
+            intermediate_size=128,
+            block_types=["qwen2"] * 4,
+        )
         native = self._save(cfg, self.root / "qwen2-native")
         run_cli("mlx_rwkvx.convert", str(native), str(path), "--to", "hf", cwd=self.root)
         return path
 
     def _prefs(self, path: Path) -> Path:
         """Preference pairs, strings and conversational ones, a system field among them."""
-        lines = [json.dumps({"prompt": f"What is {a} plus 2?", "chosen": f"{a + 2}.",
-                             "rejected": f"{a + 3}."}) for a in range(6)]  # fmt: skip
+        lines = [
+            json.dumps(
+                {"prompt": f"What is {a} plus 2?", "chosen": f"{a + 2}.", "rejected": f"{a + 3}."}
+            )
+            for a in range(6)
+        ]
         turn = lambda role, text: [{"role": role, "content": text}]  # noqa: E731
-        lines.append(json.dumps({"system": "Be brief.", "prompt": turn("user", "Hi"),
-                                 "chosen": turn("assistant", "Hello."),
-                                 "rejected": turn("assistant", "Go away.")}))  # fmt: skip
+        lines.append(
+            json.dumps(
+                {
+                    "system": "Be brief.",
+                    "prompt": turn("user", "Hi"),
+                    "chosen": turn("assistant", "Hello."),
+                    "rejected": turn("assistant", "Go away."),
+                }
+            )
+        )
         path.mkdir()
         (path / "train.jsonl").write_text("\n".join(lines) + "\n")
         (path / "valid.jsonl").write_text("\n".join(lines[:2]) + "\n")
@@ -486,10 +517,16 @@ class Fixtures:
         lines = example.split("\n")
         for a in range(8):
             for b in range(5):
-                lines.append(json.dumps({"messages": [
-                    {"role": "user", "content": f"What is {a} plus {b}?"},
-                    {"role": "assistant", "content": f"{a + b}."},
-                ]}))  # fmt: skip
+                lines.append(
+                    json.dumps(
+                        {
+                            "messages": [
+                                {"role": "user", "content": f"What is {a} plus {b}?"},
+                                {"role": "assistant", "content": f"{a + b}."},
+                            ]
+                        }
+                    )
+                )
         path.mkdir()
         (path / "train.jsonl").write_text("\n".join(lines) + "\n")
         (path / "valid.jsonl").write_text("\n".join(lines[-4:]) + "\n")
@@ -504,8 +541,10 @@ class Fixtures:
     def _lm_eval_tasks(self, path: Path) -> Path:
         """Two lm-eval tasks (multiple choice, generation) over local JSONL files."""
         path.mkdir()
-        choice = [{"q": "The sky is", "choices": [" blue", " green"], "a": 0},
-                  {"q": "Cats say", "choices": [" moo", " meow"], "a": 1}]  # fmt: skip
+        choice = [
+            {"q": "The sky is", "choices": [" blue", " green"], "a": 0},
+            {"q": "Cats say", "choices": [" moo", " meow"], "a": 1},
+        ]
         qa = [{"q": "Say yes:", "a": " yes"}, {"q": "Say no:", "a": " no"}]
         for name, docs in (("choice", choice), ("qa", qa)):
             (self.root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
@@ -513,14 +552,18 @@ class Fixtures:
             "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n"
         )
         (path / "tiny_choice.yaml").write_text(
-            "task: tiny_choice\n" + head.format(self.root / "choice.jsonl")
+            "task: tiny_choice\n"
+            + head.format(self.root / "choice.jsonl")
             + "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
-            "doc_to_target: '{{a}}'\nmetric_list:\n  - metric: acc\n")  # fmt: skip
+            "doc_to_target: '{{a}}'\nmetric_list:\n  - metric: acc\n"
+        )
         (path / "tiny_qa.yaml").write_text(
-            "task: tiny_qa\n" + head.format(self.root / "qa.jsonl")
+            "task: tiny_qa\n"
+            + head.format(self.root / "qa.jsonl")
             + "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
             "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 4\n"
-            "metric_list:\n  - metric: exact_match\n")  # fmt: skip
+            "metric_list:\n  - metric: exact_match\n"
+        )
         return path
 
     def _corpus(self, path: Path) -> Path:
@@ -535,9 +578,18 @@ class Fixtures:
         return path
 
     def _lora(self, path: Path) -> Path:
-        run_cli("mlx_rwkvx.train", "--model", str(self.get("rwkv7")), "--data",
-                str(self.get("chats")), "--output", str(path), "--iters", "1",
-                cwd=self.root)  # fmt: skip
+        run_cli(
+            "mlx_rwkvx.train",
+            "--model",
+            str(self.get("rwkv7")),
+            "--data",
+            str(self.get("chats")),
+            "--output",
+            str(path),
+            "--iters",
+            "1",
+            cwd=self.root,
+        )
         return path
 
 
@@ -568,8 +620,9 @@ def chat_answers(stdout: str) -> list[str]:
 
 def test_readme_bash_commands_are_run_or_exempt():
     found = blocks("bash")
-    unlisted = [(b, c) for b, text in found for c in commands(text)
-                if b not in RECIPES and c not in EXEMPT]  # fmt: skip
+    unlisted = [
+        (b, c) for b, text in found for c in commands(text) if b not in RECIPES and c not in EXEMPT
+    ]
     assert not unlisted, f"README commands neither run (RECIPES) nor EXEMPT: {unlisted}"
     every = {c for _, text in found for c in commands(text)}
     assert set(EXEMPT) <= every, f"EXEMPT lists commands the README lost: {set(EXEMPT) - every}"
@@ -602,8 +655,13 @@ def test_readme_bash_block_runs(block, fixtures, tmp_path):
         env = None
         if recipe.hub:
             hub = stack.enter_context(StandInHub(fixtures.repos(recipe.hub)))
-            env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url,
-                   "HF_HOME": str(tmp_path / ".hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}  # fmt: skip
+            env = {
+                **os.environ,
+                "HF_HUB_OFFLINE": "0",
+                "HF_ENDPOINT": hub.url,
+                "HF_HOME": str(tmp_path / ".hf"),
+                "HF_HUB_DISABLE_TELEMETRY": "1",
+            }
         _run_block(recipe, text, tmp_path, env)
     missing = [f for f in recipe.expect if not (tmp_path / f).exists()]
     assert not missing, f"{block}: the commands left no {missing}"
@@ -616,9 +674,17 @@ def _run_block(recipe: Recipe, text: str, tmp_path: Path, env: dict | None) -> N
         for old, new in recipe.replace.items():
             command = replace_words(command, old, new)
         command = local(command)
-        out = subprocess.run(command, shell=True, executable="/bin/bash", cwd=tmp_path,
-                             input=recipe.stdin, capture_output=True, text=True, env=env,
-                             timeout=600)  # fmt: skip
+        out = subprocess.run(
+            command,
+            shell=True,
+            executable="/bin/bash",
+            cwd=tmp_path,
+            input=recipe.stdin,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
         assert out.returncode == 0, f"{command}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
         if recipe.chat and " --chat" in command:
             answers = chat_answers(out.stdout)

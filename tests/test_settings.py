@@ -46,10 +46,30 @@ def write(tmp_path, text):
 
 
 def test_real_types_from_flags():
-    cfg = load("--name", "x", "-n", "3", "--learning-rate", "0.25", "--tags", "t1", "--tags",
-               "t2", "--kind", "b", "--no-window", "--level")  # fmt: skip
+    cfg = load(
+        "--name",
+        "x",
+        "-n",
+        "3",
+        "--learning-rate",
+        "0.25",
+        "--tags",
+        "t1",
+        "--tags",
+        "t2",
+        "--kind",
+        "b",
+        "--no-window",
+        "--level",
+    )
     assert (cfg.count, cfg.rate, cfg.tags, cfg.kind, cfg.window, cfg.level) == (
-        3, 0.25, ["t1", "t2"], "b", False, "low")  # fmt: skip
+        3,
+        0.25,
+        ["t1", "t2"],
+        "b",
+        False,
+        "low",
+    )
     assert load("--name", "x").count is None  # int | None: unset
 
 
@@ -165,16 +185,23 @@ def _loops_over_named_settings(tree: ast.AST) -> list[int]:
         for target, iterable, body in pairs:
             names = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
             literal = isinstance(iterable, (ast.Tuple, ast.List)) and any(
-                isinstance(e, ast.Constant) and isinstance(e.value, str)
-                or isinstance(e, ast.Tuple) and e.elts and isinstance(e.elts[0], ast.Constant)
+                isinstance(e, ast.Constant)
+                and isinstance(e.value, str)
+                or isinstance(e, ast.Tuple)
+                and e.elts
+                and isinstance(e.elts[0], ast.Constant)
                 and isinstance(e.elts[0].value, str)
                 for e in iterable.elts
-            )  # fmt: skip
+            )
             reads = any(
-                isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "getattr"
-                and len(n.args) >= 2 and isinstance(n.args[1], ast.Name) and n.args[1].id in names
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Name)
+                and n.func.id == "getattr"
+                and len(n.args) >= 2
+                and isinstance(n.args[1], ast.Name)
+                and n.args[1].id in names
                 for n in ast.walk(body)
-            )  # fmt: skip
+            )
             if literal and reads:
                 found.append(node.lineno)
     return found
@@ -199,24 +226,31 @@ def test_no_command_builds_or_checks_its_settings_by_its_own_code():
                 "_check",
             ):
                 problems.append(f"{where}:{node.lineno}: def {node.name}")
-            if isinstance(node, ast.ClassDef) and any(
-                isinstance(a, ast.AnnAssign) and isinstance(a.value, ast.Call)
-                and getattr(a.value.func, "id", None) == "opt"
-                for a in node.body
-            ) and "Settings" not in {getattr(b, "id", None) for b in node.bases}:  # fmt: skip
+            if (
+                isinstance(node, ast.ClassDef)
+                and any(
+                    isinstance(a, ast.AnnAssign)
+                    and isinstance(a.value, ast.Call)
+                    and getattr(a.value.func, "id", None) == "opt"
+                    for a in node.body
+                )
+                and "Settings" not in {getattr(b, "id", None) for b in node.bases}
+            ):
                 problems.append(f"{where}:{node.lineno}: {node.name} is not a Settings")
         if "Settings" in path.read_text():  # a module with settings of its own
-            problems += [f"{where}:{line}: a check loop over settings by name"
-                         for line in _loops_over_named_settings(tree)]  # fmt: skip
+            problems += [
+                f"{where}:{line}: a check loop over settings by name"
+                for line in _loops_over_named_settings(tree)
+            ]
     assert not problems, "\n".join(problems)
 
 
 def test_the_rule_catches_what_it_forbids():
-    old = '''
+    old = """
 def _check(cfg):
     for name in ("max_tokens", "max_cache"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise UsageError(name)
     given = [n for n in ("system", "chat_template") if getattr(cfg, n) is not None]
-'''
+"""
     assert _loops_over_named_settings(ast.parse(old)) == [3, 6]

@@ -14,7 +14,19 @@ from mlx_rwkvx.adapters.state import enable_state_tuning
 from mlx_rwkvx.adapters.targets import PRESETS, target_paths
 from mlx_rwkvx.adapters.tensors import adapter_tensors
 
-__all__ = ["PRESETS", "adapter_config", "adapter_tensors", "apply_adapter",
-           "apply_adapter_tensors", "apply_lora", "enable_state_tuning", "fingerprint",
-           "fuse_adapters", "has_adapters", "is_adapter_file", "read_adapter", "save_adapter",
-           "target_paths"]
+__all__ = [
+    "PRESETS",
+    "adapter_config",
+    "adapter_tensors",
+    "apply_adapter",
+    "apply_adapter_tensors",
+    "apply_lora",
+    "enable_state_tuning",
+    "fingerprint",
+    "fuse_adapters",
+    "has_adapters",
+    "is_adapter_file",
+    "read_adapter",
+    "save_adapter",
+    "target_paths",
+]

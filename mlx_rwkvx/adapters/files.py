@@ -70,8 +70,9 @@ def save_adapter_tensors(path, tensors: dict, config: dict, *, overwrite: bool =
     """``save_adapter`` of adapter tensors in hand (a merge's). An existing file is replaced
     only when it is an adapter file (``is_adapter_file``)."""
     path = os.fspath(path)
-    check_target(path, overwrite=overwrite, folder=False, recognise=is_adapter_file,
-                 kind="an adapter file")  # fmt: skip
+    check_target(
+        path, overwrite=overwrite, folder=False, recognise=is_adapter_file, kind="an adapter file"
+    )
     with atomic_target(path, folder=False) as tmp:
         save_safetensors(tmp, tensors, {"adapter_config": json.dumps(config)})
 

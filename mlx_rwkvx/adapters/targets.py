@@ -23,13 +23,34 @@ _LOW_RANK = (".decay.", ".iclr.", ".value_mix.", ".gate.")
 
 
 _PRESETS = {
-    "attn": {"moba": ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "ffn.key",
-                      "ffn.value")},
-    "qwen": {"qwen2": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                       "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")},
-    "rwkv": {"rwkv7": ("tmix.receptance", "tmix.key", "tmix.value", "tmix.output", "ffn.key",
-                       "ffn.value", "ffn.gate_proj", "ffn.up_proj", "ffn.down_proj")},
-}  # fmt: skip
+    "attn": {
+        "moba": ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "ffn.key", "ffn.value")
+    },
+    "qwen": {
+        "qwen2": (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    },
+    "rwkv": {
+        "rwkv7": (
+            "tmix.receptance",
+            "tmix.key",
+            "tmix.value",
+            "tmix.output",
+            "ffn.key",
+            "ffn.value",
+            "ffn.gate_proj",
+            "ffn.up_proj",
+            "ffn.down_proj",
+        )
+    },
+}
 
 
 PRESETS = (*_PRESETS, "all")

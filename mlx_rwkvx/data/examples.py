@@ -59,8 +59,10 @@ def _tokens_of(fmt: str, record, tokenizer) -> tuple[np.ndarray, np.ndarray]:
         if eos is not None and eos in ids:  # the text would end in the middle
             at = ids.index(eos)
             what = "a NUL character" if isinstance(tokenizer, ByteTokenizer) else "text"
-            raise BadRecord(f"{what} at token {at} encodes to the end-of-text token (id {eos}): "
-                       "remove it from the text")  # fmt: skip
+            raise BadRecord(
+                f"{what} at token {at} encodes to the end-of-text token (id {eos}): "
+                "remove it from the text"
+            )
         tokens = np.array(ids + ([] if eos is None else [eos]), dtype=np.int64)
         return tokens, np.arange(len(tokens)) > 0
     if fmt == "completion":
@@ -76,8 +78,10 @@ def _tokens_of(fmt: str, record, tokenizer) -> tuple[np.ndarray, np.ndarray]:
         ]
         return chat_tokens(tokenizer, messages, None)
     if fmt == "preference":
-        raise BadRecord("a preference record ('prompt', 'chosen', 'rejected'): supervised "
-                   "training reads 'messages', 'prompt' and 'completion', or 'text'")  # fmt: skip
+        raise BadRecord(
+            "a preference record ('prompt', 'chosen', 'rejected'): supervised "
+            "training reads 'messages', 'prompt' and 'completion', or 'text'"
+        )
     return chat_tokens(tokenizer, record["messages"], record.get("tools"))
 
 
@@ -135,8 +139,9 @@ def load_examples(
             if progress is not None:
                 progress(done, total, n_records)
             try:
-                tokens, trained, cut_from = _example_of(fmt, record, tokenizer, limit,
-                                                        max_seq_len, mask_prompt)  # fmt: skip
+                tokens, trained, cut_from = _example_of(
+                    fmt, record, tokenizer, limit, max_seq_len, mask_prompt
+                )
             except BadRecord as e:
                 error = DataError(where if e.args[0] is None else f"{where}: {e.args[0]}")
                 if not skip_bad:
@@ -188,6 +193,8 @@ def cut_note(examples: Sequence[Example], max_seq_len: int | None, flag: str) ->
     cut = [e.cut_from for e in examples if e.cut_from]
     if not cut:
         return None
-    return (f"note: {len(cut):,} of {len(examples):,} examples are longer than {flag} "
-            f"{max_seq_len} and were cut to {max_seq_len + 1} tokens (the longest had "
-            f"{max(cut):,})")  # fmt: skip
+    return (
+        f"note: {len(cut):,} of {len(examples):,} examples are longer than {flag} "
+        f"{max_seq_len} and were cut to {max_seq_len + 1} tokens (the longest had "
+        f"{max(cut):,})"
+    )

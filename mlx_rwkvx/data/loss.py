@@ -25,8 +25,13 @@ def head_arrays(model: Model) -> dict:
     float or quantized."""
     layer = model.embed if model.config.tie_embeddings else model.lm_head
     if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        return dict(weight=layer.weight, scales=layer.scales, biases=layer.biases,
-                    group_size=layer.group_size, bits=layer.bits)  # fmt: skip
+        return dict(
+            weight=layer.weight,
+            scales=layer.scales,
+            biases=layer.biases,
+            group_size=layer.group_size,
+            bits=layer.bits,
+        )
     return dict(weight=layer.weight)
 
 
@@ -115,8 +120,9 @@ def dataset_loss(
     was_training = model.training
     model.eval()
     try:
-        stream = batches(examples, batch_size=batch_size, seed=0, epoch=0,
-                         pad_to_multiple=PAD_MULTIPLE)  # fmt: skip
+        stream = batches(
+            examples, batch_size=batch_size, seed=0, epoch=0, pad_to_multiple=PAD_MULTIPLE
+        )
         for i, (inputs, targets) in enumerate(stream):
             if max_batches is not None and i >= max_batches:
                 break

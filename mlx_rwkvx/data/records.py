@@ -62,8 +62,13 @@ def write_bin(path: str, token_lists: Sequence, *, overwrite: bool = True) -> No
             raise ValueError(f"write_bin: sequence {i} holds ids outside u32")
         parts += [np.array([arr.size], dtype="<u4"), arr.astype("<u4")]
     try:
-        check_target(path, overwrite=overwrite, folder=False, recognise=is_bin,
-                     kind="a pre-tokenized .bin (its counts do not fit its size)")  # fmt: skip
+        check_target(
+            path,
+            overwrite=overwrite,
+            folder=False,
+            recognise=is_bin,
+            kind="a pre-tokenized .bin (its counts do not fit its size)",
+        )
         with atomic_target(path, folder=False) as tmp, open(tmp, "wb") as f:
             f.write(np.concatenate(parts).tobytes())
     except CheckpointError as e:
@@ -183,8 +188,9 @@ def _record_format(record, fmt: str | None, fmt_line: int) -> str:
     if fmt is None:
         if not found:
             kinds = "; ".join(in_words(map(repr, keys)) for _, keys in FORMATS)
-            raise BadRecord(f"expected the fields of one format ({kinds}); the keys are "
-                       f"{sorted(record)[:8]}")  # fmt: skip
+            raise BadRecord(
+                f"expected the fields of one format ({kinds}); the keys are {sorted(record)[:8]}"
+            )
         return found[0]
     missing = [k for k in dict(FORMATS)[fmt] if k not in record]
     if missing:

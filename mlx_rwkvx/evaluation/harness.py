@@ -40,12 +40,25 @@ def require_lm_eval(tasks: Sequence[str]):
     return lm_eval
 
 
-def make_lm(model: Model, tokenizer, *, name: str = "model", batch_size: int = 8,
-            chat_template: bool = False, max_tokens: int = 256):  # fmt: skip
+def make_lm(
+    model: Model,
+    tokenizer,
+    *,
+    name: str = "model",
+    batch_size: int = 8,
+    chat_template: bool = False,
+    max_tokens: int = 256,
+):
     """An lm-eval ``LM`` over ``model`` and ``tokenizer``; ``chat_template``: lm-eval renders
     its prompts with the tokenizer's chat template (``--apply-chat-template``)."""
-    return _lm_class()(model, tokenizer, name=name, batch_size=batch_size,
-                       chat_template=chat_template, max_tokens=max_tokens)  # fmt: skip
+    return _lm_class()(
+        model,
+        tokenizer,
+        name=name,
+        batch_size=batch_size,
+        chat_template=chat_template,
+        max_tokens=max_tokens,
+    )
 
 
 def _lm_class():
@@ -80,8 +93,9 @@ def _lm_class():
                 context, continuation = context[:-spaces], context[-spaces:] + continuation
             if not context:
                 if not self.prefix:
-                    raise UsageError("an empty context, and the tokenizer has no token that "
-                                     "starts a document")  # fmt: skip
+                    raise UsageError(
+                        "an empty context, and the tokenizer has no token that starts a document"
+                    )
                 return list(self.prefix), self.tokenizer.encode(continuation)
             whole = self.tokenizer.encode(context + continuation)
             head = self.tokenizer.encode(context)
@@ -108,9 +122,12 @@ def _lm_class():
                 temp = float(kwargs.pop("temperature", 0.0) or 0.0)
                 if not kwargs.pop("do_sample", False):
                     temp = 0.0
-                text = "".join(r.text for r in stream_generate(
-                    self.model, self.tokenizer, context, max_tokens=limit, temp=temp,
-                    stop=until))  # fmt: skip
+                text = "".join(
+                    r.text
+                    for r in stream_generate(
+                        self.model, self.tokenizer, context, max_tokens=limit, temp=temp, stop=until
+                    )
+                )
                 out.append(text)
             return out
 
@@ -119,8 +136,9 @@ def _lm_class():
     return _CLASS
 
 
-def task_manager(tasks: Sequence[str], include_path: str | None = None,
-                 include_defaults: bool = True):  # fmt: skip
+def task_manager(
+    tasks: Sequence[str], include_path: str | None = None, include_defaults: bool = True
+):
     """lm-eval's ``TaskManager`` over its own tasks (unless ``include_defaults=False``) and the
     task YAMLs of ``include_path``, every one of ``tasks`` checked to be among them (one
     UsageError naming the first that is not)."""
@@ -132,14 +150,24 @@ def task_manager(tasks: Sequence[str], include_path: str | None = None,
     manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        raise UsageError(f"--tasks: unknown task {unknown[0]!r} (not built in, and not among "
-                         "lm-evaluation-harness's tasks or --include-path's)")  # fmt: skip
+        raise UsageError(
+            f"--tasks: unknown task {unknown[0]!r} (not built in, and not among "
+            "lm-evaluation-harness's tasks or --include-path's)"
+        )
     return manager
 
 
-def run_tasks(lm, tasks: Sequence[str], *, num_fewshot: int | None = None,
-              limit: float | None = None, include_path: str | None = None,
-              include_defaults: bool = True, seed: int = 0, manager=None) -> dict:  # fmt: skip
+def run_tasks(
+    lm,
+    tasks: Sequence[str],
+    *,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    include_path: str | None = None,
+    include_defaults: bool = True,
+    seed: int = 0,
+    manager=None,
+) -> dict:
     """lm-eval's ``simple_evaluate`` of ``tasks`` with ``lm``: its results by task (each a dict
     of metrics). ``manager``: a ``task_manager`` already made (else one is, from
     ``include_path`` and ``include_defaults``)."""
@@ -148,9 +176,17 @@ def run_tasks(lm, tasks: Sequence[str], *, num_fewshot: int | None = None,
         manager = task_manager(tasks, include_path, include_defaults)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-        apply_chat_template=lm.use_chat_template, task_manager=manager, random_seed=seed,
-        numpy_random_seed=seed, torch_random_seed=None, fewshot_random_seed=seed,
-        log_samples=False, bootstrap_iters=0,
-    )  # fmt: skip
+        model=lm,
+        tasks=list(tasks),
+        num_fewshot=num_fewshot,
+        limit=limit,
+        apply_chat_template=lm.use_chat_template,
+        task_manager=manager,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=None,
+        fewshot_random_seed=seed,
+        log_samples=False,
+        bootstrap_iters=0,
+    )
     return results["results"]

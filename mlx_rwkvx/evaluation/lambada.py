@@ -42,8 +42,10 @@ def read_lambada(path: str) -> list[tuple[str, str]]:
             raise DataError(f"{path}:{n}: 'text' must be a string, got {type(text).__name__}")
         context, _, word = text.rpartition(" ")
         if not context.strip() or not word:
-            raise DataError(f"{path}:{n}: no last word after some context (a text needs a "
-                            "space before its last word)")  # fmt: skip
+            raise DataError(
+                f"{path}:{n}: no last word after some context (a text needs a "
+                "space before its last word)"
+            )
         docs.append((context, " " + word))
     if not docs:
         raise DataError(f"{path}: no texts")
@@ -65,8 +67,12 @@ class LambadaResult:
     texts: int
 
     def record(self) -> dict:
-        return {"task": TASK, "accuracy": self.accuracy, "perplexity": self.perplexity,
-                "texts": self.texts}  # fmt: skip
+        return {
+            "task": TASK,
+            "accuracy": self.accuracy,
+            "perplexity": self.perplexity,
+            "texts": self.texts,
+        }
 
 
 def lambada(model: Model, tokenizer, docs, *, batch_size: int = 8, on_done=None):

@@ -45,9 +45,16 @@ def pick_split(path: str, split: str | None) -> str:
     raise DataError(f"{path}: no {wanted} to evaluate (--split train evaluates the training set)")
 
 
-def eval_examples(path: str, tokenizer, vocab: int, *, max_seq_len: int, carry_state: bool,
-                  split: str | None = None,
-                  sql: str | None = None) -> tuple[list[Example], str]:  # fmt: skip
+def eval_examples(
+    path: str,
+    tokenizer,
+    vocab: int,
+    *,
+    max_seq_len: int,
+    carry_state: bool,
+    split: str | None = None,
+    sql: str | None = None,
+) -> tuple[list[Example], str]:
     """(the examples of the data set at ``path``, the file they came from; ``sql``: the query
     of a SQLite database); DataError naming the file and the problem (none, empty, a text
     shorter than two tokens)."""
@@ -69,8 +76,9 @@ def eval_examples(path: str, tokenizer, vocab: int, *, max_seq_len: int, carry_s
         trained = np.ones(len(ids), dtype=bool)
         trained[0] = False
         return [Example(ids, trained, source=file)], file
-    examples, _ = load_examples(file, tokenizer, split=split or "test", sql=sql,
-                                     max_seq_len=cut, vocab_size=vocab)  # fmt: skip
+    examples, _ = load_examples(
+        file, tokenizer, split=split or "test", sql=sql, max_seq_len=cut, vocab_size=vocab
+    )
     if not any(e.trained.any() for e in examples):
         raise DataError(f"{file}: no token to predict (every text is shorter than two tokens)")
     return examples, file
@@ -120,7 +128,14 @@ def evaluate_loss(
     if lengths is None and tokenizer is not None:
         lengths = token_byte_lengths(tokenizer, model.config.vocab_size)
     start = time.perf_counter()
-    result = dataset_loss(model, examples, batch_size, max_batches,
-                          max_seq_len if carry_state else None, max_cache,
-                          byte_lengths=lengths, on_batch=on_batch)  # fmt: skip
+    result = dataset_loss(
+        model,
+        examples,
+        batch_size,
+        max_batches,
+        max_seq_len if carry_state else None,
+        max_cache,
+        byte_lengths=lengths,
+        on_batch=on_batch,
+    )
     return result, time.perf_counter() - start

@@ -179,8 +179,9 @@ def render_chat(
     }
     if not hostile:
         return ChatText(text)
-    slotted = [{**m, "content": _SLOT.format(i)} if i in hostile else m
-               for i, m in enumerate(messages)]  # fmt: skip
+    slotted = [
+        {**m, "content": _SLOT.format(i)} if i in hostile else m for i, m in enumerate(messages)
+    ]
     try:
         pieces = _SLOTS.split(fmt.apply(slotted, add_generation_prompt, tools=tools))
     except GenerationError:
@@ -384,8 +385,10 @@ class Chat:
             raise CheckpointError(f"{path}: cannot read it ({reason(e)})") from e
         meta = saved.meta
         if meta.get("kind") != "conversation":
-            raise CheckpointError(f"{path}: not {what} (a saved state of another kind: "
-                                  f"{meta.get('kind') or 'unknown'})")
+            raise CheckpointError(
+                f"{path}: not {what} (a saved state of another kind: "
+                f"{meta.get('kind') or 'unknown'})"
+            )
         if meta.get("template") != self.format.name:
             raise CheckpointError(
                 f"{path}: the conversation was saved in the {meta.get('template')!r} chat "

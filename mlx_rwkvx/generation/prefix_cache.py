@@ -230,8 +230,11 @@ class PrefixCache:
         fd = self._lock.fileno()
         locked = take_flock(fd, fcntl.LOCK_EX)
         if not locked:
-            self._warn_once("nolock", "this file system has no locks, so another process "
-                            "using the folder would not be noticed")  # fmt: skip
+            self._warn_once(
+                "nolock",
+                "this file system has no locks, so another process "
+                "using the folder would not be noticed",
+            )
         try:
             count = read_change_count(fd)
             if fresh:
@@ -253,8 +256,11 @@ class PrefixCache:
         """Take in the folder's states of this key that this cache does not hold (oldest
         first: least recently used), and forget those whose files are gone; how many."""
         try:
-            names = {n for n in os.listdir(self.folder)
-                     if n.endswith(".safetensors") and not n.startswith(".")}  # fmt: skip
+            names = {
+                n
+                for n in os.listdir(self.folder)
+                if n.endswith(".safetensors") and not n.startswith(".")
+            }
         except OSError:
             names = set()
         for name in [n for n in self._files if n not in names]:
@@ -282,9 +288,11 @@ class PrefixCache:
                 continue
             found.append((mtime, name, tokens, scope, header.size))
         if bad and warn:
-            warnings.warn(f"{self.folder}: {len(bad)} files skipped, not readable saved "
-                          f"states: {', '.join(bad[:3])}" + (", ..." if len(bad) > 3 else ""),
-                          stacklevel=4)  # fmt: skip
+            warnings.warn(
+                f"{self.folder}: {len(bad)} files skipped, not readable saved "
+                f"states: {', '.join(bad[:3])}" + (", ..." if len(bad) > 3 else ""),
+                stacklevel=4,
+            )
         for _, name, tokens, scope, size in sorted(found):
             try:  # earlier versions wrote them readable by everyone
                 os.chmod(os.path.join(self.folder, name), 0o600)
@@ -312,8 +320,9 @@ class PrefixCache:
         tmp = temp_path(path)
         meta = {"kind": "prefix", "scope": scope}
         try:  # renamed here, not by atomic_target: a file of the same state may appear meanwhile
-            size = write_state(tmp, tokens, state["state"], self.key, logits=state.get("logits"),
-                               meta=meta)
+            size = write_state(
+                tmp, tokens, state["state"], self.key, logits=state.get("logits"), meta=meta
+            )
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             if size > self.max_bytes:
@@ -326,10 +335,16 @@ class PrefixCache:
             except OSError:
                 pass
             cause = e.errno if isinstance(e, OSError) else "write"
-            text = reason(e) if isinstance(e, OSError) else f"{e}; is the disk full, or a " \
-                "file-size limit reached?"  # fmt: skip
-            self._warn_once(("write", cause), f"a state could not be saved ({text}); such "
-                            "states are kept in memory only, and this is said once")  # fmt: skip
+            text = (
+                reason(e)
+                if isinstance(e, OSError)
+                else f"{e}; is the disk full, or a file-size limit reached?"
+            )
+            self._warn_once(
+                ("write", cause),
+                f"a state could not be saved ({text}); such "
+                "states are kept in memory only, and this is said once",
+            )
             return None
         self._changed = True
         return name, size
@@ -346,13 +361,17 @@ class PrefixCache:
         except FileNotFoundError:
             return False
         except CheckpointError as e:
-            self._warn_once("refused", f"a saved state failed its checks and was deleted ({e}); "
-                            "this is said once")
+            self._warn_once(
+                "refused",
+                f"a saved state failed its checks and was deleted ({e}); this is said once",
+            )
             return False
         except (OSError, MemoryError) as e:
             text = reason(e) if isinstance(e, OSError) else "out of memory"
-            self._warn_once(("read", getattr(e, "errno", None)), f"a saved state could not "
-                            f"be read now ({text}); it is kept for later lookups")  # fmt: skip
+            self._warn_once(
+                ("read", getattr(e, "errno", None)),
+                f"a saved state could not be read now ({text}); it is kept for later lookups",
+            )
             return None
         if tuple(saved.tokens) != tokens or saved.meta.get("scope", "") != scope:
             return False
@@ -398,8 +417,11 @@ class PrefixCache:
                 return leaf
             edge = child.edge
             common = 0
-            while common < len(edge) and at + common < len(tokens) and (
-                    edge[common] == tokens[at + common]):  # fmt: skip
+            while (
+                common < len(edge)
+                and at + common < len(tokens)
+                and (edge[common] == tokens[at + common])
+            ):
                 common += 1
             if common < len(edge):  # split the edge where the tokens leave it
                 middle = _Node(edge[:common], node)
@@ -428,8 +450,9 @@ class PrefixCache:
             except FileNotFoundError:
                 pass
             except OSError as e:
-                self._warn_once(("remove", e.errno), f"a state's file could not be deleted "
-                                f"({reason(e)})")  # fmt: skip
+                self._warn_once(
+                    ("remove", e.errno), f"a state's file could not be deleted ({reason(e)})"
+                )
         node.state, node.nbytes, node.file = None, 0, None
         while node.parent is not None and not node.holds() and len(node.children) <= 1:
             parent = node.parent

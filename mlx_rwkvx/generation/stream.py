@@ -273,8 +273,9 @@ class StopStrings:
 def _sampling(
     sampler, logits_processors, temp, top_p, min_p, top_k, repetition_penalty, seed
 ) -> tuple[Callable, list]:
-    given = dict(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k,
-                 repetition_penalty=repetition_penalty)  # fmt: skip
+    given = dict(
+        temp=temp, top_p=top_p, min_p=min_p, top_k=top_k, repetition_penalty=repetition_penalty
+    )
     for name, value in given.items():
         if value is None and name == "repetition_penalty":
             continue
@@ -300,8 +301,7 @@ def _sampling(
 
 
 def _number(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))  # fmt: skip
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def vocab_mask(known: int, vocab: int):
@@ -421,8 +421,9 @@ def stream_generate(
     if known is not None and known < model.config.vocab_size:
         # a head wider than the tokenizer (padded rows): never sample an id it cannot decode
         processors.insert(0, vocab_mask(known, model.config.vocab_size))
-    yield from _generate(model, session, ids, history, sampler, processors, detok, stops,
-                         eos, max_tokens)  # fmt: skip
+    yield from _generate(
+        model, session, ids, history, sampler, processors, detok, stops, eos, max_tokens
+    )
 
 
 def _generate(model, session, ids, history, sampler, processors, detok, stops, eos, max_tokens):
@@ -482,7 +483,10 @@ def _generate(model, session, ids, history, sampler, processors, detok, stops, e
                 token, logprobs = next(steps)
                 # the session holds every token but the one just sampled: one assignment
                 session.tokens, session.state, session.logits = (
-                    session.tokens + [fed], stepper.states[n], None)  # fmt: skip
+                    session.tokens + [fed],
+                    stepper.states[n],
+                    None,
+                )
         finally:
             if steps is not None:
                 steps.close()

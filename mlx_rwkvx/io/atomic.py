@@ -75,8 +75,9 @@ def check_target(
     if not os.path.lexists(path):
         return
     if os.path.exists(path) and not (os.path.isdir(path) or os.path.isfile(path)):
-        raise CheckpointError(f"{path}: not a regular file or folder (a device, a pipe or a "
-                              "socket); never written")  # fmt: skip
+        raise CheckpointError(
+            f"{path}: not a regular file or folder (a device, a pipe or a socket); never written"
+        )
     if os.path.isdir(path):
         if not folder:
             raise CheckpointError(f"{path}: is a folder; expected a file name")
@@ -127,8 +128,10 @@ def atomic_target(path: str, *, folder: bool) -> Iterator[str]:
             _fsync(tmp)
         crash_point("commit", os.path.basename(path))  # written, not yet renamed into place
         if not existed and os.path.lexists(path):
-            raise CheckpointError(f"{path}: appeared while it was written (by another "
-                                  "program?); left as it is, nothing written")  # fmt: skip
+            raise CheckpointError(
+                f"{path}: appeared while it was written (by another "
+                "program?); left as it is, nothing written"
+            )
         if folder and (os.path.isdir(path) or os.path.islink(path)):
             # a folder cannot be renamed over a link: the link goes aside like an old folder
             old = temp_path(path, "old")

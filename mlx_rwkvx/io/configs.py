@@ -196,9 +196,13 @@ def _agree(cfg: HFConfig, key: str, value, from_tensors) -> None:
 def hf_rwkv7_config(path: str, hf: dict, tensors: dict) -> ModelConfig:
     """flash-linear-attention's RWKV7Config (as mlx-lm reads it), checked against the
     tensors the sizes are read from."""
-    c = HFConfig(path, hf, frozenset(
-        "attn_mode fuse_norm fuse_cross_entropy fuse_linear_cross_entropy use_l2warp".split()
-    ))  # fmt: skip
+    c = HFConfig(
+        path,
+        hf,
+        frozenset(
+            "attn_mode fuse_norm fuse_cross_entropy fuse_linear_cross_entropy use_l2warp".split()
+        ),
+    )
     inferred = rwkv7_config_from_native(
         path,
         tensors,

@@ -69,8 +69,12 @@ def convert(
 
 def _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrite) -> Model:
     # the target first: a conversion that could not be written is not worth reading
-    check_target(dst, overwrite=overwrite, folder=not os.fspath(dst).endswith(SINGLE_FILES),
-                 recognise=is_checkpoint)  # fmt: skip
+    check_target(
+        dst,
+        overwrite=overwrite,
+        folder=not os.fspath(dst).endswith(SINGLE_FILES),
+        recognise=is_checkpoint,
+    )
     model, tokenizer = load(src, dtype=dtype)
     if to_rfa:
         n = len(model.config.block_types)

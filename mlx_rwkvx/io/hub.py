@@ -137,8 +137,11 @@ def _snapshot(spec: str, name: HubName, weights: bool) -> str:
         raise CheckpointError(f"{repo}: no revision {name.revision!r} in the repository") from e
     except hub_errors.LocalEntryNotFoundError as e:
         offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-        how = ("HF_HUB_OFFLINE is set: unset it to download" if offline else
-               "the hub could not be reached: check the network and try again")  # fmt: skip
+        how = (
+            "HF_HUB_OFFLINE is set: unset it to download"
+            if offline
+            else "the hub could not be reached: check the network and try again"
+        )
         raise CheckpointError(
             f"{spec}: not a file or folder here, and {repo} is not (completely) in the "
             f"Hugging Face cache; {how}"

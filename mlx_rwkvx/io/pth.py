@@ -68,9 +68,11 @@ def _view(storage, offset, size, stride) -> np.ndarray:
     # a stride-0 or overlapping view passes that check with any shape, and its copy
     # would take shape-many elements: no view may hold more than its storage does
     if math.prod(size) > len(data) - offset:
-        raise PthError(f"tensor of size {size} and stride {stride} holds {math.prod(size):,} "
-                       f"elements, its storage {len(data) - offset:,} from offset {offset} (a "
-                       "stride-0 or overlapping view: not a checkpoint's tensor)")  # fmt: skip
+        raise PthError(
+            f"tensor of size {size} and stride {stride} holds {math.prod(size):,} "
+            f"elements, its storage {len(data) - offset:,} from offset {offset} (a "
+            "stride-0 or overlapping view: not a checkpoint's tensor)"
+        )
     return np.lib.stride_tricks.as_strided(
         data[offset:], shape=size, strides=tuple(s * itemsize for s in stride)
     )

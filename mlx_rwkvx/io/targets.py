@@ -237,8 +237,11 @@ def output_lock(path: str, what: str = "output", *, inside: bool = False) -> Ite
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                    print(f"note: {what} {path}: this file system has no locks, so another "
-                          "writer would not be noticed", file=sys.stderr)  # fmt: skip
+                    print(
+                        f"note: {what} {path}: this file system has no locks, so another "
+                        "writer would not be noticed",
+                        file=sys.stderr,
+                    )
                     held = True
                     break
                 holder = _lock_holder(fd)

@@ -42,15 +42,20 @@ def _refuse_shared_bytes(path: str) -> None:
             if length > min(os.fstat(f.fileno()).st_size - 8, _MAX_HEADER):
                 return
             header = json.loads(f.read(length))
-        ranges = sorted((int(t["data_offsets"][0]), int(t["data_offsets"][1]), name)
-                        for name, t in header.items() if name != "__metadata__")  # fmt: skip
+        ranges = sorted(
+            (int(t["data_offsets"][0]), int(t["data_offsets"][1]), name)
+            for name, t in header.items()
+            if name != "__metadata__"
+        )
     except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
         return
     end, last = 0, None  # the furthest byte read so far, and by which tensor
     for start, stop, name in ranges:
         if start < end and start < stop:
-            raise CheckpointError(f"{path}: tensors {last} and {name} share bytes of the file "
-                                  "(no safetensors writer makes such a file)")  # fmt: skip
+            raise CheckpointError(
+                f"{path}: tensors {last} and {name} share bytes of the file "
+                "(no safetensors writer makes such a file)"
+            )
         if stop > end:
             end, last = stop, name
 

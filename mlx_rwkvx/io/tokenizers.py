@@ -402,8 +402,9 @@ def resolve_tokenizer(spec: str, vocab_size: int | None = None):
         elif vocab_size is not None and builtin_tokenizer(vocab_size) is not None:
             return builtin_tokenizer(vocab_size)
         elif vocab_size is None:
-            raise ValueError(f"{spec}: no tokenizer.json or {WORLD_VOCAB} here (or give "
-                             "'world' or 'bytes')")  # fmt: skip
+            raise ValueError(
+                f"{spec}: no tokenizer.json or {WORLD_VOCAB} here (or give 'world' or 'bytes')"
+            )
         else:
             raise ValueError(
                 f"{spec}: no tokenizer.json beside the checkpoint, and vocab_size {vocab_size} is "
@@ -442,11 +443,16 @@ def byte_tokenizer_files(folder: str, vocab_size: int = 256) -> dict[str, str]:
     tok = Tokenizer(models.BPE(vocab={char[b]: b for b in range(n)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    paths = {name: os.path.join(folder, name) for name in ("tokenizer.json",
-                                                           "tokenizer_config.json")}  # fmt: skip
+    paths = {
+        name: os.path.join(folder, name) for name in ("tokenizer.json", "tokenizer_config.json")
+    }
     tok.save(paths["tokenizer.json"])
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": char[0],
-              "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False}  # fmt: skip
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": char[0],
+        "model_max_length": 1 << 30,
+        "clean_up_tokenization_spaces": False,
+    }
     with open(paths["tokenizer_config.json"], "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return paths

@@ -43,8 +43,11 @@ class KVRows:
         state = {k: v for k, v in state.items() if k != "lengths"}
         keys = state.get("keys")
         S = keys.shape[2] if isinstance(keys, mx.array) and keys.ndim == 4 else 0
-        if (not isinstance(lengths, list) or len(lengths) != batch
-                or any(not 0 <= n <= S for n in lengths)):  # fmt: skip
+        if (
+            not isinstance(lengths, list)
+            or len(lengths) != batch
+            or any(not 0 <= n <= S for n in lengths)
+        ):
             return state, f"lengths must be {batch} row lengths of at most {S}, got {lengths!r}"
         return state, None
 

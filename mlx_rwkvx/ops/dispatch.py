@@ -81,8 +81,10 @@ class Dispatcher:
             raise UserError(f"{self.op}: {source}={name!r}: expected one of {sorted(self.impls)}")
         if name == KERNEL and not self.kernel_available(None):
             here = sorted(n for n in self.impls if n != KERNEL)
-            raise UserError(f"{self.op}: {source}={name!r}, but this device has no {self.op} "
-                            f"kernel (no Metal or CUDA backend); it has {here}")  # fmt: skip
+            raise UserError(
+                f"{self.op}: {source}={name!r}, but this device has no {self.op} "
+                f"kernel (no Metal or CUDA backend); it has {here}"
+            )
         return name
 
     def kernel_passes(self, key: Hashable) -> bool:

@@ -155,8 +155,7 @@ def top_logprobs(logprobs: mx.array, k: int) -> list[tuple[int, float]]:
     return list(zip(idx[order].tolist(), values[order].tolist(), strict=True))
 
 
-def generate(engine, served, job, ids: list[int], params: Params,
-             index: int = 0) -> None:  # fmt: skip
+def generate(engine, served, job, ids: list[int], params: Params, index: int = 0) -> None:
     """One answer to ``ids``, as events: ``("prefilled", index, cached)``, then ``("token",
     index, token, text, logprob, top)`` per token (logprob None unless asked), then
     ``("done", index, finish_reason, tokens)``."""
@@ -188,8 +187,9 @@ def generate(engine, served, job, ids: list[int], params: Params,
             job.emit("token", index, r.token, r.text, logprob, top)
             if not prompt_stored:  # the state after the prompt: after the first token is out
                 if cached < len(ids):
-                    served.cache.put(ids, {"state": session.state, "logits": session.logits},
-                                     scope=params.scope)  # fmt: skip
+                    served.cache.put(
+                        ids, {"state": session.state, "logits": session.logits}, scope=params.scope
+                    )
                 prompt_stored = True
             if r.finish_reason is not None:
                 finish = r.finish_reason
@@ -204,8 +204,9 @@ def generate(engine, served, job, ids: list[int], params: Params,
                 entry["logits"] = session.logits
             served.cache.put(session.tokens, entry, scope=params.scope)
     if finish == "cancelled":  # its client went (nobody reads this), or the server stops
-        raise ApiError(503, "the answer was stopped: the server is shutting down",
-                       type="server_error")  # fmt: skip
+        raise ApiError(
+            503, "the answer was stopped: the server is shutting down", type="server_error"
+        )
     job.emit("done", index, "length" if finish == "cache" else finish, n)
 
 
@@ -231,11 +232,15 @@ class Embedding:
         while budget > 0 and not self.done:
             ids = self.texts[self.index]
             piece = ids[self.start : self.start + budget]
-            h, self.state = self.served.model.hidden(mx.array([piece], dtype=mx.int32),
-                                                     self.state, check=False)  # fmt: skip
+            h, self.state = self.served.model.hidden(
+                mx.array([piece], dtype=mx.int32), self.state, check=False
+            )
             h = h[0].astype(mx.float32)
-            self.total = (h[-1] if self.pooling == "last" else
-                          h.sum(axis=0) + (0 if self.total is None else self.total))  # fmt: skip
+            self.total = (
+                h[-1]
+                if self.pooling == "last"
+                else h.sum(axis=0) + (0 if self.total is None else self.total)
+            )
             mx.eval(self.total, self.state)
             self.start += len(piece)
             budget -= len(piece)

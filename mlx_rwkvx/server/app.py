@@ -70,8 +70,11 @@ def create_app(engine: Engine, settings) -> FastAPI:
         """The request's key checked; its cache scope in ``request.state.scope``."""
         scope = keys.scope(request.headers)
         if scope is None:
-            raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY, or "
-                           "x-api-key: KEY)", code="invalid_api_key")  # fmt: skip
+            raise ApiError(
+                401,
+                "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                code="invalid_api_key",
+            )
         request.state.scope = scope
 
     guard = [Depends(authorised)]
@@ -83,7 +86,7 @@ def create_app(engine: Engine, settings) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request):
-        """"ok" to anyone (a start-up check); what is served and how busy only to a request
+        """ "ok" to anyone (a start-up check); what is served and how busy only to a request
         with a key, or, where none is configured, when the server listens on a loopback
         address (then only this machine reaches it)."""
         if keys.scope(request.headers) is None or not (keys.keys or local):
@@ -119,8 +122,9 @@ def create_app(engine: Engine, settings) -> FastAPI:
         ids = _chat_ids(served, body.messages, tools)
         _check_prompts([ids], settings, "messages")
         _check_answers(body.n, params.max_tokens, asked, settings)
-        return await _answer(request, engine, served, body, [ids] * body.n, params,
-                             kind="chat", tools=tools)  # fmt: skip
+        return await _answer(
+            request, engine, served, body, [ids] * body.n, params, kind="chat", tools=tools
+        )
 
     @app.post("/v1/completions", dependencies=guard)
     async def completions(body: CompletionRequest, request: Request):
@@ -133,8 +137,10 @@ def create_app(engine: Engine, settings) -> FastAPI:
                 raise bad(f"{name} is not supported by this server", name)
         if body.best_of not in (None, 1, body.n):
             raise bad("best_of must equal n (no answers are generated and dropped)", "best_of")
-        prompts = [_prompt_ids(served, p, "prompt") for p in
-                   _prompts(body.prompt, "prompt", settings, body.n)]  # fmt: skip
+        prompts = [
+            _prompt_ids(served, p, "prompt")
+            for p in _prompts(body.prompt, "prompt", settings, body.n)
+        ]
         _check_prompts(prompts, settings, "prompt")
         _check_answers(len(prompts) * body.n, params.max_tokens, "max_tokens", settings)
         batch = [ids for ids in prompts for _ in range(body.n)]
@@ -144,19 +150,30 @@ def create_app(engine: Engine, settings) -> FastAPI:
     async def embeddings(body: EmbeddingRequest, request: Request):
         served = engine.model(body.model)
         if body.dimensions is not None and body.dimensions != served.model.config.hidden_size:
-            raise bad(f"dimensions: this model's embeddings have "
-                      f"{served.model.config.hidden_size}", "dimensions")  # fmt: skip
+            raise bad(
+                f"dimensions: this model's embeddings have {served.model.config.hidden_size}",
+                "dimensions",
+            )
         texts = [_prompt_ids(served, p, "input") for p in _prompts(body.input, "input", settings)]
         _check_prompts(texts, settings, "input")
         job = Job(embedding=answers.Embedding(served, texts, engine.pooling))
         engine.submit(job)
         vectors = dict(event[1:] for event in await _events_until_end(job, request))
-        data = [{"object": "embedding", "index": i,
-                 "embedding": _encoded(vectors[i], body.encoding_format)}
-                for i in range(len(texts))]  # fmt: skip
+        data = [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": _encoded(vectors[i], body.encoding_format),
+            }
+            for i in range(len(texts))
+        ]
         n = sum(len(ids) for ids in texts)
-        return {"object": "list", "data": data, "model": served.name,
-                "usage": {"prompt_tokens": n, "total_tokens": n}}  # fmt: skip
+        return {
+            "object": "list",
+            "data": data,
+            "model": served.name,
+            "usage": {"prompt_tokens": n, "total_tokens": n},
+        }
 
     return app
 
@@ -191,20 +208,24 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def bug(request, e: Exception):
         log.exception("a request failed")
-        return JSONResponse(error_body("internal error (see the server's log)", "server_error"),
-                            500)  # fmt: skip
+        return JSONResponse(
+            error_body("internal error (see the server's log)", "server_error"), 500
+        )
 
 
 def _model_entry(served: Served) -> dict:
-    return {"id": served.name, "object": "model", "created": served.created,
-            "owned_by": "mlx_rwkvx"}  # fmt: skip
+    return {
+        "id": served.name,
+        "object": "model",
+        "created": served.created,
+        "owned_by": "mlx_rwkvx",
+    }
 
 
 # ----- requests into work ----------------------------------------------------------------------
 
 
-def _params(body: Sampling, settings, served: Served, max_tokens: int | None,
-            asked: str) -> Params:  # fmt: skip
+def _params(body: Sampling, settings, served: Served, max_tokens: int | None, asked: str) -> Params:
     """The request's settings, checked (``asked``: the field that gave ``max_tokens``)."""
     if body.n > settings.max_n:
         raise bad(f"n must be at most {settings.max_n}", "n")
@@ -218,14 +239,17 @@ def _params(body: Sampling, settings, served: Served, max_tokens: int | None,
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         if not key.isdigit() or int(key) >= vocab:
-            raise bad(f"logit_bias: {key!r} is not a token id of this model (0 .. {vocab - 1})",
-                      "logit_bias")  # fmt: skip
+            raise bad(
+                f"logit_bias: {key!r} is not a token id of this model (0 .. {vocab - 1})",
+                "logit_bias",
+            )
         bias[int(key)] = value
     if body.seed is not None and not 0 <= body.seed < 2**63:
         raise bad("seed must be in 0 .. 2^63 - 1", "seed")
     if body.top_k is not None and body.top_k > vocab:
-        raise bad(f"top_k must be at most the vocabulary's {vocab} tokens, got {body.top_k}",
-                  "top_k")  # fmt: skip
+        raise bad(
+            f"top_k must be at most the vocabulary's {vocab} tokens, got {body.top_k}", "top_k"
+        )
     top_k = settings.top_k if body.top_k is None else body.top_k
     top_p = settings.top_p if body.top_p is None else body.top_p
     return Params(
@@ -268,8 +292,10 @@ def _forced_call(body: ChatRequest) -> tuple[bool, str | None]:
         or choice.get("type") != "function"
         or not isinstance(name, str)
     ):
-        raise bad("tool_choice: none, auto, required or {\"type\": \"function\", "
-                  "\"function\": {\"name\": ...}}", "tool_choice")  # fmt: skip
+        raise bad(
+            'tool_choice: none, auto, required or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
     return True, name
 
 
@@ -279,8 +305,10 @@ async def _tool_grammar(body: ChatRequest, served: Served, tools) -> str | None:
     if not forced:
         return None
     if body.response_format is not None and body.response_format.type != "text":
-        raise bad("tool_choice: a forced call and a response_format cannot both hold the "
-                  "answer", "tool_choice")  # fmt: skip
+        raise bad(
+            "tool_choice: a forced call and a response_format cannot both hold the answer",
+            "tool_choice",
+        )
     from mlx_rwkvx.server.schema import tool_grammar
 
     return await asyncio.to_thread(
@@ -325,8 +353,9 @@ def _chat_ids(served: Served, messages: list[Message], tools) -> list[int]:
                     try:
                         function["arguments"] = json.loads(function["arguments"])
                     except ValueError:
-                        raise bad("messages: a tool call's arguments are not JSON",
-                                  "messages") from None  # fmt: skip
+                        raise bad(
+                            "messages: a tool call's arguments are not JSON", "messages"
+                        ) from None
                 calls.append({**call.model_dump(exclude_none=True), "function": function})
             entry["tool_calls"] = calls
         rendered.append(entry)
@@ -345,8 +374,11 @@ def _prompts(prompt, param: str, settings, n: int = 1) -> list:
         raise bad(f"{param}: an empty list", param)
     if len(prompt) * n > settings.max_inputs:
         times = f" times n = {n}" if n > 1 else ""
-        raise bad(f"{param}: {len(prompt)}{times}, more than this server takes in one request "
-                  f"({settings.max_inputs}, --max-inputs)", param)  # fmt: skip
+        raise bad(
+            f"{param}: {len(prompt)}{times}, more than this server takes in one request "
+            f"({settings.max_inputs}, --max-inputs)",
+            param,
+        )
     return list(prompt)
 
 
@@ -371,11 +403,18 @@ def _check_prompts(prompts: list[list[int]], settings, param: str) -> None:
     request costs to prefill is bounded, however many prompts it gives."""
     total = sum(len(ids) for ids in prompts)
     if total > settings.max_prompt_tokens:
-        what = (f"the prompt has {total} tokens" if len(prompts) == 1 else
-                f"the {len(prompts)} prompts have {total} tokens in all")  # fmt: skip
-        raise ApiError(400, f"{what}, more than this server takes in one request "
-                       f"({settings.max_prompt_tokens}, --max-prompt-tokens)", param=param,
-                       code="context_length_exceeded")  # fmt: skip
+        what = (
+            f"the prompt has {total} tokens"
+            if len(prompts) == 1
+            else f"the {len(prompts)} prompts have {total} tokens in all"
+        )
+        raise ApiError(
+            400,
+            f"{what}, more than this server takes in one request "
+            f"({settings.max_prompt_tokens}, --max-prompt-tokens)",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _check_answers(answers: int, max_tokens: int, asked: str, settings) -> None:
@@ -384,9 +423,11 @@ def _check_answers(answers: int, max_tokens: int, asked: str, settings) -> None:
     total = answers * max_tokens
     if total > settings.max_request_tokens:
         times = f" times {answers} answers = {total}" if answers > 1 else ""
-        raise bad(f"{asked} {max_tokens}{times}: more tokens than this server generates for "
-                  f"one request ({settings.max_request_tokens}, --max-request-tokens)",
-                  asked)  # fmt: skip
+        raise bad(
+            f"{asked} {max_tokens}{times}: more tokens than this server generates for "
+            f"one request ({settings.max_request_tokens}, --max-request-tokens)",
+            asked,
+        )
 
 
 # ----- answers ---------------------------------------------------------------------------------
@@ -426,8 +467,11 @@ class _Choice:
     def final(self) -> tuple[str, list[dict], str]:
         """(text, tool calls, finish reason), once the answer is complete (split once)."""
         if self._final is None:
-            content, calls = (self.served.tool_calls.split(self.text, self.tools)
-                              if self.tools else (self.text, []))  # fmt: skip
+            content, calls = (
+                self.served.tool_calls.split(self.text, self.tools)
+                if self.tools
+                else (self.text, [])
+            )
             self._final = content, calls, "tool_calls" if calls else self.finish
         return self._final
 
@@ -503,22 +547,27 @@ def _answers(served: Served, batch: list[list[int]], params: Params) -> list:
     return out
 
 
-async def _answer(request: Request, engine: Engine, served: Served, body, batch, params,
-                  *, kind: str, tools=None):  # fmt: skip
+async def _answer(
+    request: Request, engine: Engine, served: Served, body, batch, params, *, kind: str, tools=None
+):
     params.scope = request.state.scope  # its key's: it sees no other key's stored states
     job = Job(answers=_answers(served, batch, params))
     engine.submit(job)  # a full queue: 429 before anything is sent
     choices = [_Choice(served, kind, tools) for _ in batch]
-    head = {"id": new_id("chatcmpl" if kind == "chat" else "cmpl"), "created": now(),
-            "model": served.name}  # fmt: skip
+    head = {
+        "id": new_id("chatcmpl" if kind == "chat" else "cmpl"),
+        "created": now(),
+        "model": served.name,
+    }
     n = body.n  # the batch: each prompt n times
     prompt_tokens = sum(len(ids) for ids in batch[::n])
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         stream = _stream(job, choices, head, kind, prompt_tokens, include, n)
         body = await _streamed(job, stream, request)  # an error before the first event: a 4xx
-        return StreamingResponse(body, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+        return StreamingResponse(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
     for event in await _events_until_end(job, request):
         _apply(choices, event)
     out = []
@@ -527,15 +576,21 @@ async def _answer(request: Request, engine: Engine, served: Served, body, batch,
         logprobs = c.logprob_block() if params.logprobs is not None else None
         entry = {"index": i, "finish_reason": finish, "logprobs": logprobs}
         if kind == "chat":
-            entry["message"] = {"role": "assistant", "content": content if (content or not calls)
-                                else None}  # fmt: skip
+            entry["message"] = {
+                "role": "assistant",
+                "content": content if (content or not calls) else None,
+            }
             if calls:
                 entry["message"]["tool_calls"] = calls
         else:
             entry["text"] = content
         out.append(entry)
-    return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "choices": out, "usage": _usage(choices, prompt_tokens, n)}  # fmt: skip
+    return {
+        **head,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "choices": out,
+        "usage": _usage(choices, prompt_tokens, n),
+    }
 
 
 def _usage(choices: list[_Choice], prompt_tokens: int, n: int) -> dict:
@@ -557,8 +612,7 @@ def _apply(choices: list[_Choice], event: tuple) -> _Choice:
     return c
 
 
-async def _streamed(job: Job, stream: AsyncIterator[str], request: Request
-                    ) -> AsyncIterator[str]:  # fmt: skip
+async def _streamed(job: Job, stream: AsyncIterator[str], request: Request) -> AsyncIterator[str]:
     """``stream`` once its first piece is known: an error before any token is raised here
     (so that the response is a 4xx, not a stream that starts with 200). The job is cancelled
     as soon as its client goes, for the stream's whole life: Starlette notices a disconnect
@@ -608,9 +662,20 @@ async def _stream(job: Job, choices, head, kind, prompt_tokens, include_usage, n
         if event[0] == "prefilled":
             started = True
             if kind == "chat":
-                yield _sse({**head, "object": obj, "choices": [
-                    {"index": index, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None}]})  # fmt: skip
+                yield _sse(
+                    {
+                        **head,
+                        "object": obj,
+                        "choices": [
+                            {
+                                "index": index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
             continue
         final = event[0] == "done"
         if event[0] not in ("token", "done"):
@@ -626,9 +691,20 @@ async def _stream(job: Job, choices, head, kind, prompt_tokens, include_usage, n
             choice["finish_reason"] = finish
             if kind == "chat" and calls:
                 for n, call in enumerate(calls):
-                    yield _sse({**head, "object": obj, "choices": [{"index": index, "delta": {
-                        "tool_calls": [{"index": n, **call}]}, "logprobs": None,
-                        "finish_reason": None}]})  # fmt: skip
+                    yield _sse(
+                        {
+                            **head,
+                            "object": obj,
+                            "choices": [
+                                {
+                                    "index": index,
+                                    "delta": {"tool_calls": [{"index": n, **call}]},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
         if not piece and not final and logprobs is None:
             continue
         if kind == "chat":
@@ -637,6 +713,7 @@ async def _stream(job: Job, choices, head, kind, prompt_tokens, include_usage, n
             choice["text"] = piece
         yield _sse({**head, "object": obj, "choices": [choice]})
     if include_usage:
-        yield _sse({**head, "object": obj, "choices": [],
-                    "usage": _usage(choices, prompt_tokens, n)})  # fmt: skip
+        yield _sse(
+            {**head, "object": obj, "choices": [], "usage": _usage(choices, prompt_tokens, n)}
+        )
     yield "data: [DONE]\n\n"

@@ -45,8 +45,9 @@ class Batch:
     def __init__(self, model: Model, eos: list[int], decode: int):
         self.model = model
         # its prompts are one token (the answer's first, sampled after the prompt's prefill)
-        self.gen = BatchGenerator(model, max_tokens=1, stop_tokens=[[e] for e in eos],
-                                  completion_batch_size=decode)  # fmt: skip
+        self.gen = BatchGenerator(
+            model, max_tokens=1, stop_tokens=[[e] for e in eos], completion_batch_size=decode
+        )
         self.rows: dict[int, Row] = {}
 
 

@@ -127,8 +127,11 @@ class Job:
     arrive in ``job.events`` on the event loop, the last one ``("end", None)``; the work
     stops at the next step once ``cancelled`` is set (its client went)."""
 
-    def __init__(self, answers: list[tuple[Served, list[int], Params]] | None = None,
-                 embedding: Embedding | None = None):  # fmt: skip
+    def __init__(
+        self,
+        answers: list[tuple[Served, list[int], Params]] | None = None,
+        embedding: Embedding | None = None,
+    ):
         self.answers, self.embedding = answers or [], embedding
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -178,9 +181,16 @@ class Engine:
     behind on a thread that ends). ``submit`` (from any thread) refuses a job (429) when
     ``max_queue`` jobs already wait, and (503) once the engine is closing."""
 
-    def __init__(self, served: dict[str, Served], *, max_queue: int, max_cache: int,
-                 prefill_step: int, pooling: str = "mean",
-                 decode_concurrency: int = 32):  # fmt: skip
+    def __init__(
+        self,
+        served: dict[str, Served],
+        *,
+        max_queue: int,
+        max_cache: int,
+        prefill_step: int,
+        pooling: str = "mean",
+        decode_concurrency: int = 32,
+    ):
         self.served, self.max_cache = served, max_cache
         self.prefill_step, self.pooling = prefill_step, pooling
         self.decode_concurrency = decode_concurrency
@@ -195,9 +205,13 @@ class Engine:
     def model(self, name: str) -> Served:
         served = self.served.get(name)
         if served is None:
-            raise ApiError(404, f"The model {name!r} does not exist (GET /v1/models lists "
-                           f"them: {', '.join(self.served)})", param="model",
-                           code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"The model {name!r} does not exist (GET /v1/models lists "
+                f"them: {', '.join(self.served)})",
+                param="model",
+                code="model_not_found",
+            )
         return served
 
     def submit(self, job: Job) -> None:
@@ -206,9 +220,12 @@ class Engine:
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            raise ApiError(429, f"too many requests waiting ({self._queue.maxsize}, "
-                           "--max-queue): try again later", type="rate_limit_error",
-                           code="queue_full") from None  # fmt: skip
+            raise ApiError(
+                429,
+                f"too many requests waiting ({self._queue.maxsize}, --max-queue): try again later",
+                type="rate_limit_error",
+                code="queue_full",
+            ) from None
 
     @property
     def waiting(self) -> int:
@@ -278,8 +295,13 @@ class Engine:
         last: a request of many long inputs holds neither the batches nor the others up."""
         job = self._embeddings[0]
         if job.cancelled.is_set() or job.ended:
-            job.fail(ApiError(503, "the request was stopped: its client went, or the server "
-                              "is shutting down", type="server_error"))  # fmt: skip
+            job.fail(
+                ApiError(
+                    503,
+                    "the request was stopped: its client went, or the server is shutting down",
+                    type="server_error",
+                )
+            )
         else:
             with _failures(job):
                 for index, vector in job.embedding.step(self.prefill_step):
@@ -320,9 +342,23 @@ class Engine:
             procs.insert(0, vocab_mask(known, vocab))
         failed = ApiError(500, "internal error (see the server's log)", type="server_error")
         sample = guarded(sample, lambda: job.fail(failed))  # its answer alone fails
-        self._pending.append(Row(job, served, ids, params, index, cached,
-                                 detokenizer(served.tokenizer), StopStrings(params.stop),
-                                 state, logits, ids[cached:], sample, procs))  # fmt: skip
+        self._pending.append(
+            Row(
+                job,
+                served,
+                ids,
+                params,
+                index,
+                cached,
+                detokenizer(served.tokenizer),
+                StopStrings(params.stop),
+                state,
+                logits,
+                ids[cached:],
+                sample,
+                procs,
+            )
+        )
 
     def _prefill(self) -> None:
         """Prompts a piece further, between two steps of the batches: the prompts with at
@@ -348,8 +384,9 @@ class Engine:
             model = self._batch(row.served).model
             piece, row.todo = row.todo[: self.prefill_step], row.todo[self.prefill_step :]
             with _failures(row.job):
-                _, row.state = model.hidden(mx.array([piece], dtype=mx.int32), row.state,
-                                            check=False)  # fmt: skip
+                _, row.state = model.hidden(
+                    mx.array([piece], dtype=mx.int32), row.state, check=False
+                )
                 mx.eval(row.state)
         mx.clear_cache()  # prefill's buffers go back (the batches reuse theirs)
 
@@ -367,12 +404,15 @@ class Engine:
             logits = [row.logits for row in rows]
             need = [i for i, row in enumerate(rows) if row.todo]
             if need:
-                merged = [type(c).merge([caches[i][k] for i in need])
-                          for k, c in enumerate(caches[need[0]])]  # fmt: skip
+                merged = [
+                    type(c).merge([caches[i][k] for i in need])
+                    for k, c in enumerate(caches[need[0]])
+                ]
                 lengths = [len(rows[i].todo) for i in need]
                 T = max(lengths)
-                tokens = mx.array([rows[i].todo + [0] * (T - len(rows[i].todo)) for i in need],
-                                  dtype=mx.int32)  # fmt: skip
+                tokens = mx.array(
+                    [rows[i].todo + [0] * (T - len(rows[i].todo)) for i in need], dtype=mx.int32
+                )
                 out = model.prefill(tokens, merged, lengths).astype(mx.float32)
                 for j, i in enumerate(need):
                     caches[i] = [c.extract(j) for c in merged]
@@ -388,12 +428,14 @@ class Engine:
         except Exception:  # a bug: these answers fail (their traceback in the log)
             log.exception("a prefill failed")
             for row in rows:
-                row.job.fail(ApiError(500, "internal error (see the server's log)",
-                                      type="server_error"))  # fmt: skip
+                row.job.fail(
+                    ApiError(500, "internal error (see the server's log)", type="server_error")
+                )
             return
         joining = []
-        for row, cache, row_logits, (token, logprobs) in zip(rows, caches, logits, firsts,
-                                                             strict=True):  # fmt: skip
+        for row, cache, row_logits, (token, logprobs) in zip(
+            rows, caches, logits, firsts, strict=True
+        ):
             row.job.emit("prefilled", row.index, row.cached)
             finish = self._emit(row, int(token.item()), logprobs, None)
             if row.todo or row.cached < len(row.ids):  # the state after the prompt: stored
@@ -432,8 +474,9 @@ class Engine:
             except Exception:  # a bug: every row of the batch fails, the batch starts over
                 log.exception("a batch failed")
                 for row in batch.rows.values():
-                    row.job.fail(ApiError(500, "internal error (see the server's log)",
-                                          type="server_error"))  # fmt: skip
+                    row.job.fail(
+                        ApiError(500, "internal error (see the server's log)", type="server_error")
+                    )
                 self._batches = {k: b for k, b in self._batches.items() if b is not batch}
 
     def _store(self, batch: Batch, uid: int) -> None:
@@ -489,8 +532,9 @@ class Engine:
             finish = "cancelled"
         return finish
 
-    def _finish(self, batch: Batch | None, row: Row, uid: int | None, finish: str,
-                done=None) -> None:  # fmt: skip
+    def _finish(
+        self, batch: Batch | None, row: Row, uid: int | None, finish: str, done=None
+    ) -> None:
         """A row ends (it leaves its batch): the state after its answer is stored, its job
         told."""
         if batch is not None:
@@ -503,8 +547,11 @@ class Engine:
         if row.job.ended:
             return
         if finish == "cancelled":  # its client went (nobody reads this), or the server stops
-            row.job.fail(ApiError(503, "the answer was stopped: the server is shutting down",
-                                  type="server_error"))  # fmt: skip
+            row.job.fail(
+                ApiError(
+                    503, "the answer was stopped: the server is shutting down", type="server_error"
+                )
+            )
             return
         row.job.emit("done", row.index, finish, row.n)
         row.job.answered()
@@ -547,8 +594,9 @@ class _failures:
             self.job.fail(ApiError(400, str(e)))
         elif isinstance(e, Exception):
             log.exception("a request failed")
-            self.job.fail(ApiError(500, "internal error (see the server's log)",
-                                   type="server_error"))  # fmt: skip
+            self.job.fail(
+                ApiError(500, "internal error (see the server's log)", type="server_error")
+            )
         else:
             return False
         return True

@@ -24,9 +24,10 @@ class ApiKeys:
         if any(not k for k in keys):
             raise ValueError("an empty API key")  # the command refuses them: a bug here
         self.keys = [k.encode("latin-1") for k in keys]
-        self.scopes = ["" if shared else
-                       hashlib.pbkdf2_hmac("sha256", k, _SCOPE_SALT, 10_000)[:8].hex()
-                       for k in self.keys]  # fmt: skip
+        self.scopes = [
+            "" if shared else hashlib.pbkdf2_hmac("sha256", k, _SCOPE_SALT, 10_000)[:8].hex()
+            for k in self.keys
+        ]
 
     def scope(self, headers) -> str | None:
         """The scope of the key ``headers`` carry (``Authorization: Bearer KEY``, the scheme in
@@ -36,8 +37,10 @@ class ApiKeys:
         if not self.keys:
             return ""
         scheme, _, bearer = headers.get("authorization", "").strip().partition(" ")
-        given = [bearer.strip() if scheme.lower() == "bearer" else "",
-                 headers.get("x-api-key", "").strip()]  # fmt: skip
+        given = [
+            bearer.strip() if scheme.lower() == "bearer" else "",
+            headers.get("x-api-key", "").strip(),
+        ]
         for candidate in (g.encode("latin-1") for g in given if g):
             found = None
             for key, scope in zip(self.keys, self.scopes, strict=True):
@@ -81,10 +84,13 @@ class LoopbackHosts:
             header = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
             name = _host_name(header)
             if not (loopback(name) or name.rstrip(".") in self.allowed):
-                body = error_body(f"the Host {header!r} is not this machine's: a server on a "
-                                  "loopback address answers only localhost, 127.x.x.x and "
-                                  "[::1] (--allowed-hosts NAME widens it)",
-                                  "invalid_request_error", code="host_not_allowed")  # fmt: skip
+                body = error_body(
+                    f"the Host {header!r} is not this machine's: a server on a "
+                    "loopback address answers only localhost, 127.x.x.x and "
+                    "[::1] (--allowed-hosts NAME widens it)",
+                    "invalid_request_error",
+                    code="host_not_allowed",
+                )
                 await _respond(send, 403, body)
                 return
         await self.app(scope, receive, send)
@@ -129,9 +135,12 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope, receive, send):
-        body = error_body(f"the request body is larger than this server takes ({self.most} "
-                          "bytes, --max-body-bytes)", "invalid_request_error",
-                          code="request_too_large")  # fmt: skip
+        body = error_body(
+            f"the request body is larger than this server takes ({self.most} "
+            "bytes, --max-body-bytes)",
+            "invalid_request_error",
+            code="request_too_large",
+        )
         await _respond(send, 413, body, close=True)
 
 

@@ -193,8 +193,10 @@ def _refuse_unsafe_cache_dir(cfg: ServerConfig) -> None:
     except TargetError as e:
         raise UsageError(str(e)) from None
     if os.path.exists(cfg.cache_dir) and not os.path.isdir(cfg.cache_dir):
-        raise UsageError(f"--cache-dir {cfg.cache_dir}: not a folder (the states go in folders "
-                         "of their own inside it; nothing else there is touched)")  # fmt: skip
+        raise UsageError(
+            f"--cache-dir {cfg.cache_dir}: not a folder (the states go in folders "
+            "of their own inside it; nothing else there is touched)"
+        )
 
 
 def api_keys(cfg: ServerConfig) -> list[str]:
@@ -211,18 +213,24 @@ def api_keys(cfg: ServerConfig) -> list[str]:
                 lines = f.read().splitlines()
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"{where}: {getattr(e, 'strerror', None) or e}") from None
-        found = [(f"{where} line {n}", line.strip()) for n, line in enumerate(lines, 1)
-                 if line.strip() and not line.lstrip().startswith("#")]  # fmt: skip
+        found = [
+            (f"{where} line {n}", line.strip())
+            for n, line in enumerate(lines, 1)
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
         if not found:
-            raise UsageError(f"{where}: no key in it (one a line; blank lines and # comments "
-                             "are skipped)")  # fmt: skip
+            raise UsageError(
+                f"{where}: no key in it (one a line; blank lines and # comments are skipped)"
+            )
         given += found
     if not given and "MLX_RWKVX_API_KEY" in os.environ:
         given = [("$MLX_RWKVX_API_KEY", os.environ["MLX_RWKVX_API_KEY"])]
     for where, key in given:
         if not key:
-            raise UsageError(f"{where}: an empty key (it would answer every request; give a "
-                             "key, or none to serve without one)")  # fmt: skip
+            raise UsageError(
+                f"{where}: an empty key (it would answer every request; give a "
+                "key, or none to serve without one)"
+            )
         if not (key.isascii() and key.isprintable()) or any(c.isspace() for c in key):
             raise UsageError(f"{where}: a key is printable ASCII without spaces")
     return list(dict.fromkeys(key for _, key in given))
@@ -258,8 +266,7 @@ def build(cfg: ServerConfig, *, log=print) -> Engine:
         raise UsageError(f"--model {cfg.model}: no such file or folder")
     if cfg.cache_dir is not None:  # the states never go into what the server reads
         try:
-            resolve_target(cfg.cache_dir, what="--cache-dir",
-                           inputs=[path, *(p for _, p in pairs)])  # fmt: skip
+            resolve_target(cfg.cache_dir, what="--cache-dir", inputs=[path, *(p for _, p in pairs)])
         except TargetError as e:
             raise UsageError(str(e)) from None
     model, tokenizer = load(path, quantize=cfg.quantize, dtype=cfg.dtype)
@@ -282,14 +289,22 @@ def build(cfg: ServerConfig, *, log=print) -> Engine:
         served[name] = Served(name, m, tokenizer, fmt, cache, adapter, tools)
     if cfg.cache_dir:  # each served model may fill its budget: other configurations' go
         trim_cache_dir(cfg.cache_dir)
-    return Engine(served, max_queue=cfg.max_queue, max_cache=max_cache,
-                  prefill_step=DEFAULT_PREFILL_STEP, pooling=cfg.embedding_pooling,
-                  decode_concurrency=cfg.decode_concurrency)  # fmt: skip
+    return Engine(
+        served,
+        max_queue=cfg.max_queue,
+        max_cache=max_cache,
+        prefill_step=DEFAULT_PREFILL_STEP,
+        pooling=cfg.embedding_pooling,
+        decode_concurrency=cfg.decode_concurrency,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    cli.run(PROG, lambda: _main(settings.load(ServerConfig, argv, PROG)),
-            kept="saved states are in --cache-dir, if given")  # fmt: skip
+    cli.run(
+        PROG,
+        lambda: _main(settings.load(ServerConfig, argv, PROG)),
+        kept="saved states are in --cache-dir, if given",
+    )
 
 
 def _main(cfg: ServerConfig) -> None:
@@ -301,12 +316,20 @@ def _main(cfg: ServerConfig) -> None:
     configure_and_prepare()
     engine = build(cfg, log=lambda line: print(line, file=sys.stderr))
     if not loopback(cfg.host) and not cfg.api_key:
-        print(f"{PROG}: warning: listening on {cfg.host} with no --api-key: anyone who reaches "
-              "it can use it", file=sys.stderr)  # fmt: skip
+        print(
+            f"{PROG}: warning: listening on {cfg.host} with no --api-key: anyone who reaches "
+            "it can use it",
+            file=sys.stderr,
+        )
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s: %(message)s")
-    config = uvicorn.Config(create_app(engine, cfg), host=cfg.host, port=cfg.port,
-                            log_level=cfg.log_level, lifespan="off",  # no start-up work
-                            timeout_graceful_shutdown=cfg.shutdown_timeout)  # fmt: skip
+    config = uvicorn.Config(
+        create_app(engine, cfg),
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level,
+        lifespan="off",  # no start-up work
+        timeout_graceful_shutdown=cfg.shutdown_timeout,
+    )
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # the main thread's handlers below
     http = threading.Thread(target=server.run, name="http", daemon=True)
@@ -332,10 +355,15 @@ def _main(cfg: ServerConfig) -> None:
         while not (server.started or not http.is_alive()):
             time.sleep(0.01)
         if not server.started:
-            raise UsageError(f"cannot listen on {cfg.host}:{cfg.port} (in use, or not an "
-                             "address of this machine)")  # fmt: skip
-        print(f"{PROG}: serving {', '.join(engine.served)} at http://{cfg.host}:{cfg.port}/v1",
-              file=sys.stderr, flush=True)  # fmt: skip
+            raise UsageError(
+                f"cannot listen on {cfg.host}:{cfg.port} (in use, or not an "
+                "address of this machine)"
+            )
+        print(
+            f"{PROG}: serving {', '.join(engine.served)} at http://{cfg.host}:{cfg.port}/v1",
+            file=sys.stderr,
+            flush=True,
+        )
         engine.run(until=lambda: not http.is_alive())  # it ends after a signal
     finally:
         deadline.cancel()

@@ -84,8 +84,7 @@ def grammar_of(response_format: ResponseFormat | None, table) -> str | None:
         raise bad(f"response_format: not a JSON schema ({e})", "response_format") from None
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, table)
     if failed:
-        raise bad(f"response_format: the schema cannot be used: {messages[0]}",
-                  "response_format")  # fmt: skip
+        raise bad(f"response_format: the schema cannot be used: {messages[0]}", "response_format")
     return grammar
 
 
@@ -104,8 +103,10 @@ def tool_grammar(kind: str, tools: list[dict], name: str | None, table) -> str:
     import llguidance
 
     if kind not in FORCED_CALLS:
-        raise bad(f"tool_choice: this model's tool-call format ({kind}) can only be auto or "
-                  "none", "tool_choice")  # fmt: skip
+        raise bad(
+            f"tool_choice: this model's tool-call format ({kind}) can only be auto or none",
+            "tool_choice",
+        )
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not chosen:
         raise bad(f"tool_choice: no tool is named {name!r}", "tool_choice")

@@ -99,9 +99,15 @@ def build(cfg: TrainConfig) -> Built:
             targets = cfg.lora_targets or default_targets(model)
             paths = target_paths(model, targets, cfg.num_layers)
             check_rank(model, paths, cfg.lora_rank)
-            apply_lora(model, paths, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
-                       dropout=cfg.lora_dropout, dora=cfg.mode == "dora",
-                       variant=cfg.mode if cfg.mode in VARIANTS else None)  # fmt: skip
+            apply_lora(
+                model,
+                paths,
+                rank=cfg.lora_rank,
+                alpha=cfg.lora_alpha,
+                dropout=cfg.lora_dropout,
+                dora=cfg.mode == "dora",
+                variant=cfg.mode if cfg.mode in VARIANTS else None,
+            )
             if cfg.parallel > 1:
                 parallel.stack_adapters(model, cfg.parallel)
         elif cfg.mode == "state":

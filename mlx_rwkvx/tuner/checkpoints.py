@@ -85,14 +85,42 @@ def trained_tensors(model: Model, mode: str) -> dict[str, mx.array]:
 
 # settings that decide what the trained tensors are and which batches come next: a run
 # resumes only with the ones it was started with
-RESUME_FIXED = ("mode", "train_mode", "beta", "dpo_loss", "lora_rank", "lora_alpha",
-                "lora_targets", "num_layers", "quantize", "dtype", "init", "sql", "skip_bad",
-                "mask_prompt", "max_seq_len", "batch_size", "grad_accum", "seed", "carry_state",
-                "max_cache", "parallel")  # fmt: skip
+RESUME_FIXED = (
+    "mode",
+    "train_mode",
+    "beta",
+    "dpo_loss",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "num_layers",
+    "quantize",
+    "dtype",
+    "init",
+    "sql",
+    "skip_bad",
+    "mask_prompt",
+    "max_seq_len",
+    "batch_size",
+    "grad_accum",
+    "seed",
+    "carry_state",
+    "max_cache",
+    "parallel",
+)
 
 
-def save_checkpoint(out: Path, state, model: Model, optimizer, *, config: dict, settings: dict,
-                    base: str, full: bool) -> None:  # fmt: skip
+def save_checkpoint(
+    out: Path,
+    state,
+    model: Model,
+    optimizer,
+    *,
+    config: dict,
+    settings: dict,
+    base: str,
+    full: bool,
+) -> None:
     """The three files of the checkpoint of ``state`` (a ``TrainState``), the manifest last;
     each atomically. ``config``: the adapter config its metadata holds; ``settings``: the
     run's, which ``--resume`` compares; ``base``: the base's fingerprint; ``full``: every
@@ -108,8 +136,17 @@ def save_checkpoint(out: Path, state, model: Model, optimizer, *, config: dict, 
         raise
 
 
-def _save_checkpoint(out: Path, state, model, optimizer, names: dict[str, str], config: dict,
-                     settings: dict, base: str, full: bool) -> None:  # fmt: skip
+def _save_checkpoint(
+    out: Path,
+    state,
+    model,
+    optimizer,
+    names: dict[str, str],
+    config: dict,
+    settings: dict,
+    base: str,
+    full: bool,
+) -> None:
     if full:
         with atomic_target(str(out / names["weights"]), folder=False) as tmp:
             metadata = {"adapter_config": json.dumps(config)}
@@ -143,8 +180,9 @@ def _read_checkpoint_file(path: Path, step: int):
         raise TrainError(f"--resume: {e}; {hint}") from None
 
 
-def load_checkpoint(out: Path, step: int, state, model: Model, optimizer, *, settings: dict,
-                    base: str, full: bool) -> None:  # fmt: skip
+def load_checkpoint(
+    out: Path, step: int, state, model: Model, optimizer, *, settings: dict, base: str, full: bool
+) -> None:
     """Restore ``state`` (a ``TrainState``), the model's trained tensors and the optimizer from
     checkpoint ``step``: TrainError when it was made by a run with other ``settings`` (see
     RESUME_FIXED) or on another ``base``, its tensors do not fit, or a file of it cannot be
@@ -156,20 +194,30 @@ def load_checkpoint(out: Path, step: int, state, model: Model, optimizer, *, set
         then["init"] = INIT_ALIASES.get(then["init"], then["init"])
     changed = [k for k in RESUME_FIXED if k in then and then[k] != settings.get(k)]
     if changed:
-        was = ", ".join(f"{k.replace('_', '-')} {then[k]!r} (now {settings.get(k)!r})"
-                        for k in changed)  # fmt: skip
-        raise TrainError(f"--resume: checkpoint_{step} was trained with {was}; resume with the "
-                         "run's settings or start a new --output")  # fmt: skip
+        was = ", ".join(
+            f"{k.replace('_', '-')} {then[k]!r} (now {settings.get(k)!r})" for k in changed
+        )
+        raise TrainError(
+            f"--resume: checkpoint_{step} was trained with {was}; resume with the "
+            "run's settings or start a new --output"
+        )
     if meta.get("base", base) != base:
         raise TrainError(f"--resume: checkpoint_{step} was trained on another base model")
     if int(meta.get("ranks", 1)) != state.ranks:  # each rank's share of the data depends on it
-        raise TrainError(f"--resume: checkpoint_{step} was trained on {meta.get('ranks', 1)} "
-                         f"ranks, this run has {state.ranks}; resume with as many")  # fmt: skip
-    others = [k for k in ("lr", "warmup", "weight_decay", "grad_clip", "iters", "epochs", "data")
-              if k in then and then[k] != settings.get(k)]  # fmt: skip
+        raise TrainError(
+            f"--resume: checkpoint_{step} was trained on {meta.get('ranks', 1)} "
+            f"ranks, this run has {state.ranks}; resume with as many"
+        )
+    others = [
+        k
+        for k in ("lr", "warmup", "weight_decay", "grad_clip", "iters", "epochs", "data")
+        if k in then and then[k] != settings.get(k)
+    ]
     if others:
-        print(f"note: resuming with other {', '.join(others)} than checkpoint_{step}'s run",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"note: resuming with other {', '.join(others)} than checkpoint_{step}'s run",
+            file=sys.stderr,
+        )
     weights, _ = _read_checkpoint_file(out / names["weights"], step)
     trained = trained_tensors(model, "full" if full else "adapter")
     expected = {n: tuple(x.shape) for n, x in trained.items()}

@@ -26,12 +26,26 @@ TRAIN_MODES = ("sft", "dpo", "orpo")
 #   tuning requires a very high learning rate");
 # - pretraining: 6e-4, the start of RWKV-LM's x070 MiniPile demo run (its train_log).
 # - PiSSA and MiSS: LoRA's (RWKV-PEFT trains them as it trains LoRA);
-DEFAULT_LR = {"lora": 2e-5, "dora": 2e-5, "pissa": 2e-5, "miss": 2e-5, "full": 2e-5, "state": 1.0,
-              "pretrain": 6e-4}  # fmt: skip
+DEFAULT_LR = {
+    "lora": 2e-5,
+    "dora": 2e-5,
+    "pissa": 2e-5,
+    "miss": 2e-5,
+    "full": 2e-5,
+    "state": 1.0,
+    "pretrain": 6e-4,
+}
 # where the cosine decay ends, as a fraction of the learning rate: Foundry's cosine annealing
 # to zero; RWKV-PEFT's 1 -> 0.01 for states; a tenth for pretraining (our choice)
-FINAL_LR_RATIO = {"lora": 0.0, "dora": 0.0, "pissa": 0.0, "miss": 0.0, "full": 0.0, "state": 0.01,
-                  "pretrain": 0.1}  # fmt: skip
+FINAL_LR_RATIO = {
+    "lora": 0.0,
+    "dora": 0.0,
+    "pissa": 0.0,
+    "miss": 0.0,
+    "full": 0.0,
+    "state": 0.01,
+    "pretrain": 0.1,
+}
 DEFAULT_WARMUP = {"state": 10}  # else Foundry's 100
 DEFAULT_MAX_CACHE = 2048  # Foundry's KV cache length
 SEED_MAX = 2**64 - 1  # MLX's generator takes a seed in [0, 2^64)
@@ -51,20 +65,28 @@ class TrainConfig(Settings):
         "training data: a .jsonl, .bin, .sqlite/.db file or an mlx-lm style folder"
     )
     output: str | None = opt("output folder (checkpoints, adapter, metrics)", "adapter_path")
-    mode: str = opt(f"what is trained: one of {MODES}", "fine_tune_type", default="lora",
-                    choices=MODES)  # fmt: skip
-    train_mode: str = opt("how: sft (the token loss of the data's answers), or preference "
-                          "training on prompt/chosen/rejected pairs: dpo (against the model as "
-                          "it starts) or orpo (no reference)", "training_mode", default="sft",
-                          choices=TRAIN_MODES)  # fmt: skip
+    mode: str = opt(
+        f"what is trained: one of {MODES}", "fine_tune_type", default="lora", choices=MODES
+    )
+    train_mode: str = opt(
+        "how: sft (the token loss of the data's answers), or preference "
+        "training on prompt/chosen/rejected pairs: dpo (against the model as "
+        "it starts) or orpo (no reference)",
+        "training_mode",
+        default="sft",
+        choices=TRAIN_MODES,
+    )
     beta: float = opt(
         "dpo: beta, the strength of the pull from the reference; orpo: lambda, "
         "the weight of the odds-ratio term (TRL calls both beta)",
         default=0.1,
         gt=0,
     )
-    dpo_loss: str = opt("dpo's loss: sigmoid (the paper's), ipo or hinge", default="sigmoid",
-                        choices=("sigmoid", "ipo", "hinge"))  # fmt: skip
+    dpo_loss: str = opt(
+        "dpo's loss: sigmoid (the paper's), ipo or hinge",
+        default="sigmoid",
+        choices=("sigmoid", "ipo", "hinge"),
+    )
     lora_rank: int = opt("LoRA rank", "rank", default=32, ge=1)
     lora_alpha: float = opt("LoRA alpha (scale = alpha / rank)", default=64.0, gt=0)
     lora_scale: float | None = opt(
@@ -108,17 +130,21 @@ class TrainConfig(Settings):
         ge=1,
     )
     batch_size: int = opt("examples per step (with --parallel: per adapter)", default=1, ge=1)
-    parallel: int = opt("LoRA only: split the data into N equal parts and train N adapters at "
-                        "once from one init (one batched forward), saved as thread_<i> and "
-                        "averaged (FedAvg) into adapter_final (rfa_train's --parallel)",
-                        default=1, ge=1)  # fmt: skip
+    parallel: int = opt(
+        "LoRA only: split the data into N equal parts and train N adapters at "
+        "once from one init (one batched forward), saved as thread_<i> and "
+        "averaged (FedAvg) into adapter_final (rfa_train's --parallel)",
+        default=1,
+        ge=1,
+    )
     grad_accum: int = opt("micro-batches per step", "grad_accumulation_steps", default=1, ge=1)
     warmup: int | None = opt("linear warm-up steps (default: 100; state tuning 10)", ge=0)
     save_every: int = opt("checkpoint every N steps", default=1000, ge=1)
     log_every: int = opt("a log line every N steps", "steps_per_report", default=10, ge=1)
     val_data: str | None = opt("validation data (default: the data folder's valid.jsonl, if any)")
-    val_every: int = opt("validation loss every N steps (0: at the end only)", "steps_per_eval",
-                         default=0, ge=0)  # fmt: skip
+    val_every: int = opt(
+        "validation loss every N steps (0: at the end only)", "steps_per_eval", default=0, ge=0
+    )
     val_batches: int | None = opt(
         "batches of each validation (default: all; -1: all)", ge=1, also=(-1,)
     )
@@ -134,23 +160,26 @@ class TrainConfig(Settings):
         "base weights' dtype: float32, bfloat16, float16 (default: as stored)",
         choices=("float32", "bfloat16", "float16"),
     )
-    init: str = opt("--mode pretrain: pretrain (RWKV-7's published init) or foundry (Foundry's; "
-                    "seeds is its older name)", default="pretrain",
-                    choices=("pretrain", "foundry", "seeds"))  # fmt: skip
-    seed: int = opt(
-        "random seed (adapter init, data order, dropout)", default=0, ge=0, le=SEED_MAX
+    init: str = opt(
+        "--mode pretrain: pretrain (RWKV-7's published init) or foundry (Foundry's; "
+        "seeds is its older name)",
+        default="pretrain",
+        choices=("pretrain", "foundry", "seeds"),
     )
-    resume: bool = opt("continue the run in --output from its newest complete checkpoint",
-                       default=False)  # fmt: skip
-    grad_checkpoint: bool = opt("recompute each block in the backward (less memory)",
-                                default=False)  # fmt: skip
-    mask_prompt: bool = opt("the loss on answers only: chat assistant turns, completions "
-                            "(--no-mask-prompt: on every token)", default=True)  # fmt: skip
-    sql: str | None = opt(
-        "with an SQLite --data: a query returning (conversation, role, content)"
+    seed: int = opt("random seed (adapter init, data order, dropout)", default=0, ge=0, le=SEED_MAX)
+    resume: bool = opt(
+        "continue the run in --output from its newest complete checkpoint", default=False
     )
-    skip_bad: bool = opt("skip bad examples (counted and reported) instead of stopping",
-                         default=False)  # fmt: skip
+    grad_checkpoint: bool = opt("recompute each block in the backward (less memory)", default=False)
+    mask_prompt: bool = opt(
+        "the loss on answers only: chat assistant turns, completions "
+        "(--no-mask-prompt: on every token)",
+        default=True,
+    )
+    sql: str | None = opt("with an SQLite --data: a query returning (conversation, role, content)")
+    skip_bad: bool = opt(
+        "skip bad examples (counted and reported) instead of stopping", default=False
+    )
     plot: bool = opt("write loss.png (needs matplotlib: the plot extra)", default=False)
 
     def check_together(self) -> None:
@@ -227,8 +256,10 @@ class TrainConfig(Settings):
         unused = [name for name in MODE_ONLY if mode_only_problem(name, mode) and name in found]
         if unused:
             verb = "does" if len(unused) == 1 else "do"
-            print(f"note: --config: {', '.join(unused)} {verb} not apply to --mode {mode}: "
-                  "ignored", file=sys.stderr)  # fmt: skip
+            print(
+                f"note: --config: {', '.join(unused)} {verb} not apply to --mode {mode}: ignored",
+                file=sys.stderr,
+            )
             for name in unused:
                 found.pop(name)
         return {**found, **flags}
@@ -288,10 +319,14 @@ class TrainConfig(Settings):
 LORA_MODES = ("lora", "dora", "pissa", "miss")
 SCALED_MODES = ("lora", "dora", "pissa")  # MiSS has no scale
 MODE_ONLY = {
-    "lora_rank": LORA_MODES, "lora_alpha": SCALED_MODES, "lora_scale": SCALED_MODES,
-    "lora_dropout": LORA_MODES, "lora_targets": LORA_MODES, "num_layers": LORA_MODES,
+    "lora_rank": LORA_MODES,
+    "lora_alpha": SCALED_MODES,
+    "lora_scale": SCALED_MODES,
+    "lora_dropout": LORA_MODES,
+    "lora_targets": LORA_MODES,
+    "num_layers": LORA_MODES,
     "init": ("pretrain",),
-}  # fmt: skip
+}
 
 
 def mode_only_problem(name: str, mode: str) -> str | None:
@@ -346,8 +381,12 @@ def _read_yaml(data: dict) -> dict:
                 out.setdefault("weight_decay", 0.0)  # Adam (a setting of its own may follow)
             continue
         if key == "lora_parameters" and isinstance(value, dict):  # mlx-lm's block
-            for inner, ours in (("rank", "lora_rank"), ("scale", "lora_scale"),
-                                ("alpha", "lora_alpha"), ("dropout", "lora_dropout")):  # fmt: skip
+            for inner, ours in (
+                ("rank", "lora_rank"),
+                ("scale", "lora_scale"),
+                ("alpha", "lora_alpha"),
+                ("dropout", "lora_dropout"),
+            ):
                 if inner in value:
                     out[ours] = _typed(ours, value[inner])
             if value.get("keys"):

@@ -75,8 +75,11 @@ def rank_share(examples, group):
             f"{len(examples)} training examples for {size} ranks: too few for one each"
         )
     if keep < len(examples) and group.rank() == 0:
-        print(f"note: {len(examples) - keep} of {len(examples)} examples left out: every one of "
-              f"the {size} ranks trains as many", file=sys.stderr)  # fmt: skip
+        print(
+            f"note: {len(examples) - keep} of {len(examples)} examples left out: every one of "
+            f"the {size} ranks trains as many",
+            file=sys.stderr,
+        )
     return examples[group.rank() : keep : size]
 
 
@@ -114,6 +117,7 @@ def peers_lost(group):
     except RuntimeError as e:
         if group is None or PEER_LOST not in str(e):
             raise
-        raise TrainError(f"rank {group.rank()}: another rank stopped, and this one with it (its "
-                         "own message says why); the checkpoints saved before are kept"
-                         ) from e  # fmt: skip
+        raise TrainError(
+            f"rank {group.rank()}: another rank stopped, and this one with it (its "
+            "own message says why); the checkpoints saved before are kept"
+        ) from e

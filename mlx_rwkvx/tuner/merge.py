@@ -83,8 +83,10 @@ def weights_of(adapters: list[Adapter], weights) -> np.ndarray:
         tokens = [a.config.get("tokens_trained") for a in adapters]
         missing = [a.path for a, t in zip(adapters, tokens, strict=True) if not t]
         if missing:
-            raise MergeError(f"--weights auto: {missing[0]} does not say how many tokens it "
-                             "trained on (tokens_trained); give the weights")  # fmt: skip
+            raise MergeError(
+                f"--weights auto: {missing[0]} does not say how many tokens it "
+                "trained on (tokens_trained); give the weights"
+            )
         w = np.array(tokens, dtype=np.float64)
     else:
         w = np.array(list(weights), dtype=np.float64)
@@ -136,7 +138,7 @@ def check(adapters: list[Adapter], method: str, force: bool = False) -> None:
                         " (delta or concat merge adapters of different ranks)"
                         if method == "fedavg" and leaf != "state0"
                         else ""
-                    )  # fmt: skip
+                    )
                 )
     if first.kind == "dora" and method != "fedavg":
         raise MergeError(f"DoRA adapters merge by fedavg only (--method {method} needs LoRA)")
@@ -158,8 +160,10 @@ def merge(adapters: list[Adapter], method: str, weights: np.ndarray, rank: int |
         raise MergeError(f"unknown method {method!r}; one of {list(METHODS)}")
     weights = np.asarray(weights, dtype=np.float64)
     if weights.shape != (len(adapters),) or not np.isclose(weights.sum(), 1.0):
-        raise MergeError(f"merge: one weight per adapter summing to 1 ({len(adapters)} adapters), "
-                         f"got {weights.tolist()} (weights_of makes them)")  # fmt: skip
+        raise MergeError(
+            f"merge: one weight per adapter summing to 1 ({len(adapters)} adapters), "
+            f"got {weights.tolist()} (weights_of makes them)"
+        )
     first = adapters[0]
     out: dict[str, np.ndarray] = {}
     report = {"relative_error": 0.0, "max_relative_error": 0.0}
@@ -187,10 +191,12 @@ def merge(adapters: list[Adapter], method: str, weights: np.ndarray, rank: int |
     for module in first.modules():
         A = np.concatenate([a.tensors[f"{module}.lora_a"] for a in adapters], axis=1)
         B = np.concatenate(
-            [w * a.scale * a.tensors[f"{module}.lora_b"] for w, a in zip(weights, adapters,
-                                                                         strict=True)],
+            [
+                w * a.scale * a.tensors[f"{module}.lora_b"]
+                for w, a in zip(weights, adapters, strict=True)
+            ],
             axis=0,
-        )  # fmt: skip
+        )
         if method == "concat":  # scale * A @ (B / scale) is the average exactly
             out[f"{module}.lora_a"], out[f"{module}.lora_b"] = A, B / scale
             continue
@@ -291,11 +297,17 @@ def merge_adapters(
 def _check_output(out: str, fuse_into, overwrite: bool) -> None:
     single = out.endswith(".safetensors")
     if fuse_into:
-        check_target(out, overwrite=overwrite, folder=not single, recognise=is_checkpoint,
-                     kind="a model")  # fmt: skip
+        check_target(
+            out, overwrite=overwrite, folder=not single, recognise=is_checkpoint, kind="a model"
+        )
     elif single:
-        check_target(out, overwrite=overwrite, folder=False, recognise=is_adapter_file,
-                     kind="an adapter file")  # fmt: skip
+        check_target(
+            out,
+            overwrite=overwrite,
+            folder=False,
+            recognise=is_adapter_file,
+            kind="an adapter file",
+        )
     else:
         _check_adapter_folder(out, overwrite)
 
@@ -341,8 +353,13 @@ def _is_adapter_folder(path: str) -> bool:
 
 
 def _check_adapter_folder(path: str, overwrite: bool) -> None:
-    check_target(path, overwrite=overwrite, folder=True, recognise=_is_adapter_folder,
-                 kind="an adapter folder")  # fmt: skip
+    check_target(
+        path,
+        overwrite=overwrite,
+        folder=True,
+        recognise=_is_adapter_folder,
+        kind="an adapter folder",
+    )
     if os.path.isdir(path) and not os.path.islink(path):  # a link: replaced, its folder kept
         lost = sorted(set(os.listdir(path)) - {FINAL_ADAPTER, ADAPTER_CONFIG, ".DS_Store"})
         if lost:

@@ -24,8 +24,15 @@ def _no_decay(path: str, param) -> bool:
     return param.ndim < 2 or not path.endswith(".weight") or bool(_LOW_RANK.search(path))
 
 
-def make_optimizer(total_steps: int, *, lr: float, warmup: int = 0, weight_decay: float = 0.0,
-                   final_lr: float = 0.0, rwkv_groups: bool = False):  # fmt: skip
+def make_optimizer(
+    total_steps: int,
+    *,
+    lr: float,
+    warmup: int = 0,
+    weight_decay: float = 0.0,
+    final_lr: float = 0.0,
+    rwkv_groups: bool = False,
+):
     """(optimizer, schedule): AdamW with ``warmup`` steps of linear warm-up, then cosine decay
     from ``lr`` to ``final_lr`` at ``total_steps``; ``rwkv_groups`` (full fine-tuning and
     pretraining): no weight decay on norms, biases and other vectors and low-rank matrices
@@ -46,6 +53,11 @@ def make_optimizer(total_steps: int, *, lr: float, warmup: int = 0, weight_decay
 def optimizer_for(cfg: TrainConfig, total_steps: int):
     """``make_optimizer`` as a run's (resolved) settings ask: the mode's final rate, RWKV's
     weight-decay groups for full fine-tuning and pretraining."""
-    return make_optimizer(total_steps, lr=cfg.lr, warmup=cfg.warmup,
-                          weight_decay=cfg.weight_decay, final_lr=cfg.lr * FINAL_LR_RATIO[cfg.mode],
-                          rwkv_groups=cfg.mode in ("full", "pretrain"))  # fmt: skip
+    return make_optimizer(
+        total_steps,
+        lr=cfg.lr,
+        warmup=cfg.warmup,
+        weight_decay=cfg.weight_decay,
+        final_lr=cfg.lr * FINAL_LR_RATIO[cfg.mode],
+        rwkv_groups=cfg.mode in ("full", "pretrain"),
+    )

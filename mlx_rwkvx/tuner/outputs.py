@@ -34,16 +34,19 @@ def check_inputs(out: Path, inputs: dict[str, str | None]) -> str:
     (``{"model": path, "data": path, ...}``: training only adds files, and never over what it
     reads)."""
     real = check_not_unsafe(out, "--output")
-    written = [os.path.join(real, name) for name in (MODEL_DIR, FINAL_ADAPTER, ADAPTER_CONFIG,
-                                                      METRICS)]  # fmt: skip
+    written = [
+        os.path.join(real, name) for name in (MODEL_DIR, FINAL_ADAPTER, ADAPTER_CONFIG, METRICS)
+    ]
     for name, given in inputs.items():
         if not given or not os.path.lexists(given):
             continue
         source = os.path.realpath(given)
         if source == real or source in written or source.startswith(written[0] + os.sep):
             what = "is" if source == real else "would write over"
-            raise TrainError(f"--output {out}: {what} the --{name.replace('_', '-')} {given}; "
-                             "choose another output folder")  # fmt: skip
+            raise TrainError(
+                f"--output {out}: {what} the --{name.replace('_', '-')} {given}; "
+                "choose another output folder"
+            )
     return real
 
 
@@ -66,19 +69,22 @@ def check_output(out: Path, resume: bool) -> None:
     ours = [p for p in out.iterdir() if p.name in named or _WRITTEN.match(p.name)]
     links = [p.name for p in ours if p.is_symlink()]
     if links:
-        raise TrainError(f"--output {out}: {links[0]} is a symbolic link; a run writes its own "
-                         "files there, never through a link: choose another folder")  # fmt: skip
+        raise TrainError(
+            f"--output {out}: {links[0]} is a symbolic link; a run writes its own "
+            "files there, never through a link: choose another folder"
+        )
     if resume:
         if newest_checkpoint(out) is None:
-            raise TrainError(f"--output {out}: --resume, but there is no complete checkpoint "
-                             "there")  # fmt: skip
+            raise TrainError(f"--output {out}: --resume, but there is no complete checkpoint there")
         return
     others = [p.name for p in ours if p.name != METRICS or not is_metrics(p)]
     if newest_checkpoint(out) is not None or any(n in (FINAL_ADAPTER, MODEL_DIR) for n in others):
         raise TrainError(f"--output {out}: holds another run; pass --resume or choose a folder")
     if others:
-        raise TrainError(f"--output {out}: holds {sorted(others)[:4]}, which a run writes; "
-                         "choose an empty or new folder")  # fmt: skip
+        raise TrainError(
+            f"--output {out}: holds {sorted(others)[:4]}, which a run writes; "
+            "choose an empty or new folder"
+        )
 
 
 def is_metrics(path: Path) -> bool:
@@ -122,8 +128,9 @@ def keep_metrics(path: Path, step: int) -> None:
 
 def metrics_line(record: dict) -> str:
     """One line of metrics.jsonl: strict JSON, a value that is not finite written as null."""
-    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-             for k, v in record.items()}  # fmt: skip
+    clean = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
     return json.dumps(clean, allow_nan=False) + "\n"
 
 
@@ -142,8 +149,16 @@ class Metrics:
         self._file.close()
 
 
-def write_final(out: Path, model, *, full: bool, tokenizer, config: dict, settings: dict,
-                stack_tokens: list[int]) -> None:  # fmt: skip
+def write_final(
+    out: Path,
+    model,
+    *,
+    full: bool,
+    tokenizer,
+    config: dict,
+    settings: dict,
+    stack_tokens: list[int],
+) -> None:
     """The run's result: ``adapter_final.safetensors`` and ``adapter_config.json`` (``config``,
     with the run's ``settings``; with --parallel's ``stack_tokens`` also ``thread_<i>``,
     rfa_train's name), or, ``full`` (full fine-tuning, pretraining), a native model folder

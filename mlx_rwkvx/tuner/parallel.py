@@ -156,8 +156,11 @@ def parts(examples: list, n: int) -> list[list]:
         raise TrainError(str(e)) from e
     left = len(examples) - n * len(split[0])
     if left:
-        print(f"note: --parallel {n}: {left} of {len(examples)} examples left out (the "
-              "parts are equal: the remainder of the division)", file=sys.stderr)  # fmt: skip
+        print(
+            f"note: --parallel {n}: {left} of {len(examples)} examples left out (the "
+            "parts are equal: the remainder of the division)",
+            file=sys.stderr,
+        )
     return split
 
 

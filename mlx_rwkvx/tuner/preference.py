@@ -60,8 +60,9 @@ def _turns(value, name: str) -> list[dict]:
 
 def pair_of(tokenizer, record: dict, source: str = "") -> Pair:
     """The ``Pair`` of one preference record (``BadRecord`` for a record that is not one)."""
-    if not isinstance(record, dict) or not all(k in record for k in ("prompt", "chosen",
-                                                                     "rejected")):  # fmt: skip
+    if not isinstance(record, dict) or not all(
+        k in record for k in ("prompt", "chosen", "rejected")
+    ):
         raise BadRecord("expected 'prompt', 'chosen' and 'rejected' fields")
     prompt = record["prompt"]
     if isinstance(prompt, str):
@@ -81,20 +82,28 @@ def pair_of(tokenizer, record: dict, source: str = "") -> Pair:
     sides = []
     for name in ("chosen", "rejected"):
         # the prompt's own assistant turns are context: only the answer's are scored
-        tokens, trained = chat_tokens(tokenizer, messages + _turns(record[name], name), None,
-                                first=len(messages))  # fmt: skip
+        tokens, trained = chat_tokens(
+            tokenizer, messages + _turns(record[name], name), None, first=len(messages)
+        )
         start = int(np.argmax(trained))
         end = len(trained) - int(np.argmax(trained[::-1]))  # after the last trained token
         sides.append((tokens, start, end, trained))
     (tc, sc, ec, mc), (tr, sr, er, mr) = sides
     if sc != sr or not np.array_equal(tc[:sc], tr[:sr]):
         raise BadRecord("the chosen and rejected conversations do not share the prompt's tokens")
-    return Pair(tc[:sc].astype(np.int32), tc[sc:ec].astype(np.int32), mc[sc:ec],
-                tr[sr:er].astype(np.int32), mr[sr:er], source)  # fmt: skip
+    return Pair(
+        tc[:sc].astype(np.int32),
+        tc[sc:ec].astype(np.int32),
+        mc[sc:ec],
+        tr[sr:er].astype(np.int32),
+        mr[sr:er],
+        source,
+    )
 
 
-def load_pairs(path: str, tokenizer, *, max_seq_len: int | None = None,
-               vocab_size: int | None = None) -> list[Pair]:  # fmt: skip
+def load_pairs(
+    path: str, tokenizer, *, max_seq_len: int | None = None, vocab_size: int | None = None
+) -> list[Pair]:
     """The pairs of a preference ``.jsonl`` (one DataError naming the line for a bad one);
     ``max_seq_len``: the prompt and the longer answer together, at most."""
     vocab = vocab_size or getattr(tokenizer, "vocab_size", None)
@@ -197,8 +206,17 @@ class PreferenceTerms:
     chosen_nll: mx.array  # the chosen answers' mean token NLL, summed over pairs
 
 
-def dpo_loss(policy_c, policy_r, ref_c, ref_r, *, beta: float, kind: str = "sigmoid",
-             count_c=None, count_r=None):  # fmt: skip
+def dpo_loss(
+    policy_c,
+    policy_r,
+    ref_c,
+    ref_r,
+    *,
+    beta: float,
+    kind: str = "sigmoid",
+    count_c=None,
+    count_r=None,
+):
     """DPO's loss of each pair and the rewards ``β (π - ρ)``, with
     ``h = (π_c - ρ_c) - (π_r - ρ_r)``: ``sigmoid`` (the DPO paper's ``-log σ(β h)``) and
     ``hinge`` (``max(0, 1 - β h)``) on the answers' summed log-probabilities, ``ipo``
@@ -241,8 +259,9 @@ def orpo_loss(policy_c, policy_r, count_c, count_r, *, lam: float):
     return losses, lam * log_odds(mean_c), lam * log_odds(mean_r)
 
 
-def preference_loss(mode: str, policy, reference=None, *, beta: float = 0.1,
-                    kind: str = "sigmoid", lam: float = 0.1) -> PreferenceTerms:  # fmt: skip
+def preference_loss(
+    mode: str, policy, reference=None, *, beta: float = 0.1, kind: str = "sigmoid", lam: float = 0.1
+) -> PreferenceTerms:
     """``mode`` ``"dpo"`` (with ``reference``: the chosen and rejected of ``pair_logprobs`` of
     the reference model, on the same pairs) or ``"orpo"`` (no reference) of ``policy``
     (``pair_logprobs`` of the trained model, whose token counts IPO and ORPO average by)."""
@@ -250,8 +269,9 @@ def preference_loss(mode: str, policy, reference=None, *, beta: float = 0.1,
     if mode == "dpo":
         if reference is None:
             raise ValueError("dpo needs the reference model's log-probabilities")
-        losses, rc, rr = dpo_loss(pc, pr, reference[0], reference[1], beta=beta, kind=kind,
-                                  count_c=cc, count_r=cr)  # the reference's counts are the policy's
+        losses, rc, rr = dpo_loss(
+            pc, pr, reference[0], reference[1], beta=beta, kind=kind, count_c=cc, count_r=cr
+        )  # the reference's counts are the policy's
     elif mode == "orpo":
         losses, rc, rr = orpo_loss(pc, pr, cc, cr, lam=lam)
     else:

@@ -111,9 +111,18 @@ class PreferenceStep:
     updated when the loss or the norm is not finite. ``reference``: ``[len(pairs), 2]``, the
     reference model's log-probabilities (``reference_logprobs``; ORPO: unused)."""
 
-    def __init__(self, model, optimizer, pairs: list[Pair], reference: np.ndarray, *,
-                 terms: Callable, grad_clip: float = 1.0, grad_checkpoint: bool = False,
-                 group=None):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        optimizer,
+        pairs: list[Pair],
+        reference: np.ndarray,
+        *,
+        terms: Callable,
+        grad_clip: float = 1.0,
+        grad_checkpoint: bool = False,
+        group=None,
+    ):
         self.model, self.optimizer, self.pairs, self.reference = model, optimizer, pairs, reference
         self.grad_clip = grad_clip
         self.group = group if group is not None and group.size() > 1 else None
@@ -129,8 +138,9 @@ class PreferenceStep:
         for indices in micro_batches:
             batch = [self.pairs[i] for i in indices]
             ref = self.reference[indices]
-            values, g = self.loss_and_grad(self.model, batch, mx.array(ref[:, 0]),
-                                           mx.array(ref[:, 1]))  # fmt: skip
+            values, g = self.loss_and_grad(
+                self.model, batch, mx.array(ref[:, 0]), mx.array(ref[:, 1])
+            )
             values = mx.stack(values)
             sums = values if sums is None else sums + values
             grads = g if grads is None else tree_map(mx.add, grads, g)
@@ -155,8 +165,15 @@ class PreferenceStep:
         return StepResult(sums["loss"], n, norm, [], flag.item() > 0, fed, _means(sums, n))
 
 
-def _evaluate(model, pairs: list[Pair], reference: np.ndarray, terms: Callable, batch_size: int,
-              max_batches, prefix: str) -> dict:  # fmt: skip
+def _evaluate(
+    model,
+    pairs: list[Pair],
+    reference: np.ndarray,
+    terms: Callable,
+    batch_size: int,
+    max_batches,
+    prefix: str,
+) -> dict:
     """The mean pair loss and terms over ``pairs`` (the first ``max_batches`` batches)."""
     was = model.training
     model.eval()
@@ -185,25 +202,29 @@ def task(cfg: TrainConfig, built, group, lead: bool) -> tuple[Task, RunData]:
     val_path = cfg.val_data or (cfg.data if os.path.isdir(cfg.data) else None)
     val = _pairs(built.tokenizer, vocab, "valid", val_path, cfg.max_seq_len) if lead else []
     if cfg.test:
-        print("--test: a preference run evaluates on valid.jsonl (no test split)",
-              file=sys.stderr)  # fmt: skip
+        print("--test: a preference run evaluates on valid.jsonl (no test split)", file=sys.stderr)
     if len(pairs) < size:
         share = f" (a rank's share, of {group.size()} ranks)" if group is not None else ""
-        raise TrainError(f"{len(pairs)} preference pairs{share}: fewer than --batch-size "
-                         f"{size}")  # fmt: skip
+        raise TrainError(f"{len(pairs)} preference pairs{share}: fewer than --batch-size {size}")
     dpo = cfg.train_mode == "dpo"
     logprobs = reference_logprobs if dpo else _no_reference
     reference, val_reference = logprobs(model, pairs, size), logprobs(model, val, size)
-    terms = partial(preference_loss, cfg.train_mode, beta=cfg.beta, kind=cfg.dpo_loss,
-                    lam=cfg.beta)  # fmt: skip
+    terms = partial(preference_loss, cfg.train_mode, beta=cfg.beta, kind=cfg.dpo_loss, lam=cfg.beta)
 
     def stream(position):
         return PairStream(len(pairs), size, cfg.seed, position)
 
     def step(model, optimizer, group):
-        return PreferenceStep(model, optimizer, pairs, reference, terms=terms,
-                              grad_clip=cfg.grad_clip, grad_checkpoint=cfg.grad_checkpoint,
-                              group=group)  # fmt: skip
+        return PreferenceStep(
+            model,
+            optimizer,
+            pairs,
+            reference,
+            terms=terms,
+            grad_clip=cfg.grad_clip,
+            grad_checkpoint=cfg.grad_checkpoint,
+            group=group,
+        )
 
     def validate(max_batches):
         return _evaluate(model, val, val_reference, terms, size, max_batches, "val_")

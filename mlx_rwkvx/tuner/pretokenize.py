@@ -25,10 +25,17 @@ PROGRESS_EVERY_LOG = 10.0  # ... and in a log, a line each
 SKIPS_SHOWN = 10  # bad records reported one by one under skip_bad; the rest are counted
 
 
-def pretokenize(data: str, output: str, tokenizer: str | None = None, *,
-                max_seq_len: int | None = None, weights: list[float] | None = None,
-                sql: str | None = None, skip_bad: bool = False,
-                overwrite: bool = False) -> list[tuple[str, int]]:  # fmt: skip
+def pretokenize(
+    data: str,
+    output: str,
+    tokenizer: str | None = None,
+    *,
+    max_seq_len: int | None = None,
+    weights: list[float] | None = None,
+    sql: str | None = None,
+    skip_bad: bool = False,
+    overwrite: bool = False,
+) -> list[tuple[str, int]]:
     """Tokenize ``data`` (a ``.jsonl``, SQLite with ``sql`` or ``.bin`` file, or an mlx-lm
     folder: then ``output`` is a folder receiving ``<split>.bin``) with ``tokenizer`` (see
     ``resolve_tokenizer``) into ``output``; ``weights``: write parts ``<base>_<i>.bin`` in
@@ -40,14 +47,20 @@ def pretokenize(data: str, output: str, tokenizer: str | None = None, *,
     if tokenizer not in (None, "world", "bytes"):  # a file, or a folder holding one
         names = ("tokenizer.json", WORLD_VOCAB) if os.path.isdir(tokenizer) else ("",)
         inputs += [os.path.join(tokenizer, name) if name else tokenizer for name in names]
-    outputs = [resolve_target(out, what="--output", inputs=inputs)
-               for _, _, outs in jobs for out in outs]  # fmt: skip
+    outputs = [
+        resolve_target(out, what="--output", inputs=inputs) for _, _, outs in jobs for out in outs
+    ]
     with ExitStack() as locks:
         for out in sorted(set(outputs)):
             locks.enter_context(output_lock(out, "--output"))
             remove_stale(os.path.dirname(out), os.path.basename(out))
-            check_target(out, overwrite=overwrite, folder=False, recognise=is_bin,
-                         kind="a pre-tokenized .bin (its counts do not fit its size)")  # fmt: skip
+            check_target(
+                out,
+                overwrite=overwrite,
+                folder=False,
+                recognise=is_bin,
+                kind="a pre-tokenized .bin (its counts do not fit its size)",
+            )
         if tokenizer is None and any(not file.endswith(".bin") for _, file, _ in jobs):
             raise UsageError(
                 "--tokenizer is needed to tokenize text: a tokenizer.json (or the model's "
@@ -58,8 +71,10 @@ def pretokenize(data: str, output: str, tokenizer: str | None = None, *,
             found = resolve_tokenizer(tokenizer) if tokenizer is not None else None
         except ValueError as e:
             raise UsageError(str(e)) from e
-        ready = [(outs, _read(file, found, max_seq_len, weights, sql, skip_bad))
-                 for _, file, outs in jobs]  # fmt: skip
+        ready = [
+            (outs, _read(file, found, max_seq_len, weights, sql, skip_bad))
+            for _, file, outs in jobs
+        ]
         written = []
         for outs, parts in ready:
             for out, part in zip(outs, parts, strict=True):
@@ -79,8 +94,15 @@ def _read(file: str, tokenizer, max_seq_len, weights, sql, skip_bad) -> list[lis
         shown.append(error)
 
     every = PROGRESS_EVERY_TTY if sys.stderr.isatty() else PROGRESS_EVERY_LOG
-    bar = tqdm(desc=os.path.basename(file), unit="B", unit_scale=True, leave=False,
-               mininterval=every, delay=every, file=sys.stderr)  # fmt: skip
+    bar = tqdm(
+        desc=os.path.basename(file),
+        unit="B",
+        unit_scale=True,
+        leave=False,
+        mininterval=every,
+        delay=every,
+        file=sys.stderr,
+    )
     seen = [0]
 
     def progress(done: int, total: int | None, records: int) -> None:
@@ -90,15 +112,23 @@ def _read(file: str, tokenizer, max_seq_len, weights, sql, skip_bad) -> list[lis
 
     started = time.perf_counter()
     try:
-        examples, skipped = load_examples(file, tokenizer, sql=sql, max_seq_len=max_seq_len,
-                                          skip_bad=skip_bad, on_skip=on_skip,
-                                          progress=progress)  # fmt: skip
+        examples, skipped = load_examples(
+            file,
+            tokenizer,
+            sql=sql,
+            max_seq_len=max_seq_len,
+            skip_bad=skip_bad,
+            on_skip=on_skip,
+            progress=progress,
+        )
     finally:
         bar.close()
     seconds, mb = time.perf_counter() - started, seen[0] / 1e6
     n_tokens = sum(len(e.tokens) for e in examples)
-    print(f"{file}: {len(examples):,} examples, {n_tokens:,} tokens from {mb:.1f} MB in "
-          f"{seconds:.1f} s ({mb / max(seconds, 1e-9):.2f} MB/s)")  # fmt: skip
+    print(
+        f"{file}: {len(examples):,} examples, {n_tokens:,} tokens from {mb:.1f} MB in "
+        f"{seconds:.1f} s ({mb / max(seconds, 1e-9):.2f} MB/s)"
+    )
     if skipped:
         print(f"{file}: skipped {skipped} bad records (--skip-bad)")
     note = cut_note(examples, max_seq_len, "--max-seq-len")
@@ -106,8 +136,10 @@ def _read(file: str, tokenizer, max_seq_len, weights, sql, skip_bad) -> list[lis
         print(note)
     masked = sum(1 for e in examples if not e.trained[1:].all())
     if masked:
-        print(f"note: the .bin format has no mask: the prompts of {masked:,} examples will be "
-              "trained on too")  # fmt: skip
+        print(
+            f"note: the .bin format has no mask: the prompts of {masked:,} examples will be "
+            "trained on too"
+        )
     try:
         return split_parts(examples, weights) if weights else [examples]
     except ValueError as e:

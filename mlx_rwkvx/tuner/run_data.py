@@ -93,8 +93,13 @@ class Stream:
     def _from(self, position: dict) -> Iterator[tuple[tuple, dict]]:
         epoch, start = position["epoch"], position["batch"]
         while True:
-            options = dict(batch_size=self.batch_size, seed=self.seed, epoch=epoch, start=start,
-                           pad_to_multiple=PAD_MULTIPLE)  # fmt: skip
+            options = dict(
+                batch_size=self.batch_size,
+                seed=self.seed,
+                epoch=epoch,
+                start=start,
+                pad_to_multiple=PAD_MULTIPLE,
+            )
             streams = [batches(part, **options) for part in self.parts]
             # equal parts: equally many batches (strict=False: zip stops with the shortest)
             for i, group in enumerate(zip(*streams, strict=False)):

@@ -27,8 +27,16 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
-__all__ = ["NonFinite", "Step", "TrainError", "TrainState", "batch_loss", "evaluate",
-           "supervised", "train"]
+__all__ = [
+    "NonFinite",
+    "Step",
+    "TrainError",
+    "TrainState",
+    "batch_loss",
+    "evaluate",
+    "supervised",
+    "train",
+]
 
 
 class Single:
@@ -57,9 +65,18 @@ class Step:
     is updated when the loss or the gradient norm is not finite. The compiled functions see a
     bounded number of shapes (segments and windows of fixed lengths)."""
 
-    def __init__(self, model: Model, optimizer: optim.Optimizer, *, grad_clip: float = 1.0,
-                 grad_checkpoint: bool = False, segment: int | None = None,
-                 max_cache: int | None = None, stacked: int = 1, group=None):  # fmt: skip
+    def __init__(
+        self,
+        model: Model,
+        optimizer: optim.Optimizer,
+        *,
+        grad_clip: float = 1.0,
+        grad_checkpoint: bool = False,
+        segment: int | None = None,
+        max_cache: int | None = None,
+        stacked: int = 1,
+        group=None,
+    ):
         """``grad_clip``: the global norm the mean gradient is clipped to (0: none);
         ``segment``: --carry-state's segment length (None: a text in one piece);
         ``max_cache``: the attention KV window carried between segments (None: all of it);
@@ -144,25 +161,43 @@ class Step:
         mx.eval(self.model.parameters(), self.optimizer.state)
         counts = total_count.tolist() if total_count.ndim else []
         fed = sum(int(inputs.size) for inputs, _ in micro_batches)
-        return StepResult(loss, int(mx.sum(total_count).item()), norm, counts, flag.item() > 0,
-                          fed)  # fmt: skip
+        return StepResult(loss, int(mx.sum(total_count).item()), norm, counts, flag.item() > 0, fed)
 
 
-def supervised(*, grad_clip: float = 1.0, grad_checkpoint: bool = False,
-               segment: int | None = None, max_cache: int | None = None,
-               stacked: int = 1) -> Task:  # fmt: skip
+def supervised(
+    *,
+    grad_clip: float = 1.0,
+    grad_checkpoint: bool = False,
+    segment: int | None = None,
+    max_cache: int | None = None,
+    stacked: int = 1,
+) -> Task:
     """The Task of the token loss of texts (SFT, pretraining): micro-batches of ``(inputs,
     targets)`` int32 ``[B, T]`` (``data.batches``), one ``Step`` (see it for the options)."""
 
     def step(model, optimizer, group):
-        return Step(model, optimizer, grad_clip=grad_clip, grad_checkpoint=grad_checkpoint,
-                    segment=segment, max_cache=max_cache, stacked=stacked, group=group)  # fmt: skip
+        return Step(
+            model,
+            optimizer,
+            grad_clip=grad_clip,
+            grad_checkpoint=grad_checkpoint,
+            segment=segment,
+            max_cache=max_cache,
+            stacked=stacked,
+            group=group,
+        )
 
     return Task(step=step)
 
 
-def evaluate(model: Model, examples, batch_size: int, max_batches: int | None = None,
-             segment: int | None = None, max_cache: int | None = None) -> float:  # fmt: skip
+def evaluate(
+    model: Model,
+    examples,
+    batch_size: int,
+    max_batches: int | None = None,
+    segment: int | None = None,
+    max_cache: int | None = None,
+) -> float:
     """The mean token loss over ``examples`` (``data.loss.dataset_loss``, the one definition
     the ``evaluate`` command shares)."""
     result = dataset_loss(model, examples, batch_size, max_batches, segment, max_cache)
@@ -171,9 +206,19 @@ def evaluate(model: Model, examples, batch_size: int, max_batches: int | None = 
     return result.mean
 
 
-def train(model: Model, task: Task, optimizer: optim.Optimizer, data: Iterable, *, steps: int,
-          callbacks: Sequence[Callback] = (), grad_accum: int = 1, seed: int = 0,
-          state: TrainState | None = None, group=None) -> TrainState:  # fmt: skip
+def train(
+    model: Model,
+    task: Task,
+    optimizer: optim.Optimizer,
+    data: Iterable,
+    *,
+    steps: int,
+    callbacks: Sequence[Callback] = (),
+    grad_accum: int = 1,
+    seed: int = 0,
+    state: TrainState | None = None,
+    group=None,
+) -> TrainState:
     """Train ``model`` until step ``steps`` (a resumed ``state`` has made some already): each
     step ``task``'s step over ``grad_accum`` micro-batches of ``data`` (an iterable: a list is
     gone through again when it ends; a stream with a ``position`` is followed, for resuming),
@@ -205,8 +250,15 @@ def train(model: Model, task: Task, optimizer: optim.Optimizer, data: Iterable, 
         for callback in callbacks:
             callback.on_train_begin(state)
         while state.step < steps:
-            _step(step_fn, optimizer, [next(batches) for _ in range(grad_accum)], data, state,
-                  callbacks, seed)  # fmt: skip
+            _step(
+                step_fn,
+                optimizer,
+                [next(batches) for _ in range(grad_accum)],
+                data,
+                state,
+                callbacks,
+                seed,
+            )
         final = {}  # the end's metrics (the last validation, the test loss)
         for callback in callbacks:
             callback.on_train_end(state, final)
@@ -236,9 +288,14 @@ def _step(step_fn, optimizer, batch: list, data, state: TrainState, callbacks, s
     state.fed += result.fed
     state.told = result.stop
     crash_point("step", state.step)
-    record = {"step": state.step, "loss": result.loss / max(result.count, 1), **result.extra,
-              "grad_norm": result.norm, "lr": _learning_rate(optimizer),
-              "tokens": state.tokens}  # fmt: skip
+    record = {
+        "step": state.step,
+        "loss": result.loss / max(result.count, 1),
+        **result.extra,
+        "grad_norm": result.norm,
+        "lr": _learning_rate(optimizer),
+        "tokens": state.tokens,
+    }
     for callback in callbacks:
         callback.on_step_end(state, record)
     if state.stopping:  # asked before the step, or during its callbacks (a save, a validation)

@@ -114,8 +114,13 @@ def blinkdl_st(tmp, edit=None):
 def rwkvx_file(tmp, edit=None, *, width=64, suffix=".pth"):
     """A 4 + 2 block RWKV-X in its authors' names (``.pth`` as torch writes it, or
     ``.safetensors``), after ``edit(tensors)``."""
-    cfg = ModelConfig(vocab_size=256, hidden_size=width, head_size=width // 2,
-                      block_types=rwkv_x_block_types(4, 2), n_q_heads=1)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=256,
+        hidden_size=width,
+        head_size=width // 2,
+        block_types=rwkv_x_block_types(4, 2),
+        n_q_heads=1,
+    )
     tensors = RwkvXNaming(cfg.block_types).write(flat_params(Model(cfg)))
     if edit:
         edit(tensors)
@@ -1577,8 +1582,14 @@ def _command_cases(add):
         ("pretokenize a NUL in a text", [{"text": "ab\x00cd"}], "a NUL character at token"),
         ("pretokenize a wizard", [wizard], "role 'wizard': RWKV's chat format has"),
     ):
-        add("data", name, lambda t, r=records: jsonl(t, r), pretok_run("--tokenizer", "bytes"),
-            C, match)  # fmt: skip
+        add(
+            "data",
+            name,
+            lambda t, r=records: jsonl(t, r),
+            pretok_run("--tokenizer", "bytes"),
+            C,
+            match,
+        )
     add(
         "data",
         "pretokenize text without --tokenizer",
@@ -1699,8 +1710,14 @@ def _command_cases(add):
         V,
         "holds NaN or infinite values",
     )
-    add("api", "Model(None)", None, lambda t: Model(None), T,
-        "Model: expected a ModelConfig, got NoneType")  # fmt: skip
+    add(
+        "api",
+        "Model(None)",
+        None,
+        lambda t: Model(None),
+        T,
+        "Model: expected a ModelConfig, got NoneType",
+    )
     add(
         "api",
         "init_state(-1)",
@@ -1853,13 +1870,13 @@ def generate_run(*flags, prompt="hi"):
 
 def merge_run(*flags):
     """The merge command on (base, adapter, ...): the adapters merged into m.safetensors."""
-    return lambda p: cli(merge_cli.main, *p[1:], "--output", p[0].parent / "m.safetensors",
-                         *flags)  # fmt: skip
+    return lambda p: cli(merge_cli.main, *p[1:], "--output", p[0].parent / "m.safetensors", *flags)
 
 
 def pretok_run(*flags):
-    return lambda data: cli(pretok_cli.main, "--data", data, "--output", data.parent / "o.bin",
-                            *flags)  # fmt: skip
+    return lambda data: cli(
+        pretok_cli.main, "--data", data, "--output", data.parent / "o.bin", *flags
+    )
 
 
 def inside(*managers_call_arg):
@@ -1963,8 +1980,15 @@ def adapter(tmp, kind="lora", edit=None, name="a.safetensors"):
     else:
         paths = target_paths(model, "rwkv")
         apply_lora(model, paths, rank=4, alpha=8.0)
-    config = adapter_config(model, fine_tune_type=kind, paths=paths, rank=4, alpha=8.0,
-                            base_fingerprint=fingerprint(model), seed=0)  # fmt: skip
+    config = adapter_config(
+        model,
+        fine_tune_type=kind,
+        paths=paths,
+        rank=4,
+        alpha=8.0,
+        base_fingerprint=fingerprint(model),
+        seed=0,
+    )
     tensors = adapter_tensors(model)
     if edit:
         edit(tensors)

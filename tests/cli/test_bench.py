@@ -152,8 +152,7 @@ SLOW_SECTIONS = {"serve": "a dozen server processes started and stopped: about 3
 
 
 def _sections() -> list:
-    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SECTIONS else n
-            for n in SECTIONS]  # fmt: skip
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SECTIONS else n for n in SECTIONS]
 
 
 def _recorded(name: str) -> dict:
@@ -267,8 +266,13 @@ def test_verification_fails_before_anything_is_timed(monkeypatch, name):
     for module in _package_modules():  # wherever a section module took the names from
         if hasattr(module, "rel_err"):
             monkeypatch.setattr(module, "rel_err", lambda x, ref: 1.0)
-        for timer in ("best_time", "matmul_gflops", "read_bandwidth_gbs", "time_and_peak",
-                      "time_steps"):  # fmt: skip
+        for timer in (
+            "best_time",
+            "matmul_gflops",
+            "read_bandwidth_gbs",
+            "time_and_peak",
+            "time_steps",
+        ):
             if hasattr(module, timer):
                 monkeypatch.setattr(module, timer, timed)
     with pytest.raises(common.VerificationFailed):
@@ -732,8 +736,9 @@ def _matplotlib() -> bool:
 def test_all_report_of_the_real_sections(quick_run, tmp_path):
     """Every section's quick measurements (as the tests above ran them) through ``all``: the
     summary has each section's goals, each section its own rendering, the plot its panels."""
-    results = {name: _recorded(name) if name in SLOW_SECTIONS else quick_run(name)[0]
-               for name in SECTIONS}  # fmt: skip
+    results = {
+        name: _recorded(name) if name in SLOW_SECTIONS else quick_run(name)[0] for name in SECTIONS
+    }
     stand_ins = {
         name: s._replace(
             measure=lambda quick=False, name=name: json.loads(json.dumps(results[name]))

@@ -53,8 +53,23 @@ def data_folder(path, texts, valid=None):
 
 def train(base, data, out, *flags):
     """A short LoRA run (stops the test with its stderr if the command exits)."""
-    argv = ["--model", base, "--data", data, "--output", out, "--lora-rank", 4, "--batch-size", 1,
-            "--lr", 1e-3, "--log-every", 1, *flags]  # fmt: skip
+    argv = [
+        "--model",
+        base,
+        "--data",
+        data,
+        "--output",
+        out,
+        "--lora-rank",
+        4,
+        "--batch-size",
+        1,
+        "--lr",
+        1e-3,
+        "--log-every",
+        1,
+        *flags,
+    ]
     train_cli.main([str(a) for a in argv])
 
 
@@ -169,8 +184,20 @@ def test_an_answer_stopped_by_a_full_kv_cache_says_so(tmp_path, capsys):
     # answer fills the cache, and --no-window stops it there
     model = tmp_path / "rwkv-x"
     mlx_rwkvx.save(Model(preset("rwkv-x-tiny")), model)
-    gen_cli.main(["--model", str(model), "--prompt", "hello", "--no-window", "--max-cache", "16",
-                  "--max-tokens", "100", "--ignore-chat-template"])  # fmt: skip
+    gen_cli.main(
+        [
+            "--model",
+            str(model),
+            "--prompt",
+            "hello",
+            "--no-window",
+            "--max-cache",
+            "16",
+            "--max-tokens",
+            "100",
+            "--ignore-chat-template",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1:] == [
         "[stopped: the attention blocks' KV cache is full (--max-cache 16) and --no-window "

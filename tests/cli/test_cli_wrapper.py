@@ -42,9 +42,11 @@ def test_a_bug_keeps_its_traceback(command, model, tmp_path, monkeypatch):
         "train": (train_cli.main, ["--model", model, "--data", data, "--output", out]),
         "convert": (convert_cli.main, [model, out]),
         "merge": (merge_cli.main, ["--output", out, model, model]),
-        "pretokenize": (pretokenize_cli.main, ["--tokenizer", "bytes", "--data", data,
-                                               "--output", tmp_path / "o.bin"]),
-    }[command]  # fmt: skip
+        "pretokenize": (
+            pretokenize_cli.main,
+            ["--tokenizer", "bytes", "--data", data, "--output", tmp_path / "o.bin"],
+        ),
+    }[command]
     where = {
         "train": (from_config, "build"),
         "convert": (conversion, "load"),

@@ -15,8 +15,11 @@ def demo(tmp_path_factory):
     out = folder / "run"
     proc = subprocess.run(  # a relative --out, as a user gives it
         [sys.executable, "-m", "mlx_rwkvx.demo", "--quick", "--out", "run"],
-        capture_output=True, text=True, timeout=600, cwd=folder,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=folder,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return out, proc.stdout, {r["stage"]: r for r in records}
@@ -25,8 +28,13 @@ def demo(tmp_path_factory):
 def test_every_stage_ran(demo):
     _, stdout, stages = demo
     assert list(stages) == ["corpus", "pretrain", "split", "mac-1", "mac-2", "merge", "total"]
-    for command in ("mlx_rwkvx.train --mode pretrain", "mlx_rwkvx.pretokenize",
-                    "--split-weights 3,1", "--parallel 2", "mlx_rwkvx.merge"):  # fmt: skip
+    for command in (
+        "mlx_rwkvx.train --mode pretrain",
+        "mlx_rwkvx.pretokenize",
+        "--split-weights 3,1",
+        "--parallel 2",
+        "mlx_rwkvx.merge",
+    ):
         assert command in stdout
     assert "| merged exactly |" in stdout and "| merged by FedAvg |" in stdout
     assert "time per stage:" in stdout
@@ -43,12 +51,18 @@ def test_losses_fall(demo):
 def test_files_exist(demo):
     out, _, _ = demo
     for path in (
-        "pretrain/model/config.json", "pretrain/metrics.jsonl", "data/reverse_0.bin",
-        "data/reverse_1.bin", "data/held_out.jsonl", "mac-1/thread_0.safetensors",
-        "mac-1/thread_1.safetensors", "mac-1/adapter_final.safetensors",
-        "mac-2/adapter_final.safetensors", "merged/adapter_final.safetensors",
+        "pretrain/model/config.json",
+        "pretrain/metrics.jsonl",
+        "data/reverse_0.bin",
+        "data/reverse_1.bin",
+        "data/held_out.jsonl",
+        "mac-1/thread_0.safetensors",
+        "mac-1/thread_1.safetensors",
+        "mac-1/adapter_final.safetensors",
+        "mac-2/adapter_final.safetensors",
+        "merged/adapter_final.safetensors",
         "merged-fedavg/adapter_final.safetensors",
-    ):  # fmt: skip
+    ):
         assert (out / path).is_file(), path
     try:
         import matplotlib  # noqa: F401
@@ -63,8 +77,13 @@ def test_printed_chat_command_runs(demo):
     args = shlex.split(line)
     assert args[:3] == ["python", "-m", "mlx_rwkvx.generate"], line
     assert str(out.resolve()) in line  # absolute: it runs from any folder
-    proc = subprocess.run([sys.executable, *args[1:]], capture_output=True, text=True,
-                          timeout=120, cwd=out.parent.parent)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=out.parent.parent,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip(), "the model answered nothing"
 
@@ -77,8 +96,11 @@ def test_a_rerun_removes_only_what_the_demo_wrote(demo):
     (out / "data" / "stale.jsonl").write_text("{}")  # in the demo's own folder: the demo's
     proc = subprocess.run(
         [sys.executable, "-m", "mlx_rwkvx.demo", "--quick", "--out", "run"],
-        capture_output=True, text=True, timeout=600, cwd=out.parent,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=out.parent,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "mynotes.txt").read_text() == "mine"
     assert (out / "mylora" / "adapter.safetensors").read_text() == "my adapter"
@@ -108,8 +130,10 @@ def test_refuses_a_folder_it_did_not_write(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     proc = subprocess.run(
         [sys.executable, "-m", "mlx_rwkvx.demo", "--quick", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "the demo did not write" in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
@@ -124,8 +148,10 @@ def test_refuses_a_training_run(tmp_path):
     (run / "adapter_final.safetensors").write_bytes(b"weights")
     proc = subprocess.run(
         [sys.executable, "-m", "mlx_rwkvx.demo", "--quick", "--out", str(run)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert sorted(p.name for p in run.iterdir()) == ["adapter_final.safetensors", "metrics.jsonl"]
 
@@ -134,8 +160,10 @@ def test_refuses_a_file_as_out(tmp_path):
     (tmp_path / "file").write_text("mine")
     proc = subprocess.run(
         [sys.executable, "-m", "mlx_rwkvx.demo", "--quick", "--out", str(tmp_path / "file")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "not a folder" in proc.stderr
     assert len(proc.stderr.splitlines()) == 1
     assert (tmp_path / "file").read_text() == "mine"

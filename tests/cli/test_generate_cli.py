@@ -93,8 +93,9 @@ def head(self, h):  # the bug: a matmul of shapes that do not fit
 Model.head = head
 main(["--model", {str(models / "aaa")!r}, "--max-tokens", "3", *{mode!r}])
 """
-    out = subprocess.run([sys.executable, "-c", script], input="hi\n", capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script], input="hi\n", capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 1, (out.returncode, out.stderr)
     assert "Traceback" in out.stderr and "ValueError: [matmul]" in out.stderr, out.stderr
     assert "error:" not in out.stderr + out.stdout

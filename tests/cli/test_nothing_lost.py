@@ -86,8 +86,12 @@ def snapshot(*roots: Path) -> dict[str, bytes | str]:
 
 def debris(*folders: Path) -> list[str]:
     """Temporary files and lock files left in ``folders`` (and below)."""
-    return [str(p) for f in folders for p in Path(f).rglob("*")
-            if is_temp(p.name) or p.name.startswith(LOCK_IN_FOLDER)]  # fmt: skip
+    return [
+        str(p)
+        for f in folders
+        for p in Path(f).rglob("*")
+        if is_temp(p.name) or p.name.startswith(LOCK_IN_FOLDER)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +139,7 @@ def unsafe_cases(kit):
             "pretokenize",
             ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output", "", "--overwrite"],
             empty,
-        ),  # fmt: skip
+        ),
         ("demo", ["--out", "."], "is the current folder"),
         ("demo", ["--out", ".."], "holds the current folder"),
         # train only adds files, but nine of them into the home or the parent folder is no
@@ -151,8 +155,10 @@ def test_outputs_that_hold_the_current_folder_are_refused(kit, scratch):
     home.mkdir()
     (home / "diary.txt").write_bytes(PRECIOUS)
     before = snapshot(scratch.parent, kit)
-    cases = [(module, [str(home) if x == "HOME" else x for x in args], message)
-             for module, args, message in unsafe_cases(kit)]  # fmt: skip
+    cases = [
+        (module, [str(home) if x == "HOME" else x for x in args], message)
+        for module, args, message in unsafe_cases(kit)
+    ]
     refused_all(cases, cwd=scratch, env={"HOME": str(home)})
     assert snapshot(scratch.parent, kit) == before
 
@@ -180,21 +186,35 @@ def test_an_output_never_replaces_or_enters_an_input(kit, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(kit / "model", model)
     cases = [
-        ("merge", ["--output", run_dir, run_dir, kit / "b.safetensors", "--overwrite"],
-         "is the input"),
-        ("merge", ["--output", tmp_path, run_dir, kit / "b.safetensors", "--overwrite"],
-         "holds the input"),
-        ("merge", ["--output", run_dir / "merged", run_dir, kit / "b.safetensors"],
-         "lies inside the input"),
-        ("pretokenize", ["--tokenizer", "bytes", "--data", data, "--output", data,
-                         "--overwrite"], "is the input"),
+        (
+            "merge",
+            ["--output", run_dir, run_dir, kit / "b.safetensors", "--overwrite"],
+            "is the input",
+        ),
+        (
+            "merge",
+            ["--output", tmp_path, run_dir, kit / "b.safetensors", "--overwrite"],
+            "holds the input",
+        ),
+        (
+            "merge",
+            ["--output", run_dir / "merged", run_dir, kit / "b.safetensors"],
+            "lies inside the input",
+        ),
+        (
+            "pretokenize",
+            ["--tokenizer", "bytes", "--data", data, "--output", data, "--overwrite"],
+            "is the input",
+        ),
         ("convert", [model, model, "--overwrite"], "is the input"),
         ("convert", [model, model / "int8", "--quantize"], "lies inside the input"),
-        ("train", ["--model", model, "--data", data, "--output", model],
-         "is the --model"),
-        ("train", ["--model", model, "--data", data, "--output", tmp_path, "--mode", "full"],
-         "would write over the --model"),
-    ]  # fmt: skip
+        ("train", ["--model", model, "--data", data, "--output", model], "is the --model"),
+        (
+            "train",
+            ["--model", model, "--data", data, "--output", tmp_path, "--mode", "full"],
+            "would write over the --model",
+        ),
+    ]
     before = snapshot(tmp_path)
     refused_all(cases)
     assert snapshot(tmp_path) == before
@@ -213,14 +233,28 @@ def test_overwrite_replaces_only_what_the_command_writes(kit, tmp_path):
     notes = tmp_path / "notes.bin"
     notes.write_bytes(PRECIOUS)
     cases = [
-        ("merge", ["--output", other_run, a, b, "--overwrite"],
-         "replacing it would drop ['metrics.jsonl']"),
+        (
+            "merge",
+            ["--output", other_run, a, b, "--overwrite"],
+            "replacing it would drop ['metrics.jsonl']",
+        ),
         ("merge", ["--output", essay, a, b, "--overwrite"], "is not an adapter file"),
         ("convert", [kit / "model", adapter_as_model, "--overwrite"], "is not a checkpoint"),
         ("convert", [kit / "model", other_run, "--overwrite"], "holds files that are not"),
-        ("pretokenize", ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output",
-                         notes, "--overwrite"], "is not a pre-tokenized .bin"),
-    ]  # fmt: skip
+        (
+            "pretokenize",
+            [
+                "--tokenizer",
+                "bytes",
+                "--data",
+                kit / "data.jsonl",
+                "--output",
+                notes,
+                "--overwrite",
+            ],
+            "is not a pre-tokenized .bin",
+        ),
+    ]
     before = snapshot(tmp_path)
     refused_all(cases)
     assert snapshot(tmp_path) == before
@@ -236,16 +270,37 @@ def test_a_link_at_the_output_is_replaced_itself_never_what_it_points_to(kit, tm
     shutil.copy(kit / "a.safetensors", tmp_path / "victim.safetensors")
     shutil.copytree(kit / "model", tmp_path / "victim_model")
     write_bin(str(tmp_path / "victim.bin"), [[1, 2, 3]])
-    for name, target in (("link.safetensors", "victim.safetensors"), ("link_model",
-                         "victim_model"), ("link.bin", "victim.bin")):  # fmt: skip
+    for name, target in (
+        ("link.safetensors", "victim.safetensors"),
+        ("link_model", "victim_model"),
+        ("link.bin", "victim.bin"),
+    ):
         (tmp_path / name).symlink_to(target)
     victims = snapshot(*(p for p in tmp_path.iterdir() if p.name.startswith("victim")))
     cases = [
-        ("merge", ["--output", "link.safetensors", kit / "a.safetensors",
-                   kit / "b.safetensors", "--overwrite"]),  # fmt: skip
+        (
+            "merge",
+            [
+                "--output",
+                "link.safetensors",
+                kit / "a.safetensors",
+                kit / "b.safetensors",
+                "--overwrite",
+            ],
+        ),
         ("convert", [kit / "model", "link_model", "--overwrite"]),  # a folder over a link
-        ("pretokenize", ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output",
-                         "link.bin", "--overwrite"]),  # fmt: skip
+        (
+            "pretokenize",
+            [
+                "--tokenizer",
+                "bytes",
+                "--data",
+                kit / "data.jsonl",
+                "--output",
+                "link.bin",
+                "--overwrite",
+            ],
+        ),
     ]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         procs = list(pool.map(lambda c: run_module(c[0], *c[1], cwd=tmp_path), cases))
@@ -308,12 +363,18 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_output(kit, tmp_pa
     cases = [
         ("merge", tmp_path / "merged", ["--output", tmp_path / "merged", a, b]),
         ("convert", tmp_path / "conv", [kit / "model", tmp_path / "conv"]),
-        ("pretokenize", tmp_path / "d.bin",
-         ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output", tmp_path / "d.bin"]),
-        ("train", tmp_path / "run",
-         ["--model", kit / "model", "--data", kit / "data.jsonl", "--output", tmp_path / "run"]),
+        (
+            "pretokenize",
+            tmp_path / "d.bin",
+            ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output", tmp_path / "d.bin"],
+        ),
+        (
+            "train",
+            tmp_path / "run",
+            ["--model", kit / "model", "--data", kit / "data.jsonl", "--output", tmp_path / "run"],
+        ),
         ("demo", tmp_path / "demo", ["--quick", "--out", tmp_path / "demo"]),
-    ]  # fmt: skip
+    ]
     for module, target, args in cases:
         inside = module == "train"  # a run's folder holds its own lock
         with output_lock(os.path.realpath(target), inside=inside):
@@ -333,8 +394,20 @@ def _stopped(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_two_train_runs_on_one_output(kit, tmp_path):
     out = tmp_path / "run"
-    args = ["--model", kit / "model", "--data", kit / "data.jsonl", "--output", out,
-            "--iters", 4, "--save-every", 2, "--lora-rank", 4]  # fmt: skip
+    args = [
+        "--model",
+        kit / "model",
+        "--data",
+        kit / "data.jsonl",
+        "--output",
+        out,
+        "--iters",
+        4,
+        "--save-every",
+        2,
+        "--lora-rank",
+        4,
+    ]
     first = subprocess.Popen(
         [sys.executable, "-m", "mlx_rwkvx.train", *map(str, args)],
         env={**os.environ, "MLX_RWKVX_CRASH_AT": "step:2:STOP"},  # it pauses itself there
@@ -360,8 +433,22 @@ def test_two_train_runs_on_one_output(kit, tmp_path):
 
 
 def _train_args(kit, out, iters=6):
-    return ["--model", kit / "model", "--data", kit / "data.jsonl", "--output", out,
-            "--iters", iters, "--save-every", 2, "--lora-rank", 4, "--batch-size", 2]  # fmt: skip
+    return [
+        "--model",
+        kit / "model",
+        "--data",
+        kit / "data.jsonl",
+        "--output",
+        out,
+        "--iters",
+        iters,
+        "--save-every",
+        2,
+        "--lora-rank",
+        4,
+        "--batch-size",
+        2,
+    ]
 
 
 def _complete(out: Path) -> list[int]:
@@ -388,9 +475,25 @@ def test_sigterm_within_a_long_carry_state_text_stops_between_windows(kit, tmp_p
     text = " ".join(f"{i} + {i} = {2 * i};" for i in range(60))
     (tmp_path / "long.jsonl").write_text(json.dumps({"text": text}) + "\n")
     out = tmp_path / "run"
-    args = ["--model", kit / "model", "--data", tmp_path / "long.jsonl", "--output", out,
-            "--lora-rank", 4, "--carry-state", "--max-seq-len", 16, "--batch-size", 1,
-            "--iters", 3, "--save-every", 100]  # fmt: skip
+    args = [
+        "--model",
+        kit / "model",
+        "--data",
+        tmp_path / "long.jsonl",
+        "--output",
+        out,
+        "--lora-rank",
+        4,
+        "--carry-state",
+        "--max-seq-len",
+        16,
+        "--batch-size",
+        1,
+        "--iters",
+        3,
+        "--save-every",
+        100,
+    ]
     proc = run_module("train", *args, env={"MLX_RWKVX_CRASH_AT": "window:2.3:TERM"})
     assert proc.returncode == 143, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
@@ -409,8 +512,9 @@ def test_a_kill_while_saving_is_cleaned_up_by_the_next_run(kit, tmp_path):
     proc = run_module("train", *_train_args(kit, out), env={"MLX_RWKVX_CRASH_AT": crash})
     assert proc.returncode == -signal.SIGKILL
     left = [p.name for p in out.iterdir() if is_temp(p.name)]
-    assert left == [f"{TMP_PREFIX}{left[0].split('-tmp-')[1].split('.')[0]}.new."
-                    "checkpoint_4.state.safetensors"], left  # fmt: skip
+    assert left == [
+        f"{TMP_PREFIX}{left[0].split('-tmp-')[1].split('.')[0]}.new.checkpoint_4.state.safetensors"
+    ], left
     assert _complete(out) == [2] and (out / "checkpoint_4.safetensors").exists()
     again = run_module("train", *_train_args(kit, out), "--resume")
     assert again.returncode == 0, again.stderr
@@ -459,8 +563,20 @@ def test_a_file_size_limit_in_train_is_one_line(kit, tmp_path):
     def limit():  # ulimit -f: every file the process writes stops at 64 KB (EFBIG)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
 
-    args = ["--model", kit / "model", "--data", kit / "data.jsonl", "--output", out, "--mode",
-            "full", "--iters", 4, "--save-every", 2]  # fmt: skip
+    args = [
+        "--model",
+        kit / "model",
+        "--data",
+        kit / "data.jsonl",
+        "--output",
+        out,
+        "--mode",
+        "full",
+        "--iters",
+        4,
+        "--save-every",
+        2,
+    ]
     command = [sys.executable, "-m", "mlx_rwkvx.train", *map(str, args)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, preexec_fn=limit)
     lines = [x for x in proc.stderr.strip().splitlines() if x.strip() and not is_progress(x)]
@@ -508,9 +624,11 @@ def test_an_unwritable_output_is_one_line(kit, tmp_path, monkeypatch, capsys, co
     monkeypatch.setattr(targets.os, "open", refuse)
     for main, args in [
         (train_cli.main, _train_args(kit, tmp_path / "run")),
-        (merge_cli.main,
-         ["--output", tmp_path / "m", kit / "a.safetensors", kit / "b.safetensors"]),
-    ]:  # fmt: skip
+        (
+            merge_cli.main,
+            ["--output", tmp_path / "m", kit / "a.safetensors", kit / "b.safetensors"],
+        ),
+    ]:
         with pytest.raises(SystemExit) as exit_:
             main(list(map(str, args)))
         err = capsys.readouterr().err.strip().splitlines()
@@ -528,11 +646,15 @@ def test_a_full_disk_at_the_lock_leaves_no_lock_file(kit, tmp_path, monkeypatch,
 
     monkeypatch.setattr(targets.os, "write", full)
     for main, args in [
-        (merge_cli.main,
-         ["--output", tmp_path / "m.safetensors", kit / "a.safetensors", kit / "b.safetensors"]),
-        (pretokenize_cli.main,
-         ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output", tmp_path / "x.bin"]),
-    ]:  # fmt: skip
+        (
+            merge_cli.main,
+            ["--output", tmp_path / "m.safetensors", kit / "a.safetensors", kit / "b.safetensors"],
+        ),
+        (
+            pretokenize_cli.main,
+            ["--tokenizer", "bytes", "--data", kit / "data.jsonl", "--output", tmp_path / "x.bin"],
+        ),
+    ]:
         with pytest.raises(SystemExit) as exit_:
             main(list(map(str, args)))
         err = capsys.readouterr().err.strip().splitlines()
@@ -595,8 +717,9 @@ def test_a_lock_dies_with_its_process(tmp_path):
     assert killed.returncode == -signal.SIGKILL
     assert (tmp_path / f"{LOCK_PREFIX}out").exists()  # the file stays; its lock does not
     with output_lock(str(target)):
-        again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                               timeout=60)  # fmt: skip
+        again = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
         assert again.returncode == 1 and f"process {os.getpid()} is writing it" in again.stderr
     assert os.listdir(tmp_path) == []  # let go: the lock file removed
 
@@ -620,8 +743,10 @@ def test_convert_overwrite_keeps_what_the_checkpoint_does_not_bring(kit, tmp_pat
     backup = out / "my_finetune_backup.safetensors"
     shutil.copy(out / "model.safetensors", backup)
     before = snapshot(tmp_path)
-    refused(run_module("convert", kit / "model", out, "--overwrite"),
-            "replacing it would drop ['my_finetune_backup.safetensors']")  # fmt: skip
+    refused(
+        run_module("convert", kit / "model", out, "--overwrite"),
+        "replacing it would drop ['my_finetune_backup.safetensors']",
+    )
     assert snapshot(tmp_path) == before
 
 
@@ -635,8 +760,9 @@ def test_train_adds_to_a_folder_but_never_over_files_it_did_not_write(kit, tmp_p
     (linked / "adapter_config.json").symlink_to(tmp_path / "precious.json")
     before = snapshot(tmp_path)
     args = ["--model", kit / "model", "--data", kit / "data.jsonl", "--lora-rank", 4]
-    refused(run_module("train", *args, "--output", here.name, cwd=tmp_path),
-            "holds ['metrics.jsonl']")  # fmt: skip
+    refused(
+        run_module("train", *args, "--output", here.name, cwd=tmp_path), "holds ['metrics.jsonl']"
+    )
     refused(
         run_module("train", *args, "--output", linked), "adapter_config.json is a symbolic link"
     )

@@ -73,8 +73,9 @@ def test_windows_with_the_state_carried_are_one_pass(tmp_path):
 
     def loss(window, carry=True):
         examples, _ = eval_examples(path, tokenizer, 256, max_seq_len=window, carry_state=carry)
-        return evaluate_loss(model, tokenizer, examples, batch_size=1, max_seq_len=window,
-                             carry_state=carry)[0]  # fmt: skip
+        return evaluate_loss(
+            model, tokenizer, examples, batch_size=1, max_seq_len=window, carry_state=carry
+        )[0]
 
     whole, windows = loss(1024), loss(16)
     ids = tokenizer.encode(text)
@@ -99,16 +100,46 @@ def test_the_trainers_validation_loss_is_evaluates(tmp_path):
     write_jsonl(data / "valid.jsonl", [{"text": t * 3} for t in TEXTS])
     for flags in ([], ["--carry-state", "--max-cache", "64"]):
         out = tmp_path / f"run{len(flags)}"
-        train = run_module("train", "--model", tmp_path / "base", "--data", data, "--output", out,
-                           "--iters", 3, "--batch-size", 2, "--max-seq-len", 32,
-                           "--learning-rate", 1e-2, *flags)  # fmt: skip
+        train = run_module(
+            "train",
+            "--model",
+            tmp_path / "base",
+            "--data",
+            data,
+            "--output",
+            out,
+            "--iters",
+            3,
+            "--batch-size",
+            2,
+            "--max-seq-len",
+            32,
+            "--learning-rate",
+            1e-2,
+            *flags,
+        )
         assert train.returncode == 0, train.stderr
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         logged = [r["val_loss"] for r in rows if "val_loss" in r][-1]
         carry = [] if flags else ["--no-carry-state"]
-        ev = run_module("evaluate", "--model", tmp_path / "base", "--adapter", out, "--data",
-                        data, "--split", "valid", "--batch-size", 2, "--max-seq-len", 32,
-                        *carry, *flags[1:], "--json")  # fmt: skip
+        ev = run_module(
+            "evaluate",
+            "--model",
+            tmp_path / "base",
+            "--adapter",
+            out,
+            "--data",
+            data,
+            "--split",
+            "valid",
+            "--batch-size",
+            2,
+            "--max-seq-len",
+            32,
+            *carry,
+            *flags[1:],
+            "--json",
+        )
         assert ev.returncode == 0, ev.stderr
         results = json.loads(ev.stdout)["results"]
         assert results[1]["adapter"] == str(out)
@@ -123,15 +154,41 @@ def test_models_and_adapters_side_by_side(tmp_path):
         mlx_rwkvx.save(Model(rwkv7_cfg(hidden_size=64), seed=seed), tmp_path / name)
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS])
     out = tmp_path / "lora"
-    train = run_module("train", "--model", tmp_path / "b", "--data", data, "--output", out,
-                       "--iters", 2, "--learning-rate", 1e-2)  # fmt: skip
+    train = run_module(
+        "train",
+        "--model",
+        tmp_path / "b",
+        "--data",
+        data,
+        "--output",
+        out,
+        "--iters",
+        2,
+        "--learning-rate",
+        1e-2,
+    )
     assert train.returncode == 0, train.stderr
-    ev = run_module("evaluate", "--model", tmp_path / "a", "--model", tmp_path / "b",
-                    "--adapter", out, "--data", data)  # fmt: skip
+    ev = run_module(
+        "evaluate",
+        "--model",
+        tmp_path / "a",
+        "--model",
+        tmp_path / "b",
+        "--adapter",
+        out,
+        "--data",
+        data,
+    )
     assert ev.returncode == 0, ev.stderr
     lines = ev.stdout.splitlines()
     assert lines[0] == f"{data}:" and lines[1].split() == [
-        "model", "loss", "ppl", "bits/byte", "tokens", "tok/s"]  # fmt: skip
+        "model",
+        "loss",
+        "ppl",
+        "bits/byte",
+        "tokens",
+        "tok/s",
+    ]
     assert [line.split()[0] for line in lines[2:]] == [str(tmp_path / n) for n in "abb"]
     assert f"{tmp_path / 'b'} + {out}" in lines[4]
     refused = run_module("evaluate", "--model", tmp_path / "a", "--adapter", out, "--data", data)
@@ -164,8 +221,15 @@ def test_ctrl_c_prints_the_result_so_far(tmp_path, sig):
     """Ctrl-C or SIGTERM mid-evaluation: the result so far, then the signal's exit code."""
     mlx_rwkvx.save(Model(rwkv7_cfg(hidden_size=64), seed=1), tmp_path / "m")
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS * 5])
-    out = run_module("evaluate", "--model", tmp_path / "m", "--data", data, "--json",
-                     env={"MLX_RWKVX_CRASH_AT": f"eval:3:{sig}"})  # fmt: skip
+    out = run_module(
+        "evaluate",
+        "--model",
+        tmp_path / "m",
+        "--data",
+        data,
+        "--json",
+        env={"MLX_RWKVX_CRASH_AT": f"eval:3:{sig}"},
+    )
     assert out.returncode == 128 + getattr(signal, f"SIG{sig}"), out.stderr
     record = json.loads(out.stdout)["results"][0]
     assert record["complete"] is False and record["tokens"] > 0
@@ -178,23 +242,35 @@ def test_chat_jsonl_and_sqlite_give_the_same_loss_on_the_assistant_turns(tmp_pat
     import sqlite3
 
     mlx_rwkvx.save(Model(rwkv7_cfg(hidden_size=64), seed=3), tmp_path / "m")
-    talks = {"a": [("user", "Hi there"), ("assistant", "Hello, héllo")],
-             "b": [("user", "2+2?"), ("assistant", "4"), ("user", "and 3+3?"),
-                   ("assistant", "6, of course")]}  # fmt: skip
-    records = [{"messages": [{"role": r, "content": c} for r, c in turns]}
-               for turns in talks.values()]  # fmt: skip
+    talks = {
+        "a": [("user", "Hi there"), ("assistant", "Hello, héllo")],
+        "b": [
+            ("user", "2+2?"),
+            ("assistant", "4"),
+            ("user", "and 3+3?"),
+            ("assistant", "6, of course"),
+        ],
+    }
+    records = [
+        {"messages": [{"role": r, "content": c} for r, c in turns]} for turns in talks.values()
+    ]
     write_jsonl(tmp_path / "chats.jsonl", records)
     con = sqlite3.connect(tmp_path / "chats.db")
     con.execute("CREATE TABLE m (id INTEGER, conv TEXT, role TEXT, content TEXT)")
-    rows = [(i, conv, r, c) for i, (conv, r, c) in enumerate(
-        (conv, r, c) for conv, turns in talks.items() for r, c in turns)]  # fmt: skip
+    rows = [
+        (i, conv, r, c)
+        for i, (conv, r, c) in enumerate(
+            (conv, r, c) for conv, turns in talks.items() for r, c in turns
+        )
+    ]
     con.executemany("INSERT INTO m VALUES (?, ?, ?, ?)", rows)
     con.commit()
     con.close()
     results = []
-    for flags in (["--data", tmp_path / "chats.jsonl"],
-                  ["--data", tmp_path / "chats.db", "--sql",
-                   "SELECT conv, role, content FROM m ORDER BY id"]):  # fmt: skip
+    for flags in (
+        ["--data", tmp_path / "chats.jsonl"],
+        ["--data", tmp_path / "chats.db", "--sql", "SELECT conv, role, content FROM m ORDER BY id"],
+    ):
         out = run_module("evaluate", "--model", tmp_path / "m", *flags, "--json")
         assert out.returncode == 0, out.stderr
         results.append(json.loads(out.stdout)["results"][0])

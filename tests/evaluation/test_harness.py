@@ -101,8 +101,9 @@ def test_tasks_of_each_kind_run_offline(tmp_path):
     model, tokenizer = tiny_model("rwkv7", seed=6), ByteTokenizer()
     lm = make_lm(model, tokenizer, name="tiny", batch_size=2)
     tasks = str(task_folder(tmp_path))
-    results = run_tasks(lm, ["tiny_choice", "tiny_texts", "tiny_qa"], include_path=tasks,
-                        include_defaults=False)  # fmt: skip
+    results = run_tasks(
+        lm, ["tiny_choice", "tiny_texts", "tiny_qa"], include_path=tasks, include_defaults=False
+    )
     # multiple choice: right where the answer's log-likelihood is the largest of the choices
     right = 0
     for doc in CHOICE:
@@ -115,15 +116,26 @@ def test_tasks_of_each_kind_run_offline(tmp_path):
     total = sum(logprob(model, [0], tokenizer.encode(d["text"])) for d in TEXTS)
     words = sum(len(re.split(r"\s+", d["text"])) for d in TEXTS)
     assert results["tiny_texts"]["word_perplexity,none"] == pytest.approx(
-        np.exp(-total / words), rel=1e-4)  # fmt: skip
+        np.exp(-total / words), rel=1e-4
+    )
     assert 0.0 <= results["tiny_qa"]["exact_match,none"] <= 1.0
 
 
 def test_the_command_runs_lm_eval_tasks(tmp_path):
     mlx_rwkvx.save(tiny_model("rwkv7", seed=6), tmp_path / "m")
     tasks = task_folder(tmp_path)
-    out = run_module("evaluate", "--model", tmp_path / "m", "--tasks", "tiny_choice,tiny_qa",
-                     "--include-path", tasks, "--limit", 3, "--json")  # fmt: skip
+    out = run_module(
+        "evaluate",
+        "--model",
+        tmp_path / "m",
+        "--tasks",
+        "tiny_choice,tiny_qa",
+        "--include-path",
+        tasks,
+        "--limit",
+        3,
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout.splitlines()[-1])["results"]
     assert sorted(r["task"] for r in rows) == ["tiny_choice", "tiny_qa"]
@@ -131,20 +143,26 @@ def test_the_command_runs_lm_eval_tasks(tmp_path):
     assert "acc" in next(r for r in rows if r["task"] == "tiny_choice")["metrics"]
     with pytest.raises(UsageError) as e:  # the command's check, without indexing lm-eval's own
         task_manager(["tiny_choice", "no_such_task"], str(tasks), include_defaults=False)
-    assert str(e.value) == ("--tasks: unknown task 'no_such_task' (not built in, and not "
-                            "among lm-evaluation-harness's tasks or --include-path's)")  # fmt: skip
+    assert str(e.value) == (
+        "--tasks: unknown task 'no_such_task' (not built in, and not "
+        "among lm-evaluation-harness's tasks or --include-path's)"
+    )
 
 
 def test_without_lm_eval_one_line_says_what_to_install(tmp_path):
     mlx_rwkvx.save(tiny_model("rwkv7", seed=6), tmp_path / "m")
-    code = ("import sys; sys.modules['lm_eval'] = None\n"
-            "from mlx_rwkvx.evaluate import main\n"
-            f"main(['--model', {str(tmp_path / 'm')!r}, '--tasks', 'hellaswag'])")  # fmt: skip
+    code = (
+        "import sys; sys.modules['lm_eval'] = None\n"
+        "from mlx_rwkvx.evaluate import main\n"
+        f"main(['--model', {str(tmp_path / 'm')!r}, '--tasks', 'hellaswag'])"
+    )
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 2 and out.stdout == ""
     (line,) = out.stderr.strip().splitlines()
-    assert line.startswith("mlx_rwkvx.evaluate: error: --tasks hellaswag: these are "
-                           "lm-evaluation-harness tasks, and it is not installed")  # fmt: skip
+    assert line.startswith(
+        "mlx_rwkvx.evaluate: error: --tasks hellaswag: these are "
+        "lm-evaluation-harness tasks, and it is not installed"
+    )
     assert line.endswith("pip install 'mlx_rwkvx[eval]'")

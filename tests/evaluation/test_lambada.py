@@ -109,8 +109,9 @@ def test_the_command_runs_the_task(tmp_path):
 
     mlx_rwkvx.save(tiny_model("rwkv7", seed=2), tmp_path / "m")
     data = lambada_file(tmp_path / "l.jsonl")
-    out = run_module("evaluate", "--model", tmp_path / "m", "--tasks", "rwkv_lambada",
-                     "--data", data, "--json")  # fmt: skip
+    out = run_module(
+        "evaluate", "--model", tmp_path / "m", "--tasks", "rwkv_lambada", "--data", data, "--json"
+    )
     assert out.returncode == 0, out.stderr
     (record,) = json.loads(out.stdout)["results"]
     model, _ = mlx_rwkvx.load(tmp_path / "m")
@@ -118,8 +119,9 @@ def test_the_command_runs_the_task(tmp_path):
     assert record["task"] == "rwkv_lambada" and record["texts"] == len(TEXTS)
     assert record["accuracy"] == accuracy
     assert record["perplexity"] == pytest.approx(perplexity, rel=1e-5)
-    table = run_module("evaluate", "--model", tmp_path / "m", "--tasks", "rwkv_lambada",
-                       "--data", data)  # fmt: skip
+    table = run_module(
+        "evaluate", "--model", tmp_path / "m", "--tasks", "rwkv_lambada", "--data", data
+    )
     lines = table.stdout.splitlines()
     assert lines[0] == f"rwkv_lambada ({data}):"
     assert lines[1].split() == ["model", "accuracy", "ppl", "texts"]

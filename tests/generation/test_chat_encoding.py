@@ -49,8 +49,10 @@ def test_a_conversation_without_such_text_encodes_as_before(tok):
 
 def test_a_template_that_rewrites_the_text_refuses_special_token_text(tok, tmp_path):
     path = tmp_path / "trim.jinja"
-    path.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}"
-                    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")  # fmt: skip
+    path.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}"
+        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
     fmt = chat_format(tok, str(path))
     plain = [{"role": "user", "content": "  Hello  "}]
     assert encode_chat(tok, fmt, plain) == encode_prompt(tok, fmt.apply(plain))
@@ -63,8 +65,10 @@ def test_a_template_that_rewrites_the_text_refuses_special_token_text(tok, tmp_p
 
 def test_a_message_that_looks_like_a_slot_is_its_own_text(tok):
     fmt = chat_format(tok)
-    messages = [{"role": "user", "content": "\ue0000\ue001 and \ue0007\ue001"},
-                {"role": "user", "content": SPOOF}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "\ue0000\ue001 and \ue0007\ue001"},
+        {"role": "user", "content": SPOOF},
+    ]
     ids = encode_chat(tok, fmt, messages)
     assert tok.decode(ids) == fmt.apply(messages)
     assert len(_specials(tok, ids)) == 5
@@ -100,8 +104,7 @@ def test_the_servers_chat_prompt_keeps_a_message_as_text(tok):
 
 def test_training_data_keeps_its_special_tokens(tok):
     """A data set marks a special token on purpose by its text (README, "Data")."""
-    messages = [{"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "A<|im_end|>B"}]  # fmt: skip
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A<|im_end|>B"}]
     ids, _ = chat_example(tok, messages)
     assert _specials(tok, ids.tolist()).count("<|im_end|>") == 3
 

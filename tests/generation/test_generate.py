@@ -108,8 +108,7 @@ def test_an_answer_cut_short_leaves_a_consistent_session(family):
     model, tok = tiny_model(family, seed=13), ByteTokenizer()
     for cut in (1, 2, 7):
         session = Session(model, max_cache=24)
-        responses = stream_generate(model, tok, list(range(40, 60)), max_tokens=50,
-                                    session=session)  # fmt: skip
+        responses = stream_generate(model, tok, list(range(40, 60)), max_tokens=50, session=session)
         shown = [next(responses).token for _ in range(cut)]
         responses.close()
         assert session.tokens == list(range(40, 60)) + shown[:-1]
@@ -167,17 +166,21 @@ def test_user_errors_are_user_errors(tmp_path):
     template = tmp_path / "refuses.jinja"
     template.write_text("{{ raise_exception('no system prompts here') }}{{ messages }}")
     cases = [
-        (lambda: list(stream_generate(model, tok, list(range(20)), max_cache=8, window=False)),
-         "do not fit in the KV cache"),
+        (
+            lambda: list(stream_generate(model, tok, list(range(20)), max_cache=8, window=False)),
+            "do not fit in the KV cache",
+        ),
         (lambda: list(stream_generate(model, tok, "caf\u00e9 \u20ac")), "cannot encode"),
         (lambda: list(stream_generate(model, tok, [200, 300])), "outside the vocabulary"),
         (lambda: list(stream_generate(model, tok, "x", top_p=2)), "top_p must be in 0 .. 1"),
         (lambda: list(stream_generate(model, tok, "x", max_tokens=0)), "max_tokens"),
         (lambda: Session(model, max_cache=0), "max_cache"),
         (lambda: Chat(model, tok, template="nope"), "chat template 'nope'"),
-        (lambda: list(Chat(model, tok, template=str(template)).ask("hi")),
-         "no system prompts here"),
-    ]  # fmt: skip
+        (
+            lambda: list(Chat(model, tok, template=str(template)).ask("hi")),
+            "no system prompts here",
+        ),
+    ]
     for act, match in cases:
         with pytest.raises(GenerationError, match=match) as info:
             act()

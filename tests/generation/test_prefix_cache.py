@@ -208,8 +208,9 @@ def test_load_under_a_low_descriptor_limit(tmp_path):
         f"c = PrefixCache(10**8, folder={str(tmp_path)!r}, key='m')\n"
         "print(c.load(), sum(c.get([i])[0] for i in range(400)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["400", "400"]
 
@@ -232,7 +233,8 @@ def test_a_failed_write_keeps_the_state_in_memory_with_one_warning(tmp_path, mon
             assert cache.put([i, 9], state(4, i))
     assert [str(w.message) for w in caught if "No space left" in str(w.message)] == [
         f"{tmp_path}: a state could not be saved (No space left on device); such states are "
-        "kept in memory only, and this is said once"]  # fmt: skip
+        "kept in memory only, and this is said once"
+    ]
     assert len(caught) == 1 and len(cache) == 5 and cache.get([3, 9, 1])[0] == 2
     assert not [f for f in _files(tmp_path) if f.endswith(".safetensors")]
     monkeypatch.setattr(mx, "save_safetensors", real)
@@ -296,8 +298,9 @@ def test_debris_of_dead_writers_is_removed_and_modes_are_private(tmp_path):
     cache = PrefixCache(10**6, folder=str(folder), key="m")
     cache.put([1], state(2))
     (name,) = [f for f in _files(folder) if f.endswith(".safetensors")]
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     debris = folder / f".mlx_rwkvx-tmp-{dead}.new.{'a' * 32}.safetensors"
     alive = folder / f".mlx_rwkvx-tmp-{os.getppid()}.new.{'b' * 32}.safetensors"
     mine = folder / "notes.txt"

@@ -41,8 +41,13 @@ LOW_RANK = dict(decay_low_rank=8, a_low_rank=8, v_low_rank=8, gate_low_rank=16)
 def rwkv7_cfg(blocks: int = 2, hidden_size: int = 32, vocab_size: int = 256, **kw) -> ModelConfig:
     """``blocks`` RWKV-7 blocks with heads of 16, on the byte vocabulary unless told. The
     default, two blocks of width 32, is the smallest model the commands run on."""
-    return ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, head_size=16,
-                       block_types=["rwkv7"] * blocks, **kw)  # fmt: skip
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        head_size=16,
+        block_types=["rwkv7"] * blocks,
+        **kw,
+    )
 
 
 def rfa_cfg(
@@ -50,9 +55,16 @@ def rfa_cfg(
 ) -> ModelConfig:
     """An RFA config of ``block_types`` ("rwkv7" and "qwen2"): RWKV heads of 16, 4 query and 2
     KV heads, an FFN 1.5 times the width."""
-    return rfa_config(vocab_size=vocab_size, hidden_size=hidden_size, head_size=16,
-                      block_types=list(block_types), n_q_heads=4, n_kv_heads=2,
-                      intermediate_size=hidden_size * 3 // 2, **kw)  # fmt: skip
+    return rfa_config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        head_size=16,
+        block_types=list(block_types),
+        n_q_heads=4,
+        n_kv_heads=2,
+        intermediate_size=hidden_size * 3 // 2,
+        **kw,
+    )
 
 
 def tiny_model(family: str, seed: int = 0, **kw) -> Model:
@@ -61,12 +73,19 @@ def tiny_model(family: str, seed: int = 0, **kw) -> Model:
     if family == "rwkv7":
         cfg = rwkv7_cfg(hidden_size=64, **kw)
     elif family == "rwkv-x":
-        cfg = ModelConfig(vocab_size=kw.pop("vocab_size", 256), hidden_size=64, head_size=16,
-                          block_types=rwkv_x_block_types(2, 1), moba_chunk_size=8, moba_top_k=1,
-                          **kw)  # fmt: skip
+        cfg = ModelConfig(
+            vocab_size=kw.pop("vocab_size", 256),
+            hidden_size=64,
+            head_size=16,
+            block_types=rwkv_x_block_types(2, 1),
+            moba_chunk_size=8,
+            moba_top_k=1,
+            **kw,
+        )
     else:
-        cfg = rfa_cfg(["rwkv7", "qwen2", "rwkv7"], hidden_size=64, attn_head_dim=16,
-                      rope_theta=10000.0, **kw)  # fmt: skip
+        cfg = rfa_cfg(
+            ["rwkv7", "qwen2", "rwkv7"], hidden_size=64, attn_head_dim=16, rope_theta=10000.0, **kw
+        )
     return Model(cfg, seed=seed)
 
 
@@ -84,8 +103,7 @@ def adapter_base(seed: int = 0) -> Model:
     return Model(preset("rwkv-x-tiny"), seed=seed)
 
 
-def make_adapter(path, *, rank=4, alpha=8.0, seed=0, noise=1, base_seed=0, tokens=100,
-                 kind="lora"):  # fmt: skip
+def make_adapter(path, *, rank=4, alpha=8.0, seed=0, noise=1, base_seed=0, tokens=100, kind="lora"):
     """An adapter of ``adapter_base(base_seed)`` with random A and B (a trained-looking one)."""
     model = adapter_base(base_seed)
     if kind == "state":
@@ -99,9 +117,16 @@ def make_adapter(path, *, rank=4, alpha=8.0, seed=0, noise=1, base_seed=0, token
             if leaf in m:
                 key, sub = mx.random.split(key)
                 m[leaf] = 0.1 * mx.random.normal(m[leaf].shape, key=sub)
-    config = adapter_config(model, fine_tune_type=kind, paths=paths, rank=rank, alpha=alpha,
-                            base_fingerprint=fingerprint(adapter_base(base_seed)), seed=seed,
-                            tokens_trained=tokens)  # fmt: skip
+    config = adapter_config(
+        model,
+        fine_tune_type=kind,
+        paths=paths,
+        rank=rank,
+        alpha=alpha,
+        base_fingerprint=fingerprint(adapter_base(base_seed)),
+        seed=seed,
+        tokens_trained=tokens,
+    )
     save_adapter(path, model, config)
     return path
 
@@ -184,8 +209,10 @@ def cli(main, *argv, notes: str | None = None) -> str:
         try:
             main([str(a) for a in argv])
         except SystemExit as e:
-            shown = [warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line)
-                     for w in caught]  # fmt: skip
+            shown = [
+                warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line)
+                for w in caught
+            ]
             text = "".join(shown) + err.getvalue()
             lines = text.strip().splitlines()
             if notes is not None:

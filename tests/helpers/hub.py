@@ -60,8 +60,14 @@ class StandInHub:
                 return
             if kind == "revision":
                 files = sorted(self.repos[repo])
-                info = {"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
-                        "gated": False, "siblings": [{"rfilename": f} for f in files]}  # fmt: skip
+                info = {
+                    "id": repo,
+                    "modelId": repo,
+                    "sha": COMMIT,
+                    "private": False,
+                    "gated": False,
+                    "siblings": [{"rfilename": f} for f in files],
+                }
                 return self._json(req, info, body)
             if kind == "tree":
                 return self._json(

@@ -20,8 +20,11 @@ def chat_model(root, seed: int, name: str = "m") -> str:
     import mlx_rwkvx
     from helpers import chatml_tokenizer, tiny_model
 
-    mlx_rwkvx.save(tiny_model("rwkv7", seed=seed, vocab_size=512), root / name,
-                   tokenizer=chatml_tokenizer(root / "tok"))  # fmt: skip
+    mlx_rwkvx.save(
+        tiny_model("rwkv7", seed=seed, vocab_size=512),
+        root / name,
+        tokenizer=chatml_tokenizer(root / "tok"),
+    )
     return str(root / name)
 
 
@@ -39,13 +42,21 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_rwkvx.server", *map(str, args), "--port", str(self.port),
-             "--log-level", "warning"],
+            [
+                sys.executable,
+                "-m",
+                "mlx_rwkvx.server",
+                *map(str, args),
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+            ],
             env={**os.environ, **(env or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

@@ -63,8 +63,13 @@ def local(tmp_path_factory):
     mlx_rwkvx.save(Model(rfa_cfg(["rwkv7", "qwen2"]), seed=4), root / "rfa.safetensors")
     shutil.copy(DATA / "tiny_rwkv7.pth", root / "rwkv7-a.pth")
     shutil.copy(DATA / "tiny_rwkv7_bf16.pth", root / "rwkv7-b.pth")
-    cfg = ModelConfig(vocab_size=256, hidden_size=128, head_size=64, n_q_heads=2,
-                      block_types=rwkv_x_block_types(2, 1))  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=256,
+        hidden_size=128,
+        head_size=64,
+        n_q_heads=2,
+        block_types=rwkv_x_block_types(2, 1),
+    )
     write_rwkvx(root / "RWKV-X-tiny.pth", cfg, flat_params(Model(cfg, seed=5)))
     return root
 
@@ -99,8 +104,12 @@ def repos(local) -> dict[str, dict[str, bytes]]:
 
 
 def online(hub: StandInHub, home) -> dict:
-    return {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url, "HF_HOME": str(home),
-            "HF_HUB_DISABLE_TELEMETRY": "1"}  # fmt: skip
+    return {
+        "HF_HUB_OFFLINE": "0",
+        "HF_ENDPOINT": hub.url,
+        "HF_HOME": str(home),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
 
 
 def offline(home) -> dict:
@@ -116,8 +125,13 @@ def load_all(names, env) -> dict:
 def run_module_code(code, *args, env):
     import subprocess
 
-    return subprocess.run([sys.executable, "-c", code, *args], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_names_are_read_as_the_hub_reads_them():
@@ -180,8 +194,19 @@ def test_the_commands_take_hub_names(tmp_path, repos):
     data.mkdir()
     lines = [json.dumps({"text": f"hi {i}"}) for i in range(4)]
     (data / "train.jsonl").write_text("\n".join(lines) + "\n")
-    run("train", "--model", name, "--data", data, "--output", tmp_path / "lora", "--iters", "1",
-        "--batch-size", "2")  # fmt: skip
+    run(
+        "train",
+        "--model",
+        name,
+        "--data",
+        data,
+        "--output",
+        tmp_path / "lora",
+        "--iters",
+        "1",
+        "--batch-size",
+        "2",
+    )
     config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     assert config["train"]["model"] == name  # the name, which another Mac resolves again
     run("merge", "--output", tmp_path / "fused", tmp_path / "lora", "--fuse-into", name)
@@ -195,26 +220,44 @@ def test_a_tokenizer_by_name_fetches_no_weights(tmp_path, repos):
     with StandInHub(repos) as hub:
         out = run_module("pretokenize", *flags, env=online(hub, tmp_path / "hf"))
     assert out.returncode == 0, out.stderr
-    assert set(hub.downloads) == {f"fla-hub/rwkv7-tiny/{n}" for n in ("config.json",
-                                  "tokenizer.json", "tokenizer_config.json")}  # fmt: skip
+    assert set(hub.downloads) == {
+        f"fla-hub/rwkv7-tiny/{n}"
+        for n in ("config.json", "tokenizer.json", "tokenizer_config.json")
+    }
     assert (tmp_path / "d.bin").stat().st_size > 0
 
 
 # name, where the stand-in hub is (None: offline, nothing cached), the message's pattern
 REFUSALS = [
-    ("pre-smal/model", None, r"pre-smal/model: not a file or folder here, and pre-smal/model is "
-     r"not \(completely\) in the Hugging Face cache; HF_HUB_OFFLINE is set"),
-    ("nope/missing", "online", r"no such file or folder, and no Hugging Face repository "
-     r"'nope/missing'"),
+    (
+        "pre-smal/model",
+        None,
+        r"pre-smal/model: not a file or folder here, and pre-smal/model is "
+        r"not \(completely\) in the Hugging Face cache; HF_HUB_OFFLINE is set",
+    ),
+    (
+        "nope/missing",
+        "online",
+        r"no such file or folder, and no Hugging Face repository "
+        r"'nope/missing'",
+    ),
     ("meta/gated", "online", r"meta/gated: a gated repository: accept its terms"),
-    ("BlinkDL/rwkv7-tiny", "online", r"holds checkpoint files \(rwkv7-a.pth, rwkv7-b.pth\) and "
-     r"no config.json: name one as BlinkDL/rwkv7-tiny/FILE"),
+    (
+        "BlinkDL/rwkv7-tiny",
+        "online",
+        r"holds checkpoint files \(rwkv7-a.pth, rwkv7-b.pth\) and "
+        r"no config.json: name one as BlinkDL/rwkv7-tiny/FILE",
+    ),
     ("BlinkDL/rwkv7-tiny/rwkv7-c.pth", "online", r"the repository has no file 'rwkv7-c.pth'"),
-    ("old/bin-only", "online", r"old/bin-only: holds pytorch_model.bin weights only; PyTorch "
-     r"pickles"),
+    (
+        "old/bin-only",
+        "online",
+        r"old/bin-only: holds pytorch_model.bin weights only; PyTorch "
+        r"pickles",
+    ),
     ("empty/card", "online", r"no checkpoint we read: .* \(it holds README.md\)"),
     ("fla-hub/rwkv7-tiny@v9", "online", r"no revision 'v9' in the repository"),
-]  # fmt: skip
+]
 
 
 # each refusal in one process: the message of CheckpointError (a UserError: one line, exit 2)
@@ -269,8 +312,9 @@ def test_an_interrupted_download_is_not_in_the_way(tmp_path, repos):
     home = tmp_path / "hf"
     file = "ours/single/rfa.safetensors"
     with StandInHub(repos, broken={file: 20}) as hub:
-        out = run_module("generate", "--model", "ours/single", "--prompt", "hi",
-                         env=online(hub, home))  # fmt: skip
+        out = run_module(
+            "generate", "--model", "ours/single", "--prompt", "hi", env=online(hub, home)
+        )
         errors = [line for line in out.stderr.splitlines() if "error:" in line]
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert errors[-1].startswith("mlx_rwkvx.generate: error: ours/single"), errors

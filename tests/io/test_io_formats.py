@@ -47,8 +47,14 @@ def same_model(a, b) -> bool:
 def rwkvx_cfg(n_rwkv: int, n_attn: int, **kw) -> ModelConfig:
     """An RWKV-X the authors' code runs: heads of 64, MoBA blocks after each group."""
     settings = dict(moba_chunk_size=2048, moba_top_k=3, max_cache=65536) | kw
-    return ModelConfig(vocab_size=256, hidden_size=128, head_size=64, n_q_heads=2,
-                       block_types=rwkv_x_block_types(n_rwkv, n_attn), **settings)  # fmt: skip
+    return ModelConfig(
+        vocab_size=256,
+        hidden_size=128,
+        head_size=64,
+        n_q_heads=2,
+        block_types=rwkv_x_block_types(n_rwkv, n_attn),
+        **settings,
+    )
 
 
 @pytest.mark.parametrize("layout", [(4, 2), (3, 1), (1, 1), (6, 3)], ids=str)
@@ -88,7 +94,10 @@ def test_rwkvx_files_take_the_authors_moba_settings(tmp_path):
     convert(path, native)  # the settings are recorded in the converted config
     recorded = json.loads((native / "config.json").read_text())
     assert (recorded["moba_chunk_size"], recorded["moba_top_k"], recorded["max_cache"]) == (
-        2048, 3, 65536)  # fmt: skip
+        2048,
+        3,
+        65536,
+    )
 
 
 def test_rwkvx_bfloat16_and_blinkdl_pth_written_without_torch(tmp_path):
@@ -263,8 +272,10 @@ def test_convert_cli_round_trip_and_errors(tmp_path):
     assert not os.path.exists(tmp_path / "y")
 
 
-@pytest.mark.parametrize(("flags", "bits"), [(["--quantize"], 8), (["--quantize", "int8"], 8),
-                                           (["--quantize", "int4"], 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("flags", "bits"),
+    [(["--quantize"], 8), (["--quantize", "int8"], 8), (["--quantize", "int4"], 4)],
+)
 def test_convert_quantize_writes_a_checkpoint_that_loads(tmp_path, flags, bits):
     # the config records the quantization (it said null: the INT8 tensors did not load); a
     # bare --quantize is int8, the spelling train and generate take
@@ -322,8 +333,9 @@ def test_int8_layers_in_bf16_are_as_exact_as_bf16(tied):
     1536, 10% at 8960): our layers multiply in float32 there."""
     import mlx.nn as nn
 
-    cfg = ModelConfig(vocab_size=256, hidden_size=1536, head_size=64, block_types=["rwkv7"],
-                      tie_embeddings=tied)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=256, hidden_size=1536, head_size=64, block_types=["rwkv7"], tie_embeddings=tied
+    )
     model = Model(cfg, init=None)
     model.set_dtype(mx.bfloat16)
     model.quantize(bits=8)

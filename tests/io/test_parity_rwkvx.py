@@ -48,8 +48,11 @@ def authors_state(n_rwkv: int, n_attn: int, seed: int) -> dict[str, np.ndarray]:
         for name, p in rwkv_x_model.MemoryAttentionBlock(config).state_dict().items():
             shape = tuple(p.shape)
             if name.startswith(("ln1.", "ln2.")):
-                x = 1 + 0.1 * rng.standard_normal(shape) if name.endswith("weight") else 0.1 * (
-                    rng.standard_normal(shape))  # fmt: skip
+                x = (
+                    1 + 0.1 * rng.standard_normal(shape)
+                    if name.endswith("weight")
+                    else 0.1 * (rng.standard_normal(shape))
+                )
             elif name == "ffn.x_k":
                 x = rng.uniform(0, 1, shape)
             else:  # a Linear weight [out, in]
@@ -143,11 +146,35 @@ def test_the_toolkit_end_to_end(tmp_path):
         lines = [json.dumps({"text": f"fact {i}: the cat sat on mat {i}."}) for i in range(8)]
         (data / "train.jsonl").write_text("\n".join(lines[part::2]) + "\n")
         out = tmp_path / f"lora{part}"
-        run("train", "--model", native, "--data", data, "--output", out, "--iters", 2,
-            "--batch-size", 2, "--learning-rate", 1e-2, "--rank", 4)  # fmt: skip
+        run(
+            "train",
+            "--model",
+            native,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--iters",
+            2,
+            "--batch-size",
+            2,
+            "--learning-rate",
+            1e-2,
+            "--rank",
+            4,
+        )
         adapters.append(out / "adapter_final.safetensors")
-    run("generate", "--model", native, "--adapter", tmp_path / "lora0", "--prompt", "fact",
-        "--max-tokens", 4)  # fmt: skip
+    run(
+        "generate",
+        "--model",
+        native,
+        "--adapter",
+        tmp_path / "lora0",
+        "--prompt",
+        "fact",
+        "--max-tokens",
+        4,
+    )
     merged, fused = tmp_path / "merged.safetensors", tmp_path / "fused"
     run("merge", "--output", merged, *adapters)
     run("merge", "--output", fused, *adapters, "--fuse-into", native)

@@ -76,8 +76,12 @@ def test_a_compressed_storage_is_refused_before_it_is_inflated(tmp_path, opened)
     # inflate to 16 GB), so its record is refused from the zip's directory, never read
     path = tmp_path / "bomb.pth"
     zeros = np.zeros(4 * MiB_FLOATS, np.float32)
-    _write_pth(path, {"w": ("0", 0, (zeros.size,), (1,))}, {"0": (zeros.size, zeros)},
-               compress=zipfile.ZIP_DEFLATED)  # fmt: skip
+    _write_pth(
+        path,
+        {"w": ("0", 0, (zeros.size,), (1,))},
+        {"0": (zeros.size, zeros)},
+        compress=zipfile.ZIP_DEFLATED,
+    )
     assert path.stat().st_size < zeros.nbytes // 100
     with pytest.raises(PthError, match=r"bomb.pth: entry a/data/0 is compressed"):
         read_pth(str(path))
@@ -90,8 +94,11 @@ def test_a_storage_whose_size_is_not_its_declared_count_is_refused_unread(tmp_pa
     path = tmp_path / "liar.pth"
     held = np.zeros(MiB_FLOATS, np.float32)
     _write_pth(path, {"w": ("0", 0, (4,), (1,))}, {"0": (10**9, held)})
-    with pytest.raises(PthError, match=r"liar.pth: storage a/data/0 holds 4,194,304 bytes, "
-                                       r"its declared 1,000,000,000 elements"):  # fmt: skip
+    with pytest.raises(
+        PthError,
+        match=r"liar.pth: storage a/data/0 holds 4,194,304 bytes, "
+        r"its declared 1,000,000,000 elements",
+    ):
         read_pth(str(path))
     assert not [n for n in opened if "/data/" in n]
 
@@ -101,8 +108,9 @@ def test_many_views_of_one_storage_are_refused_together(tmp_path):
     path = tmp_path / "views.pth"
     views = {f"w{i}": ("0", i, (MiB_FLOATS - i,), (1,)) for i in range(50)}
     _write_pth(path, views, {"0": (MiB_FLOATS, np.zeros(MiB_FLOATS, np.float32))})
-    with pytest.raises(PthError, match="views.pth: its distinct tensors hold more than its "
-                                       "storages"):  # fmt: skip
+    with pytest.raises(
+        PthError, match="views.pth: its distinct tensors hold more than its storages"
+    ):
         read_pth(str(path))
 
 

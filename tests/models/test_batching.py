@@ -132,8 +132,9 @@ def test_rows_of_different_state_tuned_states_share_a_batch():
         m = Model(CONFIGS["rwkv7"](), seed=4)
         for layer in m.layers:
             layer.tmix.enable_state_tuning()
-            layer.tmix.state0 = 0.3 * mx.random.normal(layer.tmix.state0.shape,
-                                                       key=mx.random.key(seed))  # fmt: skip
+            layer.tmix.state0 = 0.3 * mx.random.normal(
+                layer.tmix.state0.shape, key=mx.random.key(seed)
+            )
         tuned.append(m)
     models = [base, tuned[0], tuned[1], tuned[0], base]
     prompts = _prompts(base.config.vocab_size)

@@ -42,8 +42,20 @@ def keyed(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def shared(model):
     """A server of two keys given as flags, sharing one cache scope, answering any Host."""
-    server = Server(["--model", model, "--api-key", KEY_A, "--api-key", KEY_B,
-                     "--cache-scope", "shared", "--allowed-hosts", "*"])  # fmt: skip
+    server = Server(
+        [
+            "--model",
+            model,
+            "--api-key",
+            KEY_A,
+            "--api-key",
+            KEY_B,
+            "--cache-scope",
+            "shared",
+            "--allowed-hosts",
+            "*",
+        ]
+    )
     yield server
     server.stop()
 
@@ -53,8 +65,12 @@ def call(server: Server, method: str, route: str, *, body=None, headers=None):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     try:
         data = None if body is None else json.dumps(body).encode()
-        conn.request(method, route, body=data, headers={"Content-Type": "application/json",
-                                                        **(headers or {})})  # fmt: skip
+        conn.request(
+            method,
+            route,
+            body=data,
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
         reply = conn.getresponse()
         return reply.status, json.loads(reply.read() or b"null")
     finally:
@@ -68,8 +84,13 @@ def bearer(key: str, scheme: str = "Bearer") -> dict:
 def cached(server: Server, messages, headers) -> int:
     """``cached_tokens`` of a chat answer to ``messages`` (asserted to be answered)."""
     model = server.proc.args[server.proc.args.index("--model") + 1]
-    status, body = call(server, "POST", "/v1/chat/completions", headers=headers,
-                        body={"model": model, "messages": messages, "max_tokens": 3})  # fmt: skip
+    status, body = call(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        headers=headers,
+        body={"model": model, "messages": messages, "max_tokens": 3},
+    )
     assert status == 200, body
     usage = body["usage"]
     assert usage["prompt_tokens"] > 0
@@ -111,15 +132,24 @@ def test_keys_by_bearer_in_any_case_or_x_api_key(keyed):
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     assert call(keyed, "GET", "/v1/models", headers=bearer(KEY_A[:-1]))[0] == 401
     assert call(keyed, "GET", "/v1/models", headers={"x-api-key": "wrong"})[0] == 401
-    for headers in (bearer(KEY_A), bearer(KEY_B, "bearer"), bearer(KEY_A, "BEARER"),
-                    {"x-api-key": KEY_B}, {"X-Api-Key": KEY_A}):  # fmt: skip
+    for headers in (
+        bearer(KEY_A),
+        bearer(KEY_B, "bearer"),
+        bearer(KEY_A, "BEARER"),
+        {"x-api-key": KEY_B},
+        {"X-Api-Key": KEY_A},
+    ):
         status, body = call(keyed, "GET", "/v1/models", headers=headers)
         assert status == 200 and body["data"], headers
 
 
 def test_a_key_from_a_file_is_not_in_the_process_list(keyed):
-    args = subprocess.run(["ps", "-ww", "-o", "args=", "-p", str(keyed.proc.pid)],
-                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    args = subprocess.run(
+        ["ps", "-ww", "-o", "args=", "-p", str(keyed.proc.pid)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "--api-key-file" in args
     assert KEY_A not in args and KEY_B not in args
 
@@ -152,18 +182,32 @@ def test_every_key_is_compared(monkeypatch):
 
 def test_a_forged_host_is_refused_on_a_loopback_server(keyed, shared):
     port = keyed.port
-    for host in ("evil.test", f"evil.test:{port}", "127.0.0.1.evil.test", "localhost.evil.test",
-                 "10.0.0.1", ""):  # fmt: skip
+    for host in (
+        "evil.test",
+        f"evil.test:{port}",
+        "127.0.0.1.evil.test",
+        "localhost.evil.test",
+        "10.0.0.1",
+        "",
+    ):
         status, body = call(keyed, "GET", "/v1/models", headers={"Host": host, **bearer(KEY_A)})
         assert status == 403 and body["error"]["code"] == "host_not_allowed", host
         assert call(keyed, "GET", "/health", headers={"Host": host})[0] == 403
-    for host in (f"localhost:{port}", "LOCALHOST", f"127.0.0.1:{port}", "127.8.9.10",
-                 f"[::1]:{port}", "rwkv.test", f"RWKV.test:{port}"):  # fmt: skip
+    for host in (
+        f"localhost:{port}",
+        "LOCALHOST",
+        f"127.0.0.1:{port}",
+        "127.8.9.10",
+        f"[::1]:{port}",
+        "rwkv.test",
+        f"RWKV.test:{port}",
+    ):
         status, _ = call(keyed, "GET", "/v1/models", headers={"Host": host, **bearer(KEY_A)})
         assert status == 200, host
     # --allowed-hosts '*': any
-    assert call(shared, "GET", "/v1/models", headers={"Host": "evil.test", **bearer(KEY_A)})[0] \
-        == 200  # fmt: skip
+    assert (
+        call(shared, "GET", "/v1/models", headers={"Host": "evil.test", **bearer(KEY_A)})[0] == 200
+    )
 
 
 def test_health_without_a_key_names_no_model(keyed, model):
@@ -194,8 +238,16 @@ def test_a_shared_cache_scope_shares_on_purpose(shared):
 def test_a_keys_states_stay_its_own_after_a_restart(model, tmp_path):
     """The scope is saved with each state in ``--cache-dir``: after a restart A resumes its
     conversation and B still learns nothing of it."""
-    args = ["--model", model, "--api-key", KEY_A, "--api-key", KEY_B, "--cache-dir",
-            tmp_path / "states"]  # fmt: skip
+    args = [
+        "--model",
+        model,
+        "--api-key",
+        KEY_A,
+        "--api-key",
+        KEY_B,
+        "--cache-dir",
+        tmp_path / "states",
+    ]
     server = Server(args)
     try:
         assert cached(server, SECRET, bearer(KEY_A)) == 0

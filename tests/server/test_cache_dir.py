@@ -34,8 +34,11 @@ def model(tmp_path_factory):
 
 def chat(server: Server, model: str, messages, max_tokens: int = 4) -> dict:
     body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens})
-    request = urllib.request.Request(server.url + "/chat/completions", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        server.url + "/chat/completions",
+        data=body.encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=60) as r:
         assert r.status == 200
         return json.loads(r.read())
@@ -47,9 +50,12 @@ def cached(reply: dict) -> int:
 
 def state_files(folder) -> dict[str, int]:
     """Our saved states under ``folder`` (any depth) and their sizes."""
-    return {os.path.join(root, f): os.path.getsize(os.path.join(root, f))
-            for root, _, files in os.walk(folder) for f in files
-            if f.endswith(".safetensors") and not f.startswith(".")}  # fmt: skip
+    return {
+        os.path.join(root, f): os.path.getsize(os.path.join(root, f))
+        for root, _, files in os.walk(folder)
+        for f in files
+        if f.endswith(".safetensors") and not f.startswith(".")
+    }
 
 
 def mode(path) -> int:
@@ -57,8 +63,11 @@ def mode(path) -> int:
 
 
 def dead_pid() -> int:
-    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True).stdout)  # fmt: skip
+    return int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        ).stdout
+    )
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")

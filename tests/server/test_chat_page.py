@@ -73,18 +73,24 @@ def test_a_conversation_in_the_browser(browser, tmp_path):
             box = browser.find_element(By.ID, "input")
             box.send_keys(text)
             browser.find_element(By.ID, "send").click()
-            _wait(browser, lambda d: len(d.find_elements(
-                By.CSS_SELECTOR, ".msg.assistant[data-done]")) > before)  # fmt: skip
+            _wait(
+                browser,
+                lambda d: (
+                    len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]")) > before
+                ),
+            )
             return browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
 
         first = say("Hello, world!")
         messages = [{"role": "user", "content": "Hello, world!"}]
-        want = c.chat.completions.create(model=path, messages=messages, max_tokens=512,
-                                         temperature=0)  # fmt: skip
+        want = c.chat.completions.create(
+            model=path, messages=messages, max_tokens=512, temperature=0
+        )
         # what the page shows is the text it was sent (the DOM keeps it as it came)
         assert first.get_property("textContent") == want.choices[0].message.content
-        assert "resumed from the saved state" in browser.find_element(
-            By.CSS_SELECTOR, ".stats").text  # fmt: skip
+        assert (
+            "resumed from the saved state" in browser.find_element(By.CSS_SELECTOR, ".stats").text
+        )
         second = say("The fox?")
         assert second.get_property("textContent")
         stats = browser.find_elements(By.CSS_SELECTOR, ".stats")[-1].text
@@ -102,17 +108,25 @@ def test_the_stop_button_ends_an_answer(browser, tmp_path):
 
     tok = chatml_tokenizer(tmp_path / "tok")
     path = str(tmp_path / "a")  # says "a" for ever: only the stop button ends its answer
-    mlx_rwkvx.save(constant(tiny_model("rwkv7", seed=42, vocab_size=512), tok.encode("a")[0]),
-                   path, tokenizer=tok)  # fmt: skip
-    with serving("--model", path, "--max-tokens", "1000000", "--max-request-tokens",
-                 "1000000") as server:  # fmt: skip
+    mlx_rwkvx.save(
+        constant(tiny_model("rwkv7", seed=42, vocab_size=512), tok.encode("a")[0]),
+        path,
+        tokenizer=tok,
+    )
+    with serving(
+        "--model", path, "--max-tokens", "1000000", "--max-request-tokens", "1000000"
+    ) as server:
         browser.get(server.url.removesuffix("/v1") + "/")
         _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#model option"))
         browser.find_element(By.ID, "new").click()
         browser.find_element(By.ID, "input").send_keys("Go on")
         browser.find_element(By.ID, "send").click()
-        answer = _wait(browser, lambda d: [m for m in d.find_elements(
-            By.CSS_SELECTOR, ".msg.assistant") if len(m.text) >= 20])[0]  # fmt: skip
+        answer = _wait(
+            browser,
+            lambda d: [
+                m for m in d.find_elements(By.CSS_SELECTOR, ".msg.assistant") if len(m.text) >= 20
+            ],
+        )[0]
         browser.find_element(By.ID, "stop").click()
         _wait(browser, lambda d: answer.get_attribute("data-done"), timeout=10)
         assert browser.find_element(By.ID, "stop").get_property("disabled")
@@ -120,7 +134,8 @@ def test_the_stop_button_ends_an_answer(browser, tmp_path):
         assert set(answer.text) == {"a"} and length >= 20
         # the server freed the slot: another request is answered at once
         c = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=20)
-        r = c.chat.completions.create(model=path, messages=[{"role": "user", "content": "x"}],
-                                      max_tokens=3)  # fmt: skip
+        r = c.chat.completions.create(
+            model=path, messages=[{"role": "user", "content": "x"}], max_tokens=3
+        )
         assert r.choices[0].message.content == "aaa"
         assert len(answer.text) == length  # it stopped growing

@@ -39,9 +39,22 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    server = Server(["--model", model, "--api-key", KEY, "--max-request-tokens", "1000000",
-                     "--max-prompt-tokens", "1000000", "--max-inputs", "8",
-                     "--max-body-bytes", MAX_BODY])  # fmt: skip
+    server = Server(
+        [
+            "--model",
+            model,
+            "--api-key",
+            KEY,
+            "--max-request-tokens",
+            "1000000",
+            "--max-prompt-tokens",
+            "1000000",
+            "--max-inputs",
+            "8",
+            "--max-body-bytes",
+            MAX_BODY,
+        ]
+    )
     yield server
     server.stop()
 
@@ -49,8 +62,14 @@ def server(model):
 def _open(server: Server, route: str, body: dict, headers: dict | None = None) -> socket.socket:
     """A request sent on a raw socket, its answer not read (closing the socket hangs up)."""
     data = json.dumps(body).encode()
-    head = {"Host": "127.0.0.1", "Content-Type": "application/json", "Connection": "close",
-            "Content-Length": str(len(data)), **AUTH, **(headers or {})}  # fmt: skip
+    head = {
+        "Host": "127.0.0.1",
+        "Content-Type": "application/json",
+        "Connection": "close",
+        "Content-Length": str(len(data)),
+        **AUTH,
+        **(headers or {}),
+    }
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT)
     lines = [f"POST {route} HTTP/1.1", *(f"{k}: {v}" for k, v in head.items()), "", ""]
     sock.sendall("\r\n".join(lines).encode() + data)
@@ -81,16 +100,26 @@ def _wait_for(server: Server, what: str, test) -> None:
 
 
 def _chat(server: Server, model: str, **kw) -> tuple[int, dict]:
-    return _reply(_open(server, "/v1/chat/completions",
-                        {"model": model, "messages": CHAT, "max_tokens": 4, **kw}))  # fmt: skip
+    return _reply(
+        _open(
+            server,
+            "/v1/chat/completions",
+            {"model": model, "messages": CHAT, "max_tokens": 4, **kw},
+        )
+    )
 
 
 def test_a_client_that_goes_stops_its_answers_while_tokens_flow(server, model):
     """Answers of a million tokens, not streamed: their clients hang up while every step
     sends a token; the server stops them (its count of answers decoding falls to 0)."""
-    socks = [_open(server, "/v1/chat/completions", {"model": model, "messages": CHAT,
-                                                    "max_tokens": 1_000_000})
-             for _ in range(4)]  # fmt: skip
+    socks = [
+        _open(
+            server,
+            "/v1/chat/completions",
+            {"model": model, "messages": CHAT, "max_tokens": 1_000_000},
+        )
+        for _ in range(4)
+    ]
     _wait_for(server, "not decoding", lambda h: h["decoding"] == 4)
     for sock in socks:
         sock.close()
@@ -124,12 +153,18 @@ def _raw_head(server: Server, head: str) -> socket.socket:
 def test_a_body_over_the_limit_is_refused_before_it_is_read(server, model):
     """413 with OpenAI's error JSON, before the key is checked (none is sent): by its
     Content-Length, the body never sent; sent in chunks, once they pass the limit."""
-    sock = _raw_head(server, f"POST /v1/chat/completions HTTP/1.1\nHost: 127.0.0.1\n"
-                             f"Content-Length: {10**12}\nConnection: close\n\n")  # fmt: skip
+    sock = _raw_head(
+        server,
+        f"POST /v1/chat/completions HTTP/1.1\nHost: 127.0.0.1\n"
+        f"Content-Length: {10**12}\nConnection: close\n\n",
+    )
     status, body = _reply(sock)
     assert status == 413 and "--max-body-bytes" in body["error"]["message"]
-    sock = _raw_head(server, "POST /v1/embeddings HTTP/1.1\nHost: 127.0.0.1\n"
-                             "Transfer-Encoding: chunked\nConnection: close\n\n")  # fmt: skip
+    sock = _raw_head(
+        server,
+        "POST /v1/embeddings HTTP/1.1\nHost: 127.0.0.1\n"
+        "Transfer-Encoding: chunked\nConnection: close\n\n",
+    )
     chunk = b"x" * (64 << 10)
     for _ in range(MAX_BODY // len(chunk)):
         sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
@@ -138,10 +173,13 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server, model):
     assert status == 413 and body["error"]["code"] == "request_too_large"
     # within the limit, in chunks: read and answered
     data = json.dumps({"model": model, "input": "hi"}).encode()
-    sock = _raw_head(server, f"POST /v1/embeddings HTTP/1.1\nHost: 127.0.0.1\n"
-                             f"Authorization: Bearer {KEY}\nContent-Type: application/json\n"
-                             "Transfer-Encoding: chunked\n"
-                             "Connection: close\n\n")  # fmt: skip
+    sock = _raw_head(
+        server,
+        f"POST /v1/embeddings HTTP/1.1\nHost: 127.0.0.1\n"
+        f"Authorization: Bearer {KEY}\nContent-Type: application/json\n"
+        "Transfer-Encoding: chunked\n"
+        "Connection: close\n\n",
+    )
     sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
     status, body = _reply(sock)
     assert status == 200 and len(body["data"][0]["embedding"]) > 0
@@ -192,8 +230,9 @@ def test_a_seeded_draw_depends_on_its_position_not_on_how_often_it_was_drawn():
 def test_a_second_sigterm_stops_at_once(model):
     """The first SIGTERM lets requests in flight finish (here for ten minutes); the second
     cancels them and the process ends, with a long embeddings request in flight."""
-    server = Server(["--model", model, "--shutdown-timeout", "600",
-                     "--max-prompt-tokens", "1000000"])  # fmt: skip
+    server = Server(
+        ["--model", model, "--shutdown-timeout", "600", "--max-prompt-tokens", "1000000"]
+    )
     try:
         sock = _open(server, "/v1/embeddings", {"model": model, "input": [[7] * 30_000] * 8})
         reader = threading.Thread(target=lambda: sock.recv(1), daemon=True)
@@ -297,8 +336,10 @@ def test_a_failed_sampler_fails_its_answer_alone(model, monkeypatch):
         engine.submit(bad)
         engine.submit(good)
         engine.run(until=lambda: bad.ended and good.ended)
-        got = {name: asyncio.run_coroutine_threadsafe(events(j), loop).result(timeout=WAIT)
-               for name, j in (("bad", bad), ("good", good))}  # fmt: skip
+        got = {
+            name: asyncio.run_coroutine_threadsafe(events(j), loop).result(timeout=WAIT)
+            for name, j in (("bad", bad), ("good", good))
+        }
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=WAIT)

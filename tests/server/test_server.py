@@ -46,32 +46,40 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     tok = chatml_tokenizer(root / "tok")
     for i, family in enumerate(FAMILIES):
-        mlx_rwkvx.save(tiny_model(family, seed=20 + i, vocab_size=512), root / family,
-                       tokenizer=tok)  # fmt: skip
+        mlx_rwkvx.save(
+            tiny_model(family, seed=20 + i, vocab_size=512), root / family, tokenizer=tok
+        )
     base = tiny_model("rwkv7", seed=20, vocab_size=512)
     paths = target_paths(base, default_targets(base))
     apply_lora(base, paths, rank=2, alpha=4.0)
     for _, m in base.named_modules():
         if "lora_b" in m:
             m["lora_b"] = 0.5 * mx.random.normal(m["lora_b"].shape, key=mx.random.key(3))
-    config = adapter_config(base, fine_tune_type="lora", paths=paths, rank=2, alpha=4.0,
-                            base_fingerprint=fingerprint(tiny_model("rwkv7", seed=20,
-                                                                    vocab_size=512)))  # fmt: skip
+    config = adapter_config(
+        base,
+        fine_tune_type="lora",
+        paths=paths,
+        rank=2,
+        alpha=4.0,
+        base_fingerprint=fingerprint(tiny_model("rwkv7", seed=20, vocab_size=512)),
+    )
     save_adapter(root / "lora.safetensors", base, config)
     state = tiny_model("rwkv7", seed=20, vocab_size=512)  # a state-tuned initial state
     paths = enable_state_tuning(state)
     for _, m in state.named_modules():
         if "state0" in m:
             m["state0"] = mx.random.normal(m["state0"].shape, key=mx.random.key(4))
-    config = adapter_config(state, fine_tune_type="state", paths=paths,
-                            base_fingerprint=config["base_fingerprint"])  # fmt: skip
+    config = adapter_config(
+        state, fine_tune_type="state", paths=paths, base_fingerprint=config["base_fingerprint"]
+    )
     save_adapter(root / "state.safetensors", state, config)
     return root
 
 
 def client(server: Server, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url, api_key=kw.pop("api_key", "none"), max_retries=0,
-                         timeout=60, **kw)  # fmt: skip
+    return openai.OpenAI(
+        base_url=server.url, api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw
+    )
 
 
 def greedy(path, messages, max_tokens, adapter=None):
@@ -80,8 +88,9 @@ def greedy(path, messages, max_tokens, adapter=None):
     if adapter is not None:
         apply_adapter(model, adapter)
     fmt = chat_format(tok)
-    rs = list(stream_generate(model, tok, fmt.apply(messages), max_tokens=max_tokens,
-                              stop=fmt.stops))  # fmt: skip
+    rs = list(
+        stream_generate(model, tok, fmt.apply(messages), max_tokens=max_tokens, stop=fmt.stops)
+    )
     return [r.token for r in rs], "".join(r.text for r in rs), rs
 
 
@@ -92,8 +101,9 @@ def test_chat_completions_and_embeddings_of_each_family(models, family):
     with serving("--model", path) as server:
         c = client(server)
         assert [m.id for m in c.models.list().data] == [path]
-        r = c.chat.completions.create(model=path, messages=USER, max_tokens=12, logprobs=True,
-                                      top_logprobs=3)  # fmt: skip
+        r = c.chat.completions.create(
+            model=path, messages=USER, max_tokens=12, logprobs=True, top_logprobs=3
+        )
         choice = r.choices[0]
         assert choice.message.content == text and choice.message.role == "assistant"
         assert choice.finish_reason == ("length" if len(tokens) == 12 else "stop")
@@ -108,15 +118,22 @@ def test_chat_completions_and_embeddings_of_each_family(models, family):
         prompt = r.usage.prompt_tokens
 
         # the same conversation streamed, its usage at the end: the whole prompt was cached
-        chunks = list(c.chat.completions.create(
-            model=path, messages=USER, max_tokens=12, stream=True,
-            stream_options={"include_usage": True}))  # fmt: skip
+        chunks = list(
+            c.chat.completions.create(
+                model=path,
+                messages=USER,
+                max_tokens=12,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens == prompt
 
         # n answers: each its own choice, the prompt counted once
-        two = c.chat.completions.create(model=path, messages=USER, max_tokens=4, n=2,
-                                        temperature=1.0, seed=3)  # fmt: skip
+        two = c.chat.completions.create(
+            model=path, messages=USER, max_tokens=4, n=2, temperature=1.0, seed=3
+        )
         assert [x.index for x in two.choices] == [0, 1] and two.usage.prompt_tokens == prompt
 
         # a second turn resumes from a stored state: at least the first turn's prompt
@@ -129,12 +146,12 @@ def test_chat_completions_and_embeddings_of_each_family(models, family):
         # text completions, with log-probabilities in their own layout
         model, tok = mlx_rwkvx.load(path)
         want = list(stream_generate(model, tok, "The quick brown fox", max_tokens=6))
-        t = c.completions.create(model=path, prompt="The quick brown fox", max_tokens=6,
-                                 logprobs=2)  # fmt: skip
+        t = c.completions.create(model=path, prompt="The quick brown fox", max_tokens=6, logprobs=2)
         assert t.choices[0].text == "".join(w.text for w in want)
         assert len(t.choices[0].logprobs.token_logprobs) == 6
-        streamed = c.completions.create(model=path, prompt="The quick brown fox", max_tokens=6,
-                                        stream=True)  # fmt: skip
+        streamed = c.completions.create(
+            model=path, prompt="The quick brown fox", max_tokens=6, stream=True
+        )
         assert "".join(ch.choices[0].text for ch in streamed) == t.choices[0].text
 
         # embeddings: the final hidden states' mean, unit length (base64 by default)
@@ -144,16 +161,16 @@ def test_chat_completions_and_embeddings_of_each_family(models, family):
             want = np.array(h[0].mean(axis=0))
             want /= np.linalg.norm(want)
             np.testing.assert_allclose(item.embedding, want, atol=1e-5)
-        assert e.usage.prompt_tokens == sum(len(tok.encode(w)) for w in ["Hello, world!",
-                                                                          "The fox?"])  # fmt: skip
+        assert e.usage.prompt_tokens == sum(
+            len(tok.encode(w)) for w in ["Hello, world!", "The fox?"]
+        )
 
 
 def test_cache_dir_restart_and_adapters(models, tmp_path):
     path, lora = str(models / "rwkv7"), str(models / "lora.safetensors")
     cache = tmp_path / "states"
     state = str(models / "state.safetensors")
-    args = ("--model", path, "--adapter", f"tuned={lora}", "--adapter", state, "--cache-dir",
-            cache)  # fmt: skip
+    args = ("--model", path, "--adapter", f"tuned={lora}", "--adapter", state, "--cache-dir", cache)
     with serving(*args) as server:
         c = client(server)
         assert [m.id for m in c.models.list().data] == [path, "tuned", "state"]
@@ -168,9 +185,16 @@ def test_cache_dir_restart_and_adapters(models, tmp_path):
         assert tuned.usage.prompt_tokens_details.cached_tokens == 0  # not the base's state
         prompt = base.usage.prompt_tokens
         # the README's curl: plain JSON in, OpenAI's chat.completion out
-        reply = _raw(server, "POST", "/v1/chat/completions", json={
-            "model": "tuned", "messages": [{"role": "user", "content": "Hello"}],
-            "max_tokens": 64}).json()  # fmt: skip
+        reply = _raw(
+            server,
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "model": "tuned",
+                "messages": [{"role": "user", "content": "Hello"}],
+                "max_tokens": 64,
+            },
+        ).json()
         assert reply["object"] == "chat.completion" and reply["model"] == "tuned"
         assert isinstance(reply["choices"][0]["message"]["content"], str)
     files = [f for _, _, fs in os.walk(cache) for f in fs if f.endswith(".safetensors")]
@@ -189,8 +213,9 @@ def test_cache_dir_restart_and_adapters(models, tmp_path):
     out = server.stop()
     assert "skipped" in out  # the damaged file: one warning, no crash
     # another adapter on the same folder: no state of the first is served
-    with serving("--model", path, "--adapter", f"tuned={lora}", "--cache-dir", cache,
-                 "--max-cache", "4096") as server:  # fmt: skip
+    with serving(
+        "--model", path, "--adapter", f"tuned={lora}", "--cache-dir", cache, "--max-cache", "4096"
+    ) as server:
         r = client(server).chat.completions.create(model=path, messages=USER, max_tokens=2)
         assert r.usage.prompt_tokens_details.cached_tokens == 0
 
@@ -206,9 +231,12 @@ class _Reply:
 def _raw(server, method, route, *, headers=None, json=None, content=None) -> _Reply:
     """A request as it comes, bad ones too (the openai client would refuse to send some)."""
     data = content if json is None else globals()["json"].dumps(json).encode()
-    request = urllib.request.Request(server.url.removesuffix("/v1") + route, data=data,
-                                     method=method, headers={"Content-Type": "application/json",
-                                                             **(headers or {})})  # fmt: skip
+    request = urllib.request.Request(
+        server.url.removesuffix("/v1") + route,
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as r:
             return _Reply(r.status, r.read().decode())
@@ -228,48 +256,89 @@ def test_bad_requests_are_4xx_with_openai_errors(models):
             (dict(content=b"{not json"), 400, "JSON"),
             (dict(json={"model": path, "messages": "hi"}), 400, "messages"),
             (dict(json={"model": path, "messages": []}), 400, "messages"),
-            (dict(json={"model": path, "messages": USER, "max_tokens": "many"}), 400,
-             "max_tokens"),
+            (dict(json={"model": path, "messages": USER, "max_tokens": "many"}), 400, "max_tokens"),
             (dict(json={"model": path, "messages": USER, "max_tokens": 0}), 400, "max_tokens"),
             (dict(json={"model": path, "messages": USER, "temperature": 3}), 400, "temperature"),
             (dict(json={"model": "nope", "messages": USER}), 404, "does not exist"),
             (dict(json={"model": path, "messages": USER * 10}), 400, "--max-prompt-tokens"),
             (dict(json={"model": path, "messages": USER, "n": 99}), 400, "n must be"),
-            (dict(json={"model": path, "messages": USER, "logit_bias": {"x": 1}}), 400,
-             "logit_bias"),
-            (dict(json={"model": path, "messages": USER, "logit_bias": {"9999": 1}}), 400,
-             "logit_bias"),
-            (dict(json={"model": path, "messages": USER, "tools": [{"type": "function",
-             "function": {"name": "f"}}]}), 400, "takes no tools"),
-            (dict(json={"model": path, "messages": [{"role": "robot", "content": "x"}]}), 400,
-             "role"),
-            (dict(json={"model": path, "messages": USER, "top_logprobs": 2}), 400,
-             "top_logprobs"),
+            (
+                dict(json={"model": path, "messages": USER, "logit_bias": {"x": 1}}),
+                400,
+                "logit_bias",
+            ),
+            (
+                dict(json={"model": path, "messages": USER, "logit_bias": {"9999": 1}}),
+                400,
+                "logit_bias",
+            ),
+            (
+                dict(
+                    json={
+                        "model": path,
+                        "messages": USER,
+                        "tools": [{"type": "function", "function": {"name": "f"}}],
+                    }
+                ),
+                400,
+                "takes no tools",
+            ),
+            (
+                dict(json={"model": path, "messages": [{"role": "robot", "content": "x"}]}),
+                400,
+                "role",
+            ),
+            (dict(json={"model": path, "messages": USER, "top_logprobs": 2}), 400, "top_logprobs"),
             # sampling fields within the model: a top_k over the vocabulary broke every later
             # sampled answer (mlx-lm's compiled top-k left mx.random.state unusable)
-            (dict(json={"model": path, "messages": USER, "temperature": 1, "top_k": 10**9}),
-             400, "top_k"),
-            (dict(json={"model": path, "messages": USER, "temperature": 1, "top_k": 513}), 400,
-             "vocabulary's 512"),
-            (dict(json={"model": path, "messages": USER, "max_tokens": 10**9}), 400,
-             "--max-request-tokens"),
-            (dict(json={"model": path, "messages": USER, "max_completion_tokens": 0}), 400,
-             "max_completion_tokens"),
-            (dict(json={"model": path, "messages": USER, "max_completion_tokens": 10**6}), 400,
-             "--max-request-tokens"),
+            (
+                dict(json={"model": path, "messages": USER, "temperature": 1, "top_k": 10**9}),
+                400,
+                "top_k",
+            ),
+            (
+                dict(json={"model": path, "messages": USER, "temperature": 1, "top_k": 513}),
+                400,
+                "vocabulary's 512",
+            ),
+            (
+                dict(json={"model": path, "messages": USER, "max_tokens": 10**9}),
+                400,
+                "--max-request-tokens",
+            ),
+            (
+                dict(json={"model": path, "messages": USER, "max_completion_tokens": 0}),
+                400,
+                "max_completion_tokens",
+            ),
+            (
+                dict(json={"model": path, "messages": USER, "max_completion_tokens": 10**6}),
+                400,
+                "--max-request-tokens",
+            ),
             # what one request asks in all: n answers of 5000 tokens, each within the cap
-            (dict(json={"model": path, "messages": USER, "n": 2, "max_tokens": 5000}), 400,
-             "2 answers = 10000"),
+            (
+                dict(json={"model": path, "messages": USER, "n": 2, "max_tokens": 5000}),
+                400,
+                "2 answers = 10000",
+            ),
             # OpenAI's types, strictly
-            (dict(json={"model": path, "messages": USER, "max_tokens": "10"}), 400,
-             "max_tokens"),
-            (dict(json={"model": path, "messages": USER, "max_tokens": True}), 400,
-             "max_tokens"),
+            (dict(json={"model": path, "messages": USER, "max_tokens": "10"}), 400, "max_tokens"),
+            (dict(json={"model": path, "messages": USER, "max_tokens": True}), 400, "max_tokens"),
             (dict(json={"model": path, "messages": USER, "stream": "yes"}), 400, "stream"),
             (dict(json={"model": path, "messages": USER, "top_p": "0.5"}), 400, "top_p"),
-            (dict(json={"model": path, "messages": USER + [{"role": "assistant",
-             "content": "", "tool_calls": [{"function": "f"}]}]}), 400, "tool_calls"),
-        ]  # fmt: skip
+            (
+                dict(
+                    json={
+                        "model": path,
+                        "messages": USER
+                        + [{"role": "assistant", "content": "", "tool_calls": [{"function": "f"}]}],
+                    }
+                ),
+                400,
+                "tool_calls",
+            ),
+        ]
         for kw, status, words in cases:
             r = _raw(server, "POST", "/v1/chat/completions", headers=auth, **kw)
             assert r.status_code == status, (kw, r.text)
@@ -285,34 +354,53 @@ def test_bad_requests_are_4xx_with_openai_errors(models):
             # in all, over the request's prompts and answers (each within its own cap)
             ("/v1/completions", {"prompt": [[1] * 30, [2] * 30]}, "60 tokens in all"),
             ("/v1/embeddings", {"input": [[1] * 30, [2] * 30]}, "--max-prompt-tokens"),
-            ("/v1/completions", {"prompt": [[1]] * 4, "n": 2, "max_tokens": 1100},
-             "--max-request-tokens"),
-        ]  # fmt: skip
+            (
+                "/v1/completions",
+                {"prompt": [[1]] * 4, "n": 2, "max_tokens": 1100},
+                "--max-request-tokens",
+            ),
+        ]
         for route, fields, words in routed:
             r = _raw(server, "POST", route, headers=auth, json={"model": path, **fields})
             assert r.status_code == 400 and words in r.json()["error"]["message"], (fields, r.text)
-        r = _raw(server, "POST", "/v1/completions", headers=auth,
-                 json={"model": path, "prompt": [1, 2, 99999]})  # fmt: skip
+        r = _raw(
+            server,
+            "POST",
+            "/v1/completions",
+            headers=auth,
+            json={"model": path, "prompt": [1, 2, 99999]},
+        )
         assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
         r = _raw(server, "GET", "/v1/nothing", headers=auth)
         assert r.status_code == 404 and "error" in r.json()
         with pytest.raises(openai.BadRequestError, match="max-prompt-tokens"):
             c.completions.create(model=path, prompt="x " * 100, max_tokens=2)
-        within = c.completions.create(model=path, prompt=[[1] * 15, [2] * 15], n=2,
-                                      max_tokens=2)  # fmt: skip
+        within = c.completions.create(model=path, prompt=[[1] * 15, [2] * 15], n=2, max_tokens=2)
         assert len(within.choices) == 4 and within.usage.prompt_tokens == 30
         # still answering, sampled answers too
         assert c.chat.completions.create(model=path, messages=USER, max_tokens=2).choices
-        sampled = c.chat.completions.create(model=path, messages=USER, max_tokens=2,
-                                            temperature=1.0, extra_body={"top_k": 5})  # fmt: skip
+        sampled = c.chat.completions.create(
+            model=path, messages=USER, max_tokens=2, temperature=1.0, extra_body={"top_k": 5}
+        )
         assert sampled.choices
 
 
 def test_a_full_queue_a_hang_up_and_sigterm(models, tmp_path):
     path = str(models / "rwkv-x")
-    server = Server(["--model", path, "--max-queue", "1", "--cache-dir", tmp_path / "s",
-                     "--max-request-tokens", "100000",
-                     "--shutdown-timeout", "5"])  # fmt: skip
+    server = Server(
+        [
+            "--model",
+            path,
+            "--max-queue",
+            "1",
+            "--cache-dir",
+            tmp_path / "s",
+            "--max-request-tokens",
+            "100000",
+            "--shutdown-timeout",
+            "5",
+        ]
+    )
     try:
         c = client(server)
         long = dict(model=path, messages=USER, max_tokens=100000, stream=True)
@@ -370,8 +458,9 @@ def test_concurrent_answers_are_each_the_answer_alone(models, family):
         c = client(server)
         eos = mlx_rwkvx.load(path)[1].eos_token_ids
         never_ends = {str(e): -100 for e in eos}
-        long = c.chat.completions.create(model=path, messages=USER, max_tokens=8000,
-                                         stream=True, logit_bias=never_ends)  # fmt: skip
+        long = c.chat.completions.create(
+            model=path, messages=USER, max_tokens=8000, stream=True, logit_bias=never_ends
+        )
         next(iter(long))  # decoding
         asks = [(f"Question {i}: what is {i} + {i}?", 10 + 3 * i) for i in range(5)]
         names = [path, "tuned", path, "tuned", path] if family == "rwkv7" else [path] * 5
@@ -379,8 +468,9 @@ def test_concurrent_answers_are_each_the_answer_alone(models, family):
 
         def one(i):
             messages = [{"role": "user", "content": asks[i][0]}]
-            s = c.chat.completions.create(model=names[i], messages=messages, stream=True,
-                                          max_tokens=asks[i][1], logprobs=True)  # fmt: skip
+            s = c.chat.completions.create(
+                model=names[i], messages=messages, stream=True, max_tokens=asks[i][1], logprobs=True
+            )
             text, lps = "", []
             for k, chunk in enumerate(s):
                 if i == 4 and k == 3:
@@ -431,8 +521,9 @@ def test_short_load_test(models):
             messages = [{"role": "user", "content": f"Hello {i % 5}, world!"}]
             try:
                 if i % 3 == 0:
-                    s = c.chat.completions.create(model=path, messages=messages, max_tokens=20,
-                                                  stream=True)  # fmt: skip
+                    s = c.chat.completions.create(
+                        model=path, messages=messages, max_tokens=20, stream=True
+                    )
                     for k, _ in enumerate(s):
                         if i % 2 and k == 3:
                             s.close()  # hangs up
@@ -446,8 +537,10 @@ def test_short_load_test(models):
             with lock:
                 statuses.append(code)
 
-        threads = [threading.Thread(target=lambda k=k: [one(k * 4 + j) for j in range(4)])
-                   for k in range(16)]  # fmt: skip
+        threads = [
+            threading.Thread(target=lambda k=k: [one(k * 4 + j) for j in range(4)])
+            for k in range(16)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -500,62 +593,106 @@ def test_tools_go_into_the_template_and_calls_come_out(tmp_path):
     tok = chatml_tokenizer(tmp_path / "tok", template=QWEN_TOOLS)
     path = str(tmp_path / "m")
     mlx_rwkvx.save(tiny_model("rfa", seed=44, vocab_size=512), path, tokenizer=tok)
-    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     # bounded arguments: a random tiny model closes them within max_tokens
-    bounded = [{"type": "function", "function": {"name": name, "parameters": {
-        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
-                                         "days": {"type": "integer", "minimum": 1,
-                                                  "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}}}
-        for name in ("weather", "tides")]  # fmt: skip
+    bounded = [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "city": {"enum": ["Paris", "Oslo"]},
+                        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                    },
+                    "required": ["city", "days"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+        for name in ("weather", "tides")
+    ]
     with serving("--model", path) as server:
         c = client(server)
         plain = c.chat.completions.create(model=path, messages=USER, max_tokens=2)
-        with_tools = c.chat.completions.create(model=path, messages=USER, max_tokens=2,
-                                               tools=tools)  # fmt: skip
+        with_tools = c.chat.completions.create(model=path, messages=USER, max_tokens=2, tools=tools)
         assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 10
-        none = c.chat.completions.create(model=path, messages=USER, max_tokens=2, tools=tools,
-                                         tool_choice="none")  # fmt: skip
+        none = c.chat.completions.create(
+            model=path, messages=USER, max_tokens=2, tools=tools, tool_choice="none"
+        )
         assert none.usage.prompt_tokens == plain.usage.prompt_tokens
         # a forced call: required (any tool) or named; streamed or not, one call that parses
         # and validates, finish_reason tool_calls
         tides = {"type": "function", "function": {"name": "tides"}}
         for choice, names in (("required", {"weather", "tides"}), (tides, {"tides"})):
-            r = c.chat.completions.create(model=path, messages=USER, max_tokens=150,
-                                          tools=bounded, tool_choice=choice)  # fmt: skip
+            r = c.chat.completions.create(
+                model=path, messages=USER, max_tokens=150, tools=bounded, tool_choice=choice
+            )
             assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
             (call,) = r.choices[0].message.tool_calls
             assert call.function.name in names
-            jsonschema.validate(json.loads(call.function.arguments),
-                                bounded[0]["function"]["parameters"])  # fmt: skip
-        chunks = list(c.chat.completions.create(
-            model=path, messages=USER, max_tokens=150, tools=bounded, stream=True,
-            tool_choice={"type": "function", "function": {"name": "weather"}}))  # fmt: skip
+            jsonschema.validate(
+                json.loads(call.function.arguments), bounded[0]["function"]["parameters"]
+            )
+        chunks = list(
+            c.chat.completions.create(
+                model=path,
+                messages=USER,
+                max_tokens=150,
+                tools=bounded,
+                stream=True,
+                tool_choice={"type": "function", "function": {"name": "weather"}},
+            )
+        )
         deltas = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
         assert [d.function.name for d in deltas] == ["weather"]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
-        for bad_choice, match in (({"type": "function", "function": {"name": "nope"}}, "nope"),
-                                  ("always", "tool_choice")):  # fmt: skip
+        for bad_choice, match in (
+            ({"type": "function", "function": {"name": "nope"}}, "nope"),
+            ("always", "tool_choice"),
+        ):
             with pytest.raises(openai.BadRequestError, match=match):
-                c.chat.completions.create(model=path, messages=USER, tools=bounded,
-                                          tool_choice=bad_choice)  # fmt: skip
+                c.chat.completions.create(
+                    model=path, messages=USER, tools=bounded, tool_choice=bad_choice
+                )
         # an assistant turn with calls and a tool's answer render (arguments as JSON text)
         history = USER + [
-            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1",
-             "type": "function", "function": {"name": "weather",
-             "arguments": "{\"city\": \"Paris\"}"}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-        ]  # fmt: skip
-        assert c.chat.completions.create(model=path, messages=history, max_tokens=2,
-                                         tools=tools).choices  # fmt: skip
+        ]
+        assert c.chat.completions.create(
+            model=path, messages=history, max_tokens=2, tools=tools
+        ).choices
     model, tok = mlx_rwkvx.load(path)
     fmt = chat_format(tok)
     calls = ToolCalls.of(tok)
     assert calls is not None and calls.kind == "json_tools" and fmt.tools
     served = Served("m", model, tok, fmt, None, tool_calls=calls)
-    pieces = ["Let me ", "check.\n<to", "ol_call>\n{\"name\": \"weather\", ",
-              "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"]  # fmt: skip
+    pieces = [
+        "Let me ",
+        "check.\n<to",
+        'ol_call>\n{"name": "weather", ',
+        '"arguments": {"city": "Paris"}}\n</tool_call>',
+    ]
     choice, shown = _Choice(served, "chat", tools), []
     for i, piece in enumerate(pieces):
         choice.add(1, piece, None, None)

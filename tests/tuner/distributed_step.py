@@ -60,9 +60,15 @@ def pairs(rank: int, step: int) -> list[Pair]:
         chosen_trained = np.ones(len(chosen), dtype=bool)
         if rank == 1:
             chosen_trained[2:5] = False  # a user turn between two assistant turns
-        out.append(Pair(rng.integers(1, 256, p + i).astype(np.int32), chosen.astype(np.int32),
-                        chosen_trained, rejected.astype(np.int32),
-                        np.ones(len(rejected), dtype=bool)))  # fmt: skip
+        out.append(
+            Pair(
+                rng.integers(1, 256, p + i).astype(np.int32),
+                chosen.astype(np.int32),
+                chosen_trained,
+                rejected.astype(np.int32),
+                np.ones(len(rejected), dtype=bool),
+            )
+        )
     return out
 
 
@@ -70,8 +76,9 @@ def start(train_mode: str):
     mx.random.seed(0)
     model = Model(preset("rwkv-x-tiny"), seed=0)
     apply_lora(model, target_paths(model, "attn"), rank=4, alpha=8.0)
-    cfg = TrainConfig(model="m", data="d", output="o", lr=1e-2, warmup=0, iters=3,
-                      train_mode=train_mode).resolved()  # fmt: skip
+    cfg = TrainConfig(
+        model="m", data="d", output="o", lr=1e-2, warmup=0, iters=3, train_mode=train_mode
+    ).resolved()
     optimizer, _ = optimizer_for(cfg, 3)
     return model, cfg, optimizer
 
@@ -92,8 +99,9 @@ def dpo(group, batches):
     every = [p for batch in batches for p in batch]
     reference = reference_logprobs(model, every, 2)  # the starting model's, as the trainer's
     terms = partial(preference_loss, "dpo", beta=cfg.beta, kind=cfg.dpo_loss)
-    step = PreferenceStep(model, optimizer, every, reference, terms=terms,
-                          grad_clip=cfg.grad_clip, group=group)  # fmt: skip
+    step = PreferenceStep(
+        model, optimizer, every, reference, terms=terms, grad_clip=cfg.grad_clip, group=group
+    )
     logs, first = [], 0
     for batch in batches:
         result = step([np.arange(first, first + len(batch))])
@@ -107,11 +115,17 @@ def main(out: str) -> None:
     group = data_parallel_group()
     rank, arrays = group.rank(), {}
     runs = {
-        "sft": (sft, [rows(rank, s) for s in range(3)],
-                [padded([rows(0, s), rows(1, s)]) for s in range(3)]),
-        "dpo": (dpo, [pairs(rank, s) for s in range(3)],
-                [pairs(0, s) + pairs(1, s) for s in range(3)]),
-    }  # fmt: skip
+        "sft": (
+            sft,
+            [rows(rank, s) for s in range(3)],
+            [padded([rows(0, s), rows(1, s)]) for s in range(3)],
+        ),
+        "dpo": (
+            dpo,
+            [pairs(rank, s) for s in range(3)],
+            [pairs(0, s) + pairs(1, s) for s in range(3)],
+        ),
+    }
     for kind, (fn, mine, both) in runs.items():
         ranks, log_ranks = fn(group, mine)
         if rank != 0:

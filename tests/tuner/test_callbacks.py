@@ -116,8 +116,12 @@ def test_metrics_file_keeps_the_checkpoints_steps_and_adds_the_ends(tmp_path):
     metrics.on_train_end(state, {"val_loss": 0.5})
     metrics.close()  # closing twice is harmless
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 1.0},
-                    {"step": 3, "loss": None}, {"step": 3, "val_loss": 0.5}]  # fmt: skip
+    assert rows == [
+        {"step": 1, "loss": 1.0},
+        {"step": 2, "loss": 1.0},
+        {"step": 3, "loss": None},
+        {"step": 3, "val_loss": 0.5},
+    ]
 
 
 def test_records_see_every_steps_record():
@@ -142,8 +146,9 @@ def _adapted(seed: int = 0):
 
 
 def _checkpoints(out, model, optimizer, **kw):
-    options = dict(every=2, describe=lambda state: {"steps": state.step}, settings={"seed": 0},
-                   base="base-a")  # fmt: skip
+    options = dict(
+        every=2, describe=lambda state: {"steps": state.step}, settings={"seed": 0}, base="base-a"
+    )
     return callbacks.Checkpoints(out, model, optimizer, **{**options, **kw})
 
 
@@ -248,8 +253,9 @@ def test_a_step_dropped_between_its_windows_keeps_the_steps_before(tmp_path):
     with pytest.raises(Interrupted) as stopped:
         _loop([1.0, 1.0, "window"], 3, [checkpoints])
     assert newest_checkpoint(tmp_path) == 2
-    assert stopped.value.kept == ("saved checkpoint_2; step 3 was cut short between its windows "
-                                  "(--resume redoes it)")  # fmt: skip
+    assert stopped.value.kept == (
+        "saved checkpoint_2; step 3 was cut short between its windows (--resume redoes it)"
+    )
 
 
 def test_a_non_finite_loss_stops_with_its_step_and_what_was_kept(tmp_path):
@@ -285,7 +291,15 @@ def test_the_loop_tells_its_callbacks_in_order_and_closes_them():
 
     state = _loop([3.0, 2.0], 2, [Told("a"), Told("b")])
     assert state.step == 2 and state.tokens == 2 and state.fed == 16
-    assert told == [("a", "begin", 0), ("b", "begin", 0),
-                    ("a", "step", 1, None), ("b", "step", 1, "a"),
-                    ("a", "step", 2, None), ("b", "step", 2, "a"),
-                    ("a", "end", 2), ("b", "end", 2), ("a", "close"), ("b", "close")]  # fmt: skip
+    assert told == [
+        ("a", "begin", 0),
+        ("b", "begin", 0),
+        ("a", "step", 1, None),
+        ("b", "step", 1, "a"),
+        ("a", "step", 2, None),
+        ("b", "step", 2, "a"),
+        ("a", "end", 2),
+        ("b", "end", 2),
+        ("a", "close"),
+        ("b", "close"),
+    ]

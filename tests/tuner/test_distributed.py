@@ -36,10 +36,23 @@ def launcher() -> str:
 
 def launch(*args, env=None, timeout=300):
     port = random.randint(20000, 60000)
-    cmd = [launcher(), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1",
-           "--starting-port", str(port), "--python", sys.executable, *map(str, args)]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+    cmd = [
+        launcher(),
+        "--backend",
+        "ring",
+        "-n",
+        "2",
+        "--hosts",
+        "127.0.0.1",
+        "--starting-port",
+        str(port),
+        "--python",
+        sys.executable,
+        *map(str, args),
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +65,9 @@ def steps(tmp_path_factory):
 
 
 def _parameters(got, kind: str) -> list[str]:
-    names = [n.removeprefix(f"{kind}/single/") for n in got.files
-             if n.startswith(f"{kind}/single/")]  # fmt: skip
+    names = [
+        n.removeprefix(f"{kind}/single/") for n in got.files if n.startswith(f"{kind}/single/")
+    ]
     assert len(names) == 24
     # lora_b starts at zero: it moved on every rank
     assert all(np.abs(got[f"{kind}/ranks/{n}"]).max() > 0 for n in names if n.endswith("lora_b"))
@@ -103,20 +117,45 @@ def workspace(tmp_path_factory):
     mlx_rwkvx.save(Model(preset("rwkv-x-tiny"), seed=0), root / "base")
     facts = [f"{a}+{b}={a + b}" for a in range(1, 6) for b in range(1, 4)]
     (root / "data").mkdir()
-    lines = [json.dumps({"prompt": f[:4], "completion": f[4:] + " " * (i % 3)})
-             for i, f in enumerate(facts)]  # fmt: skip
+    lines = [
+        json.dumps({"prompt": f[:4], "completion": f[4:] + " " * (i % 3)})
+        for i, f in enumerate(facts)
+    ]
     (root / "data" / "train.jsonl").write_text("\n".join(lines) + "\n")
     (root / "prefs").mkdir()
-    lines = [json.dumps({"prompt": f[:4], "chosen": f[4:], "rejected": f[4:][::-1] + "0"})
-             for f in facts]  # fmt: skip
+    lines = [
+        json.dumps({"prompt": f[:4], "chosen": f[4:], "rejected": f[4:][::-1] + "0"}) for f in facts
+    ]
     (root / "prefs" / "train.jsonl").write_text("\n".join(lines) + "\n")
     return root
 
 
 def train_args(ws, out, *extra):
-    return ["-m", "mlx_rwkvx.train", "--model", ws / "base", "--data", ws / "data", "--output",
-            out, "--iters", "4", "--batch-size", "2", "--lora-rank", "4", "--lr", "1e-2",
-            "--warmup", "0", "--log-every", "1", "--save-every", "2", *extra]  # fmt: skip
+    return [
+        "-m",
+        "mlx_rwkvx.train",
+        "--model",
+        ws / "base",
+        "--data",
+        ws / "data",
+        "--output",
+        out,
+        "--iters",
+        "4",
+        "--batch-size",
+        "2",
+        "--lora-rank",
+        "4",
+        "--lr",
+        "1e-2",
+        "--warmup",
+        "0",
+        "--log-every",
+        "1",
+        "--save-every",
+        "2",
+        *extra,
+    ]
 
 
 def _rows(out) -> list[dict]:

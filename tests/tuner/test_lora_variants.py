@@ -64,9 +64,15 @@ def test_the_saved_update_on_the_original_base_is_the_trained_model(variant, tmp
     _nudge(model, 1)
     want = np.array(model(TOKENS))
     rank, alpha = saved_lora_parameters(variant, 4, 8.0)
-    config = adapter_config(model, fine_tune_type="lora", paths=paths, rank=rank, alpha=alpha,
-                            base_fingerprint=fingerprint(Model(preset("rwkv-x-tiny"), seed=0)),
-                            method=variant)  # fmt: skip
+    config = adapter_config(
+        model,
+        fine_tune_type="lora",
+        paths=paths,
+        rank=rank,
+        alpha=alpha,
+        base_fingerprint=fingerprint(Model(preset("rwkv-x-tiny"), seed=0)),
+        method=variant,
+    )
     save_adapter(tmp_path / "a.safetensors", model, config)
     loaded = apply_adapter(Model(preset("rwkv-x-tiny"), seed=0), tmp_path / "a.safetensors")
     assert rel_err(np.array(loaded(TOKENS)), want) <= 1e-5
@@ -94,20 +100,25 @@ def test_each_variant_lowers_the_loss_and_saves_lora(workspace, tmp_path, varian
     base, _ = mlx_rwkvx.load(workspace / "base")
     assert rel_err(np.array(model(TOKENS)), np.array(base(TOKENS))) > 1e-4  # it counts
     # resumed from checkpoint_6, the run ends where the whole run did
-    for name in ("checkpoint_12.safetensors", "checkpoint_12.state.safetensors",
-                 "checkpoint_12.json"):  # fmt: skip
+    for name in (
+        "checkpoint_12.safetensors",
+        "checkpoint_12.state.safetensors",
+        "checkpoint_12.json",
+    ):
         (out / name).unlink()
     (out / "adapter_final.safetensors").unlink()
-    again = train_from_config(_cfg(workspace, out, mode=variant, iters=12, lr=1e-2, save_every=6,
-                       resume=True, **kw))  # fmt: skip
+    again = train_from_config(
+        _cfg(workspace, out, mode=variant, iters=12, lr=1e-2, save_every=6, resume=True, **kw)
+    )
     resumed = _losses(again)
     assert abs(resumed[12] - dict(zip(range(1, 13), losses, strict=True))[12]) <= 1e-5
 
 
 def test_pissa_on_a_quantized_base_is_refused(workspace, tmp_path):  # noqa: F811
     with pytest.raises(Exception, match="--mode pissa needs a float base"):
-        cfg = _cfg(workspace, tmp_path / "q", mode="pissa", quantize="int8", lora_rank=4,
-                   lora_alpha=8)  # fmt: skip
+        cfg = _cfg(
+            workspace, tmp_path / "q", mode="pissa", quantize="int8", lora_rank=4, lora_alpha=8
+        )
         train_from_config(cfg)
 
 
@@ -126,8 +137,15 @@ def test_merging_two_adapters_takes_them_unchanged(variant, tmp_path):
     for seed in (1, 2):
         model, paths = _adapted(variant)
         _nudge(model, seed)
-        config = adapter_config(model, fine_tune_type="lora", paths=paths, rank=rank,
-                                alpha=alpha, base_fingerprint=base, method=variant)  # fmt: skip
+        config = adapter_config(
+            model,
+            fine_tune_type="lora",
+            paths=paths,
+            rank=rank,
+            alpha=alpha,
+            base_fingerprint=base,
+            method=variant,
+        )
         files.append(tmp_path / f"{seed}.safetensors")
         save_adapter(files[-1], model, config)
         fused.append(_fused_weights(model))
@@ -142,5 +160,4 @@ def test_merging_two_adapters_takes_them_unchanged(variant, tmp_path):
     merged, one, two = (read(f) for f in (tmp_path / "avg.safetensors", *files))
     assert sorted(merged.tensors) == sorted(one.tensors)
     for k, x in merged.tensors.items():  # PiSSA: [mean A | A0], [mean B ; -B0]
-        np.testing.assert_allclose(x, (one.tensors[k] + two.tensors[k]) / 2, rtol=1e-6,
-                                   atol=1e-7)  # fmt: skip
+        np.testing.assert_allclose(x, (one.tensors[k] + two.tensors[k]) / 2, rtol=1e-6, atol=1e-7)

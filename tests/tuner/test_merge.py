@@ -157,13 +157,21 @@ def test_refusals_write_nothing(tmp_path, pair, case, message):
         paths = target_paths(model, "attn")[:3]
         apply_lora(model, paths, rank=4, alpha=8.0)
         c = tmp_path / "c.safetensors"
-        config = adapter_config(model, fine_tune_type="lora", paths=paths, rank=4, alpha=8.0,
-                                base_fingerprint=fingerprint(adapter_base()), seed=0)  # fmt: skip
+        config = adapter_config(
+            model,
+            fine_tune_type="lora",
+            paths=paths,
+            rank=4,
+            alpha=8.0,
+            base_fingerprint=fingerprint(adapter_base()),
+            seed=0,
+        )
         save_adapter(c, model, config)
         args = [a, c]
     elif case == "dora_delta":
-        args = [make_adapter(tmp_path / f"d{i}.safetensors", kind="dora", noise=i)
-                for i in (1, 2)] + ["--method", "delta"]  # fmt: skip
+        args = [
+            make_adapter(tmp_path / f"d{i}.safetensors", kind="dora", noise=i) for i in (1, 2)
+        ] + ["--method", "delta"]
     elif case == "one":
         args = [a]
     elif case == "weights":
@@ -211,8 +219,9 @@ def test_fuse_into_gives_the_adapter_models_logits(pair, tmp_path):
     mlx_rwkvx.save(adapter_base(), tmp_path / "base")
     merged = tmp_path / "merged.safetensors"
     assert run_cli("--output", merged, a, b, "--method", "concat").returncode == 0
-    out = run_cli("--output", tmp_path / "fused", a, b, "--method", "concat",
-                  "--fuse-into", tmp_path / "base")  # fmt: skip
+    out = run_cli(
+        "--output", tmp_path / "fused", a, b, "--method", "concat", "--fuse-into", tmp_path / "base"
+    )
     assert out.returncode == 0, out.stderr
     tokens = mx.array([list(b"fused or not")])
     with_adapter, _ = mlx_rwkvx.load(tmp_path / "base", adapter=merged)
@@ -222,8 +231,9 @@ def test_fuse_into_gives_the_adapter_models_logits(pair, tmp_path):
     assert tok is not None and fused.quantization is None
     # an INT8 base: dequantized to fuse; --quantize re-quantizes and says what it costs
     mlx_rwkvx.save(adapter_base().quantize(8), tmp_path / "base8")
-    out = run_cli("--output", tmp_path / "fused8", a, "--fuse-into", tmp_path / "base8",
-                  "--quantize")  # fmt: skip
+    out = run_cli(
+        "--output", tmp_path / "fused8", a, "--fuse-into", tmp_path / "base8", "--quantize"
+    )
     assert out.returncode == 0, out.stderr
     assert "8-bit weights dequantized" in out.stdout and "re-quantized to 8 bits" in out.stdout
     assert mlx_rwkvx.load(tmp_path / "fused8")[0].quantization["bits"] == 8
@@ -232,10 +242,18 @@ def test_fuse_into_gives_the_adapter_models_logits(pair, tmp_path):
 def test_scripts_wrapper_takes_foundrys_command(pair, tmp_path):
     a, b = pair
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "merge_adapters.py"), "--output",
-         str(tmp_path / "merged.safetensors"), str(a), str(b)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "merge_adapters.py"),
+            "--output",
+            str(tmp_path / "merged.safetensors"),
+            str(a),
+            str(b),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "merged.safetensors").exists()
 
@@ -267,11 +285,21 @@ def test_merged_halves_know_both(tmp_path):
     halves = (["cat: meow"] * 3, ["dog: woof"] * 3)
     runs = [
         train_from_config(
-            TrainConfig(model=str(pre / "model"), data=str(_pairs_data(tmp_path / f"h{i}", h)),
-                        output=str(tmp_path / f"run{i}"), lora_rank=8, lora_alpha=16,
-                        lr=5e-3, warmup=2, iters=40, batch_size=3, lora_targets="all"))
+            TrainConfig(
+                model=str(pre / "model"),
+                data=str(_pairs_data(tmp_path / f"h{i}", h)),
+                output=str(tmp_path / f"run{i}"),
+                lora_rank=8,
+                lora_alpha=16,
+                lr=5e-3,
+                warmup=2,
+                iters=40,
+                batch_size=3,
+                lora_targets="all",
+            )
+        )
         for i, h in enumerate(halves)
-    ]  # fmt: skip
+    ]
     union = _pairs_data(tmp_path / "union", [*halves[0], *halves[1]])
 
     def loss(adapter) -> float:

@@ -35,10 +35,13 @@ from oracle.preference import ipo_loss_np
 RECORDS = [
     {"prompt": "2+2=", "chosen": "4", "rejected": "5"},
     {"prompt": "Name a colour.", "chosen": "Blue, like the sky.", "rejected": "Seven"},
-    {"prompt": [{"role": "user", "content": "Hi"}], "system": "Be brief.",
-     "chosen": [{"role": "assistant", "content": "Hello."}],
-     "rejected": [{"role": "assistant", "content": "What do you want from me now?"}]},
-]  # fmt: skip
+    {
+        "prompt": [{"role": "user", "content": "Hi"}],
+        "system": "Be brief.",
+        "chosen": [{"role": "assistant", "content": "Hello."}],
+        "rejected": [{"role": "assistant", "content": "What do you want from me now?"}],
+    },
+]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +53,9 @@ def _alone(model, pair, side: str) -> mx.array:
     """The answer's summed log-probability through the trainer's loss on the whole text."""
     answer, trained = getattr(pair, side), getattr(pair, f"{side}_trained")
     tokens = np.concatenate([pair.prompt, answer])
-    targets = np.concatenate([np.full(len(pair.prompt), IGNORE_INDEX),
-                              np.where(trained, answer, IGNORE_INDEX)])  # fmt: skip
+    targets = np.concatenate(
+        [np.full(len(pair.prompt), IGNORE_INDEX), np.where(trained, answer, IGNORE_INDEX)]
+    )
     loss, _ = batch_loss(model, mx.array(tokens[None, :-1]), mx.array(targets[None, 1:]))
     return -loss
 
@@ -96,8 +100,7 @@ def test_pair_logprobs_equal_each_answer_alone(tok, family):
         return (c - 0.5 * r).sum()
 
     def alone(_):
-        return sum(_alone(model, p, "chosen") - 0.5 * _alone(model, p, "rejected")
-                   for p in pairs)  # fmt: skip
+        return sum(_alone(model, p, "chosen") - 0.5 * _alone(model, p, "rejected") for p in pairs)
 
     params = model.trainable_parameters()
     got = dict(tree_flatten(nn.value_and_grad(model, shared)(params)[1]))
@@ -112,8 +115,11 @@ def _np_terms(mode, pc, pr, rc, rr, cc, cr, beta, kind, lam):
         if kind == "ipo":  # IPO on the log-probabilities averaged over each answer's tokens
             pc, rc, pr, rr = pc / cc, rc / cc, pr / cr, rr / cr
         h = (pc - rc) - (pr - rr)
-        losses = {"sigmoid": -log_sigmoid(beta * h), "ipo": (h - 1 / (2 * beta)) ** 2,
-                  "hinge": np.maximum(0, 1 - beta * h)}[kind]  # fmt: skip
+        losses = {
+            "sigmoid": -log_sigmoid(beta * h),
+            "ipo": (h - 1 / (2 * beta)) ** 2,
+            "hinge": np.maximum(0, 1 - beta * h),
+        }[kind]
         return losses, beta * (pc - rc), beta * (pr - rr)
     mc, mr = pc / cc, pr / cr
     odds = lambda m: m - np.log1p(-np.exp(m))  # noqa: E731
@@ -121,8 +127,9 @@ def _np_terms(mode, pc, pr, rc, rr, cc, cr, beta, kind, lam):
     return losses, lam * odds(mc), lam * odds(mr)
 
 
-@pytest.mark.parametrize(("mode", "kind"), [("dpo", "sigmoid"), ("dpo", "ipo"), ("dpo", "hinge"),
-                                            ("orpo", None)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "kind"), [("dpo", "sigmoid"), ("dpo", "ipo"), ("dpo", "hinge"), ("orpo", None)]
+)
 def test_losses_equal_a_numpy_reference(mode, kind):
     rng = np.random.default_rng(0)
     counts = rng.integers(1, 20, size=(2, 6)).astype(np.float64)
@@ -179,8 +186,10 @@ def test_ipo_of_a_model_equals_the_papers_loss(tok):
     """The preference step's IPO loss, ``pair_logprobs`` of a policy and of a reference model,
     equals the oracle's on per-token log-probabilities read from each model's float64
     log-softmax of the whole text."""
-    policy, reference = tiny_model("rwkv7", seed=3, vocab_size=512), tiny_model("rwkv7", seed=4,
-                                                                                vocab_size=512)
+    policy, reference = (
+        tiny_model("rwkv7", seed=3, vocab_size=512),
+        tiny_model("rwkv7", seed=4, vocab_size=512),
+    )
     pairs = [pair_of(tok, r) for r in RECORDS]  # answers of different lengths
 
     def per_token(model, side):
@@ -193,12 +202,14 @@ def test_ipo_of_a_model_equals_the_papers_loss(tok):
             out.append(logp[at - 1, tokens[at]])
         return out
 
-    want = ipo_loss_np(*(per_token(m, s) for m in (policy, reference)
-                         for s in ("chosen", "rejected")), 0.1)  # fmt: skip
+    want = ipo_loss_np(
+        *(per_token(m, s) for m in (policy, reference) for s in ("chosen", "rejected")), 0.1
+    )
     # the reference's log-probabilities travel as the trainer keeps them: summed, float32
     ref_c, ref_r, _, _ = pair_logprobs(reference, pairs)
-    terms = preference_loss("dpo", pair_logprobs(policy, pairs), (ref_c, ref_r), beta=0.1,
-                            kind="ipo")  # fmt: skip
+    terms = preference_loss(
+        "dpo", pair_logprobs(policy, pairs), (ref_c, ref_r), beta=0.1, kind="ipo"
+    )
     assert np.isclose(terms.loss.item(), want.sum(), rtol=1e-4)
 
 
@@ -214,16 +225,25 @@ def test_dpo_starts_at_ln_2_where_the_policy_is_the_reference(tok):
 @pytest.mark.parametrize(
     ("record", "message"),
     [
-        ({"prompt": "a", "chosen": "b"}, r"expected the fields of one format \(.*'prompt', "
-         r"'chosen' and 'rejected'\); the keys are \['chosen', 'prompt'\]"),
-        ({"prompt": [], "chosen": "b", "rejected": "c"}, "'prompt' must be a string or a "
-         "non-empty list of messages"),
-        ({"prompt": "a", "chosen": [{"role": "user", "content": "b"}], "rejected": "c"},
-         "'chosen' must end with an assistant message"),
-        ({"prompt": "a", "chosen": "b", "rejected": "c", "system": 1},
-         "'system' must be a string, got int"),
+        (
+            {"prompt": "a", "chosen": "b"},
+            r"expected the fields of one format \(.*'prompt', "
+            r"'chosen' and 'rejected'\); the keys are \['chosen', 'prompt'\]",
+        ),
+        (
+            {"prompt": [], "chosen": "b", "rejected": "c"},
+            "'prompt' must be a string or a non-empty list of messages",
+        ),
+        (
+            {"prompt": "a", "chosen": [{"role": "user", "content": "b"}], "rejected": "c"},
+            "'chosen' must end with an assistant message",
+        ),
+        (
+            {"prompt": "a", "chosen": "b", "rejected": "c", "system": 1},
+            "'system' must be a string, got int",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_record_is_one_error_naming_its_line(tok, tmp_path, record, message):
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps(record) + "\n")
@@ -234,13 +254,19 @@ def test_a_bad_record_is_one_error_naming_its_line(tok, tmp_path, record, messag
 def test_a_multi_turn_pair_scores_the_answers_turns_alone(tok):
     """The prompt's own assistant turns are context (not trained); the answers' assistant
     turns are, the user turn between them is not."""
-    record = {"prompt": [{"role": "user", "content": "Hi"},
-                         {"role": "assistant", "content": "Hello there."},
-                         {"role": "user", "content": "2+2?"}],
-              "chosen": [{"role": "assistant", "content": "4"},
-                         {"role": "user", "content": "Sure?"},
-                         {"role": "assistant", "content": "Yes, 4."}],
-              "rejected": "5"}  # fmt: skip
+    record = {
+        "prompt": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello there."},
+            {"role": "user", "content": "2+2?"},
+        ],
+        "chosen": [
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "Sure?"},
+            {"role": "assistant", "content": "Yes, 4."},
+        ],
+        "rejected": "5",
+    }
     pair = pair_of(tok, record)
     assert tok.decode(pair.prompt.tolist()).endswith("2+2?<|im_end|>\n<|im_start|>assistant\n")
     trained = tok.decode(pair.chosen[pair.chosen_trained].tolist())

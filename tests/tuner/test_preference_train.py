@@ -29,8 +29,11 @@ def _record(rng) -> dict:
     word = "".join(rng.choice(list("abcdefghij"), size=4))
     loud = bool(rng.integers(2))
     up, low = word.upper(), word
-    return {"prompt": f"{'loud' if loud else 'soft'} {word}",
-            "chosen": up if loud else low, "rejected": low if loud else up}  # fmt: skip
+    return {
+        "prompt": f"{'loud' if loud else 'soft'} {word}",
+        "chosen": up if loud else low,
+        "rejected": low if loud else up,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -58,21 +61,39 @@ def _conversation(record: dict) -> dict:
     word = record["prompt"].split()[1]
 
     def answer(text):
-        return [{"role": "assistant", "content": text},
-                {"role": "user", "content": "again"},
-                {"role": "assistant", "content": text}]  # fmt: skip
+        return [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": "again"},
+            {"role": "assistant", "content": text},
+        ]
 
-    return {"system": "You answer in one word.",
-            "prompt": [{"role": "user", "content": "hello"},
-                       {"role": "assistant", "content": "hi"},
-                       {"role": "user", "content": record["prompt"]}],
-            "chosen": answer(record["chosen"]), "rejected": answer(word[::-1])}  # fmt: skip
+    return {
+        "system": "You answer in one word.",
+        "prompt": [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hi"},
+            {"role": "user", "content": record["prompt"]},
+        ],
+        "chosen": answer(record["chosen"]),
+        "rejected": answer(word[::-1]),
+    }
 
 
 def _cfg(ws, out, **kw) -> TrainConfig:
-    fields = dict(model=str(ws / "base"), data=str(ws / "data"), output=str(out),
-                  train_mode="dpo", batch_size=8, lr=1e-2, warmup=2, iters=20, log_every=5,
-                  save_every=10, lora_rank=4, lora_alpha=8)  # fmt: skip
+    fields = dict(
+        model=str(ws / "base"),
+        data=str(ws / "data"),
+        output=str(out),
+        train_mode="dpo",
+        batch_size=8,
+        lr=1e-2,
+        warmup=2,
+        iters=20,
+        log_every=5,
+        save_every=10,
+        lora_rank=4,
+        lora_alpha=8,
+    )
     fields.update(kw)
     if fields.get("mode") in ("state", "full", "miss"):
         fields.pop("lora_alpha")
@@ -106,15 +127,17 @@ def test_preference_accuracy_rises_on_held_out_pairs(ws, tmp_path, train_mode):
     base, tok = mlx_rwkvx.load(ws / "base")
     before, nll_before = _held_out(base, tok, ws)
     assert 0.25 <= before <= 0.75, before  # the base has no preference: about half
-    out = train_from_config(_cfg(ws, tmp_path / train_mode, train_mode=train_mode, val_every=10,
-                     **RUNS[train_mode]))  # fmt: skip
+    out = train_from_config(
+        _cfg(ws, tmp_path / train_mode, train_mode=train_mode, val_every=10, **RUNS[train_mode])
+    )
     model, _ = mlx_rwkvx.load(ws / "base", adapter=out)
     after, nll_after = _held_out(model, tok, ws)
     assert after >= 0.9, (before, after)
     assert nll_after <= nll_before + NLL_RISE, (nll_before, nll_after)
     rows = _metrics(out)
-    assert {"loss", "accuracy", "margin", "chosen_reward", "rejected_reward",
-            "chosen_nll"} <= set(rows[0])  # fmt: skip
+    assert {"loss", "accuracy", "margin", "chosen_reward", "rejected_reward", "chosen_nll"} <= set(
+        rows[0]
+    )
     assert rows[-1]["val_accuracy"] >= 0.9 and "val_margin" in rows[-1]
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["fine_tune_type"] == "lora"
@@ -157,8 +180,12 @@ def test_a_resumed_orpo_run_ends_where_the_whole_run_did(ws, tmp_path):
     kw = dict(train_mode="orpo", iters=8, save_every=4)  # ORPO through the trainer, briefly
     whole = train_from_config(_cfg(ws, tmp_path / "whole", **kw))
     out = train_from_config(_cfg(ws, tmp_path / "cut", **kw))
-    for name in ("checkpoint_8.safetensors", "checkpoint_8.state.safetensors",
-                 "checkpoint_8.json", "adapter_final.safetensors"):  # fmt: skip
+    for name in (
+        "checkpoint_8.safetensors",
+        "checkpoint_8.state.safetensors",
+        "checkpoint_8.json",
+        "adapter_final.safetensors",
+    ):
         (out / name).unlink()
     again = train_from_config(_cfg(ws, out, resume=True, **kw))
     want = {r["step"]: r["loss"] for r in _metrics(whole) if "loss" in r}

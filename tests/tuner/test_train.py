@@ -42,8 +42,10 @@ def workspace(tmp_path_factory):
     """A tiny RWKV-X base and a memorisable data set (the byte tokenizer)."""
     root = tmp_path_factory.mktemp("train")
     mlx_rwkvx.save(Model(preset("rwkv-x-tiny"), seed=0), root / "base")
-    lines = [json.dumps({"prompt": f[: f.index("=") + 1], "completion": f[f.index("=") + 1 :]})
-             for f in FACTS]  # fmt: skip
+    lines = [
+        json.dumps({"prompt": f[: f.index("=") + 1], "completion": f[f.index("=") + 1 :]})
+        for f in FACTS
+    ]
     (root / "data").mkdir()
     (root / "data" / "train.jsonl").write_text("\n".join(lines) + "\n")
     (root / "data" / "valid.jsonl").write_text("\n".join(lines[:2]) + "\n")
@@ -52,8 +54,17 @@ def workspace(tmp_path_factory):
 
 
 def _cfg(ws, out, **kw):
-    fields = dict(model=str(ws / "base"), data=str(ws / "data"), output=str(out),
-                  batch_size=3, lr=2e-2, warmup=2, iters=8, log_every=4, save_every=2)  # fmt: skip
+    fields = dict(
+        model=str(ws / "base"),
+        data=str(ws / "data"),
+        output=str(out),
+        batch_size=3,
+        lr=2e-2,
+        warmup=2,
+        iters=8,
+        log_every=4,
+        save_every=2,
+    )
     if kw.get("mode", "lora") in ("lora", "dora"):  # the adapter's settings: LoRA's alone
         fields.update(lora_rank=4, lora_alpha=8)
     fields.update(kw)
@@ -119,9 +130,16 @@ def test_each_mode_trains_exactly_what_it_trains_and_lowers_the_loss(workspace, 
 
 def test_pretrain_from_a_preset(tmp_path, workspace):
     out = train_from_config(
-        TrainConfig(model="rwkv-x-tiny", mode="pretrain", data=str(workspace / "data"),
-                    output=str(tmp_path / "pre"), iters=3, batch_size=2, log_every=1)
-    )  # fmt: skip
+        TrainConfig(
+            model="rwkv-x-tiny",
+            mode="pretrain",
+            data=str(workspace / "data"),
+            output=str(tmp_path / "pre"),
+            iters=3,
+            batch_size=2,
+            log_every=1,
+        )
+    )
     assert len(_losses(out)) == 3
     model, _ = mlx_rwkvx.load(out / "model")
     assert model.config.vocab_size == 256
@@ -181,9 +199,27 @@ def test_adapter_gradients_equal_the_oracles(dora):
 
 
 def _cli_args(ws, out, iters=8, lora=True):
-    return ["--model", ws / "base", "--data", ws / "data", "--output", out, "--batch-size", 3,
-            "--lr", 2e-2, "--warmup", 2, "--iters", iters, "--save-every", 2, "--log-every", 4,
-            *(["--lora-rank", 4, "--lora-alpha", 8] if lora else [])]  # fmt: skip
+    return [
+        "--model",
+        ws / "base",
+        "--data",
+        ws / "data",
+        "--output",
+        out,
+        "--batch-size",
+        3,
+        "--lr",
+        2e-2,
+        "--warmup",
+        2,
+        "--iters",
+        iters,
+        "--save-every",
+        2,
+        "--log-every",
+        4,
+        *(["--lora-rank", 4, "--lora-alpha", 8] if lora else []),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -194,13 +230,18 @@ def test_resume_after_sigkill_gives_the_same_losses(workspace, tmp_path, crash, 
     lora = mode != "full"
     whole = run_module("train", *_cli_args(workspace, tmp_path / "whole", lora=lora), *extra)
     assert whole.returncode == 0, whole.stderr
-    killed = run_module("train", *_cli_args(workspace, tmp_path / "run", lora=lora), *extra,
-                        env={"MLX_RWKVX_CRASH_AT": crash})  # fmt: skip
+    killed = run_module(
+        "train",
+        *_cli_args(workspace, tmp_path / "run", lora=lora),
+        *extra,
+        env={"MLX_RWKVX_CRASH_AT": crash},
+    )
     assert killed.returncode == -signal.SIGKILL
     if crash == "save:4":  # killed inside the save: checkpoint_4 has no manifest
         assert not (tmp_path / "run" / "checkpoint_4.json").exists()
-    again = run_module("train", *_cli_args(workspace, tmp_path / "run", lora=lora), *extra,
-                       "--resume")  # fmt: skip
+    again = run_module(
+        "train", *_cli_args(workspace, tmp_path / "run", lora=lora), *extra, "--resume"
+    )
     assert again.returncode == 0, again.stderr
     want, got = _losses(tmp_path / "whole"), _losses(tmp_path / "run")
     assert sorted(got) == sorted(want)
@@ -286,8 +327,15 @@ def test_yaml_config_and_mlx_lm_names(workspace, tmp_path):
 def test_int8_base_lora_gradients_are_those_of_its_dequantized_twin(tmp_path):
     # LoRA on QuantizedLinear bases: the adapters' gradients (through the quantized matmuls'
     # input gradients) equal those of a float model holding the dequantized weights
-    cfg = rfa_config(vocab_size=64, hidden_size=64, head_size=16, intermediate_size=128,
-                     block_types=["rwkv7", "qwen2"], n_q_heads=4, n_kv_heads=2)  # fmt: skip
+    cfg = rfa_config(
+        vocab_size=64,
+        hidden_size=64,
+        head_size=16,
+        intermediate_size=128,
+        block_types=["rwkv7", "qwen2"],
+        n_q_heads=4,
+        n_kv_heads=2,
+    )
     mlx_rwkvx.save(Model(cfg, seed=4), tmp_path / "fp")
     q, _ = mlx_rwkvx.load(tmp_path / "fp", quantize="int8")
     twin, _ = mlx_rwkvx.load(tmp_path / "fp")
@@ -420,8 +468,12 @@ def test_mlx_lm_default_config_reads(workspace, tmp_path, capsys):
     import yaml
     from mlx_lm.lora import CONFIG_DEFAULTS
 
-    settings = dict(CONFIG_DEFAULTS, model=str(workspace / "base"), data=str(workspace / "data"),
-                    adapter_path=str(tmp_path / "out"))  # fmt: skip
+    settings = dict(
+        CONFIG_DEFAULTS,
+        model=str(workspace / "base"),
+        data=str(workspace / "data"),
+        adapter_path=str(tmp_path / "out"),
+    )
     config = tmp_path / "mlx_lm.yaml"
     config.write_text(yaml.safe_dump(settings))
     cfg = train_cli.read_settings(["--config", str(config)])
@@ -441,8 +493,11 @@ def test_mlx_lm_default_config_reads(workspace, tmp_path, capsys):
     assert cfg.resolved().lora_alpha == 80
     cfg = train_cli.read_settings(["--config", str(config), "--lora-alpha", "3"])
     assert cfg.resolved().lora_alpha == 3
-    for key, value in [("optimizer", "muon"), ("lr_schedule", {"name": "cosine_decay"}),
-                       ("resume_adapter_file", "a.safetensors")]:  # fmt: skip
+    for key, value in [
+        ("optimizer", "muon"),
+        ("lr_schedule", {"name": "cosine_decay"}),
+        ("resume_adapter_file", "a.safetensors"),
+    ]:
         config.write_text(yaml.safe_dump(dict(settings, **{key: value})))
         with pytest.raises(SystemExit):
             train_cli.read_settings(["--config", str(config)])
@@ -454,9 +509,10 @@ def test_relative_targets_as_mlx_lm_names_them(workspace):
     from mlx_rwkvx.adapters.targets import target_paths as paths_of
 
     assert paths_of(model, "attn.q_proj", 2) == [
-        f"layers.{i}.attn.q_proj" for i in range(len(model.layers) - 2, len(model.layers))
+        f"layers.{i}.attn.q_proj"
+        for i in range(len(model.layers) - 2, len(model.layers))
         if model.layers[i].kind == "moba"
-    ]  # fmt: skip
+    ]
 
 
 def test_no_mask_prompt_trains_on_the_prompts_too(workspace, tmp_path, capsys):
@@ -472,10 +528,12 @@ def test_no_mask_prompt_trains_on_the_prompts_too(workspace, tmp_path, capsys):
 def test_mlx_lm_optimizer_adam_alone_means_no_weight_decay(tmp_path):
     # mlx-lm's "adam" is Adam, with or without an optimizer_config block; "adamw" keeps ours
     config = tmp_path / "lora.yaml"
-    for text, decay in [("optimizer: adam\n", 0.0), ("optimizer: adamw\n", None),
-                        ("optimizer: adam\noptimizer_config: {adam: {}}\n", 0.0),
-                        ("optimizer: adamw\noptimizer_config: {adamw: {weight_decay: 0.1}}\n",
-                         0.1)]:  # fmt: skip
+    for text, decay in [
+        ("optimizer: adam\n", 0.0),
+        ("optimizer: adamw\n", None),
+        ("optimizer: adam\noptimizer_config: {adam: {}}\n", 0.0),
+        ("optimizer: adamw\noptimizer_config: {adamw: {weight_decay: 0.1}}\n", 0.1),
+    ]:
         config.write_text(text)
         assert train_cli.read_settings(["--config", str(config)]).weight_decay == decay, text
     config.write_text("optimizer: adam\n")  # a flag beats the file
@@ -485,9 +543,23 @@ def test_mlx_lm_optimizer_adam_alone_means_no_weight_decay(tmp_path):
 
 def test_mlx_lm_command_line_flags(workspace, tmp_path, capsys):
     # mlx_lm.lora's command as its users type it: --train, --optimizer, its other names
-    args = ["--model", str(workspace / "base"), "--train", "--data", str(workspace / "data"),
-            "--fine-tune-type", "lora", "--optimizer", "adam", "--iters", "2",
-            "--learning-rate", "1e-3", "--adapter-path", str(tmp_path / "out")]  # fmt: skip
+    args = [
+        "--model",
+        str(workspace / "base"),
+        "--train",
+        "--data",
+        str(workspace / "data"),
+        "--fine-tune-type",
+        "lora",
+        "--optimizer",
+        "adam",
+        "--iters",
+        "2",
+        "--learning-rate",
+        "1e-3",
+        "--adapter-path",
+        str(tmp_path / "out"),
+    ]
     cfg = train_cli.read_settings(args)
     assert (cfg.mode, cfg.weight_decay, cfg.iters, cfg.lr) == ("lora", 0.0, 2, 1e-3)
     assert train_cli.read_settings(args[:-2] + ["--optimizer", "adamw"]).weight_decay is None
@@ -498,9 +570,13 @@ def test_mlx_lm_command_line_flags(workspace, tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [(None, "nope.yaml: No such file or directory"), ("lr: [1\n", "nope.yaml: "),
-     ("- 1\n", "expected a mapping of settings"), ("warp_speed: 9\n", "unknown setting")],
-)  # fmt: skip
+    [
+        (None, "nope.yaml: No such file or directory"),
+        ("lr: [1\n", "nope.yaml: "),
+        ("- 1\n", "expected a mapping of settings"),
+        ("warp_speed: 9\n", "unknown setting"),
+    ],
+)
 def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, message):
     config = tmp_path / "nope.yaml"
     if text is not None:
@@ -578,18 +654,21 @@ def test_pretraining_decays_only_what_rwkvs_trainer_decays():
     from mlx_rwkvx.tuner.optimizer import optimizer_for
 
     model = Model(rwkv7_cfg(vocab_size=64), seed=0)
-    cfg = TrainConfig(mode="pretrain", model="m", data="d", output="o", lr=0.1, warmup=0,
-                      weight_decay=0.5).resolved()  # fmt: skip
+    cfg = TrainConfig(
+        mode="pretrain", model="m", data="d", output="o", lr=0.1, warmup=0, weight_decay=0.5
+    ).resolved()
     optimizer, _ = optimizer_for(cfg, 10)
     before = {k: v + 1.0 for k, v in tree_flatten(model.trainable_parameters())}  # none zero
     model.load_weights(list(before.items()), strict=False)
     optimizer.update(model, tree_unflatten([(k, mx.zeros_like(v)) for k, v in before.items()]))
     after = dict(tree_flatten(model.trainable_parameters()))
     decayed = {k for k in before if not np.array_equal(np.array(before[k]), np.array(after[k]))}
-    low_rank = [k for k in before if any(f".{n}." in k for n in ("decay", "iclr", "value_mix",
-                                                                  "gate"))]  # fmt: skip
+    low_rank = [
+        k for k in before if any(f".{n}." in k for n in ("decay", "iclr", "value_mix", "gate"))
+    ]
     assert low_rank and not decayed & set(low_rank), sorted(decayed & set(low_rank))
-    want = {k for k in before if k.endswith(".weight") and before[k].ndim == 2
-            and k not in low_rank}  # fmt: skip
+    want = {
+        k for k in before if k.endswith(".weight") and before[k].ndim == 2 and k not in low_rank
+    }
     assert decayed == want, sorted(decayed ^ want)
     assert {"embed.weight", "lm_head.weight", "layers.0.tmix.receptance.weight"} <= decayed

@@ -30,11 +30,19 @@ from oracle.common import rel_err
 # the three families at width 32, on a vocabulary of 64
 FAMILIES = {
     "rwkv7": rwkv7_cfg(vocab_size=64),
-    "rwkv-x": ModelConfig(vocab_size=64, hidden_size=32, head_size=16, n_q_heads=2, n_kv_heads=2,
-                          attn_head_dim=16, moba_chunk_size=8, moba_top_k=2,
-                          block_types=["rwkv7", "moba", "rwkv7"]),
+    "rwkv-x": ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        head_size=16,
+        n_q_heads=2,
+        n_kv_heads=2,
+        attn_head_dim=16,
+        moba_chunk_size=8,
+        moba_top_k=2,
+        block_types=["rwkv7", "moba", "rwkv7"],
+    ),
     "rfa": rfa_cfg(["rwkv7", "qwen2", "rwkv7"], vocab_size=64, attn_head_dim=8, **LOW_RANK),
-}  # fmt: skip
+}
 
 
 def _batch(vocab, B, T, seed=0):
@@ -101,8 +109,14 @@ def test_trim_state_keeps_rwkv_states_and_checks_its_arguments():
 def _step(model, **kw):
     cfg = TrainConfig(model="m", data="d", output="o", carry_state=True, lr=1e-3, **kw).resolved()
     optimizer, _ = optimizer_for(cfg, 10)
-    return Step(model, optimizer, grad_clip=cfg.grad_clip, grad_checkpoint=cfg.grad_checkpoint,
-                segment=cfg.max_seq_len, max_cache=cfg.max_cache)  # fmt: skip
+    return Step(
+        model,
+        optimizer,
+        grad_clip=cfg.grad_clip,
+        grad_checkpoint=cfg.grad_checkpoint,
+        segment=cfg.max_seq_len,
+        max_cache=cfg.max_cache,
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -136,8 +150,9 @@ def test_gradient_stops_at_each_segment_boundary(family, trained):
         for layer in model.layers:
             if layer.kind == "rwkv7":
                 layer.tmix.enable_state_tuning()
-                layer.tmix.state0 = mx.array(0.2 * rng.standard_normal(layer.tmix.state0.shape),
-                                             mx.float32)  # fmt: skip
+                layer.tmix.state0 = mx.array(
+                    0.2 * rng.standard_normal(layer.tmix.state0.shape), mx.float32
+                )
     checkpoint = trained == "state-checkpointed"
     inputs, targets = _batch(64, 2, 40, seed=3)
     L, window = 16, 20
@@ -168,9 +183,17 @@ def test_gradient_stops_at_each_segment_boundary(family, trained):
 def test_memory_stays_flat_in_the_texts_length():
     """A step's peak memory with --carry-state hardly grows from 4 to 32 segments (the window
     bounds the KV caches), while the same text in one piece needs several times more."""
-    cfg = ModelConfig(vocab_size=256, hidden_size=128, head_size=32, n_q_heads=4, n_kv_heads=4,
-                      attn_head_dim=32, moba_chunk_size=16, moba_top_k=2,
-                      block_types=["rwkv7", "moba"])  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=256,
+        hidden_size=128,
+        head_size=32,
+        n_q_heads=4,
+        n_kv_heads=4,
+        attn_head_dim=32,
+        moba_chunk_size=16,
+        moba_top_k=2,
+        block_types=["rwkv7", "moba"],
+    )
     model = Model(cfg, seed=0)
     apply_lora(model, target_paths(model, "all"), rank=4, alpha=8)
 
@@ -216,8 +239,9 @@ def long_texts(tmp_path_factory):
     return root
 
 
-def test_carry_state_trains_long_texts_with_a_bounded_number_of_traces(long_texts, tmp_path,
-                                                                        monkeypatch):  # fmt: skip
+def test_carry_state_trains_long_texts_with_a_bounded_number_of_traces(
+    long_texts, tmp_path, monkeypatch
+):
     traces = []
     original = Step._loss_sum
 
@@ -249,7 +273,7 @@ def test_carry_state_trains_long_texts_with_a_bounded_number_of_traces(long_text
             warmup=1,
             log_every=4,
             val_every=6,
-        )  # fmt: skip
+        )
     )
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
@@ -272,8 +296,15 @@ def test_settings_resolve_once_and_again():
 
 
 def test_carry_state_flags_from_the_command_line(long_texts, tmp_path):
-    run = [sys.executable, "-m", "mlx_rwkvx.train", "--model", str(long_texts / "base"),
-           "--data", str(long_texts / "data")]  # fmt: skip
+    run = [
+        sys.executable,
+        "-m",
+        "mlx_rwkvx.train",
+        "--model",
+        str(long_texts / "base"),
+        "--data",
+        str(long_texts / "data"),
+    ]
     bad = subprocess.run(
         run + ["--output", str(tmp_path / "a"), "--max-cache", "64"], capture_output=True, text=True
     )
@@ -281,21 +312,46 @@ def test_carry_state_flags_from_the_command_line(long_texts, tmp_path):
     assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "a").exists()
     small = subprocess.run(
         run + ["--output", str(tmp_path / "a"), "--carry-state", "--max-cache", "4"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     assert small.returncode == 2 and "whole chunks of 8" in small.stderr, small.stderr
     assert len(small.stderr.strip().splitlines()) == 1 and not (tmp_path / "a").exists()
     good = subprocess.run(
-        run + ["--output", str(tmp_path / "b"), "--carry-state", "--max-seq-len", "128",
-               "--max-cache", "64", "--iters", "2", "--batch-size", "2"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        run
+        + [
+            "--output",
+            str(tmp_path / "b"),
+            "--carry-state",
+            "--max-seq-len",
+            "128",
+            "--max-cache",
+            "64",
+            "--iters",
+            "2",
+            "--batch-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert good.returncode == 0, good.stderr
     assert "carry-state: texts of up to" in good.stdout and "window 64 tokens" in good.stdout
     # a resumed run keeps the segmenting it was started with
     again = subprocess.run(
-        run + ["--output", str(tmp_path / "b"), "--resume", "--iters", "3", "--batch-size", "2",
-               "--max-seq-len", "128"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        run
+        + [
+            "--output",
+            str(tmp_path / "b"),
+            "--resume",
+            "--iters",
+            "3",
+            "--batch-size",
+            "2",
+            "--max-seq-len",
+            "128",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert again.returncode == 2 and "carry-state" in again.stderr

@@ -45,8 +45,10 @@ def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel")
     mlx_rwkvx.save(Model(preset("rwkv-x-tiny"), seed=0), root / "base")
     # lengths differ within and across shards: batches of other T are padded side by side
-    lines = [json.dumps({"prompt": f[:4], "completion": f[4:] + "!" * (i % 4)})
-             for i, f in enumerate(FACTS)]  # fmt: skip
+    lines = [
+        json.dumps({"prompt": f[:4], "completion": f[4:] + "!" * (i % 4)})
+        for i, f in enumerate(FACTS)
+    ]
     (root / "all.jsonl").write_text("\n".join(lines) + "\n")
     for i in range(2):
         (root / f"shard{i}.jsonl").write_text("\n".join(lines[i * 7 : (i + 1) * 7]) + "\n")
@@ -114,8 +116,11 @@ def test_parallel_resumes_after_a_kill(workspace, tmp_path):
     whole = train_from_config(settings)
     cut = cfg(workspace, "all.jsonl", tmp_path / "cut", parallel=2, save_every=3)
     defaults = vars(TrainConfig())  # the settings given: those that differ from the defaults
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(cut).items()
-             if v is not None and not isinstance(v, bool) and v != defaults[k]]  # fmt: skip
+    flags = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(cut).items()
+        if v is not None and not isinstance(v, bool) and v != defaults[k]
+    ]
     killed = run_module("train", *flags, env={"MLX_RWKVX_CRASH_AT": "step:5"})
     assert killed.returncode == -9, killed.stderr
     assert (tmp_path / "cut" / "checkpoint_3.json").exists()
@@ -152,8 +157,19 @@ def test_foundrys_cross_machine_recipe(workspace, tmp_path):
 
     text = "\n".join(json.dumps({"text": f}) for f in FACTS * 4) + "\n"
     (tmp_path / "chats.jsonl").write_text(text)
-    run("pretokenize", "--tokenizer", "bytes", "--data", tmp_path / "chats.jsonl", "--output",
-        tmp_path / "chats.bin", "--max-seq-len", 64, "--split-weights", "6,2")  # fmt: skip
+    run(
+        "pretokenize",
+        "--tokenizer",
+        "bytes",
+        "--data",
+        tmp_path / "chats.jsonl",
+        "--output",
+        tmp_path / "chats.bin",
+        "--max-seq-len",
+        64,
+        "--split-weights",
+        "6,2",
+    )
     parts = [tmp_path / "chats_0.bin", tmp_path / "chats_1.bin"]
     for mac, part in zip(("m4", "m3"), parts, strict=True):
         run(
@@ -174,8 +190,15 @@ def test_foundrys_cross_machine_recipe(workspace, tmp_path):
             "--batch-size",
             2,
         )
-    said = run("merge", "--output", tmp_path / "merged.safetensors", tmp_path / "m4",
-               tmp_path / "m3", "--weights", "auto")  # fmt: skip
+    said = run(
+        "merge",
+        "--output",
+        tmp_path / "merged.safetensors",
+        tmp_path / "m4",
+        tmp_path / "m3",
+        "--weights",
+        "auto",
+    )
     weights = re.search(r"by fedavg, weights ([\d.]+), ([\d.]+)", said)
     assert 0.7 <= float(weights.group(1)) <= 0.8, said  # by tokens: the 6:2 split
     answer = run(

@@ -20,13 +20,20 @@ def test_a_model_built_in_python_trains_in_a_few_lines():
     student = Model(preset("rwkv-x-tiny"), seed=0)  # 256 tokens: bytes
     apply_lora(student, target_paths(student, "attn"), rank=4, alpha=8)
     texts = [b"1+2=3", b"3+4=7", b"5+6=11", b"2+2=4"]
-    examples = [Example(np.frombuffer(t, np.uint8).astype(np.int32), np.arange(len(t)) > 0)
-                for t in texts]  # fmt: skip
+    examples = [
+        Example(np.frombuffer(t, np.uint8).astype(np.int32), np.arange(len(t)) > 0) for t in texts
+    ]
     data = list(batches(examples, batch_size=2, seed=0, epoch=0))  # a list repeats
     base = {k: np.array(v) for k, v in tree_flatten(student.parameters()) if "lora" not in k}
     losses = []
-    state = train(student, supervised(), optim.AdamW(learning_rate=1e-2), data, steps=20,
-                  callbacks=[Records(lambda record: losses.append(record["loss"]))])  # fmt: skip
+    state = train(
+        student,
+        supervised(),
+        optim.AdamW(learning_rate=1e-2),
+        data,
+        steps=20,
+        callbacks=[Records(lambda record: losses.append(record["loss"]))],
+    )
     assert state.step == 20 and len(losses) == 20
     assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4]), losses
     after = dict(tree_flatten(student.parameters()))

@@ -46,9 +46,16 @@ def test_globs_and_last_layers():
     ]
     assert target_paths(model, "qwen", num_layers=1) == sorted(
         f"layers.3.{p}"
-        for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-    )  # fmt: skip
+        for p in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    )
     with pytest.raises(AdapterError, match="match no projection in the last 1 blocks"):
         target_paths(model, "layers.0.*", num_layers=1)
     with pytest.raises(AdapterError, match="match no projection"):
@@ -208,11 +215,20 @@ def test_mlx_lm_adapter_folder_loads(tmp_path):
         trained.load_weights([(name, x + 0.05)], strict=False)
     (tmp_path / "ad").mkdir()
     mx.save_safetensors(str(tmp_path / "ad" / "adapters.safetensors"), adapter_tensors(trained))
-    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps({
-        "fine_tune_type": "lora", "num_layers": 2,
-        "lora_parameters": {"rank": 2, "scale": 2.0, "dropout": 0.0,
-                            "keys": ["tmix.key", "tmix.value"]},
-    }))  # fmt: skip
+    (tmp_path / "ad" / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "fine_tune_type": "lora",
+                "num_layers": 2,
+                "lora_parameters": {
+                    "rank": 2,
+                    "scale": 2.0,
+                    "dropout": 0.0,
+                    "keys": ["tmix.key", "tmix.value"],
+                },
+            }
+        )
+    )
     model, _ = mlx_rwkvx.load(tmp_path / "base", adapter=tmp_path / "ad")
     tokens = mx.array([[5, 4, 3, 2, 1]])
     assert rel_err(np.array(model(tokens)), np.array(trained(tokens))) <= 1e-6
@@ -247,8 +263,14 @@ def test_adapter_trained_by_mlx_lm_on_its_rwkv7_loads(tmp_path, lora_parameters,
     (tmp_path / "ad").mkdir()
     adapter = dict(tree_flatten(theirs.trainable_parameters()))
     mx.save_safetensors(str(tmp_path / "ad" / "adapters.safetensors"), adapter)
-    config = {"model": str(tmp_path / "hf"), "fine_tune_type": "lora", "num_layers": num_layers,
-              "lora_parameters": lora_parameters, "batch_size": 4, "iters": 1000}  # fmt: skip
+    config = {
+        "model": str(tmp_path / "hf"),
+        "fine_tune_type": "lora",
+        "num_layers": num_layers,
+        "lora_parameters": lora_parameters,
+        "batch_size": 4,
+        "iters": 1000,
+    }
     (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps(config))
 
     ours, _ = mlx_rwkvx.load(tmp_path / "hf", adapter=tmp_path / "ad")

@@ -2,8 +2,8 @@
 and sampler, the log-probabilities it reports, where it resumes from in its model's cache of
 states (``resume``); an answer run alone through the generation layer (``generate``: one the
 batches cannot hold whole), and a request's embeddings (``Embedding``, a piece at a time).
-``served``, ``job`` and ``engine`` arguments are the engine module's ``Served``, ``Job`` and
-``Engine`` (not imported here: the engine imports this module)."""
+``served``, ``job`` and ``engine`` arguments are a ``served.Served``, a ``jobs.Job`` and the
+``engine.Engine`` (not imported here: jobs.py and the engine import this module)."""
 
 from __future__ import annotations
 

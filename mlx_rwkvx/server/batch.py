@@ -1,8 +1,8 @@
 """The rows of the engine's batches: each answer decoding (``Row``: its job, model, prompt,
 settings and text so far), a batch (``Batch``: mlx-lm's ``BatchGenerator`` over one set of
 weights, and its rows by uid), and a row's state stored as it is reached (``keep_state``).
-``job`` and ``served`` are the engine module's ``Job`` and ``Served`` (not imported here: the
-engine imports this module)."""
+``job`` and ``served`` are a ``jobs.Job`` and a ``served.Served`` (typed ``object``: a row
+only carries them)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import mlx.core as mx
 class Row:
     """One answer in a batch: its job, model, prompt, settings and text so far."""
 
-    job: object  # the engine's Job
-    served: object  # the engine's Served
+    job: object  # a jobs.Job
+    served: object  # a served.Served
     ids: list[int]
     params: Params
     index: int

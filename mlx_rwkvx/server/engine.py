@@ -1,11 +1,9 @@
-"""The models a server holds and the loop that runs them.
+"""The loop that runs the models a server holds.
 
-``Served``: a model under one name (the base, or the base with one adapter: the adapter's
-model shares the base's weight arrays, so each adapter costs only its own tensors), its
-tokenizer, chat format, tool-call format and its ``PrefixCache`` of states, keyed by what makes
-a state valid (``state_key``). ``Engine``: a queue of ``Job``s and the loop that runs them on
-the main thread (every MLX call of the server happens there; the HTTP server runs on a thread
-of its own); a job's events go back to the event loop that waits on them.
+``Engine``: the served models by name (``Served``, of ``served.py``), a queue of ``Job``s (of
+``jobs.py``) and the loop that runs them on the main thread (every MLX call of the server
+happens there; the HTTP server runs on a thread of its own); a job's events go back to the
+event loop that waits on them.
 
 Answers are decoded in batches (continuous batching, through mlx-lm's ``BatchGenerator``): an
 answer's prompt is prefilled from the longest stored prefix of its tokens, between two steps of
@@ -25,25 +23,15 @@ step or piece.
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import copy
 import logging
 import queue
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from mlx_rwkvx.adapters.fingerprint import model_identity
-from mlx_rwkvx.errors import UserError
-from mlx_rwkvx.generation import ChatFormat
-from mlx_rwkvx.generation.prefix_cache import PrefixCache
 from mlx_rwkvx.generation.stream import StopStrings, detokenizer, vocab_mask
 from mlx_rwkvx.models.cache import write_caches
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.server.answers import (
-    Embedding,
     Params,
     generate,
     guarded,
@@ -52,113 +40,15 @@ from mlx_rwkvx.server.answers import (
     top_logprobs,
 )
 from mlx_rwkvx.server.batch import Batch, Row, keep_state
+from mlx_rwkvx.server.jobs import Job, failures
 from mlx_rwkvx.server.protocol import ApiError
-from mlx_rwkvx.server.tools import ToolCalls
+from mlx_rwkvx.server.served import Served, share_weights
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 log = logging.getLogger("mlx_rwkvx.server")
 PREFILL_ROWS = 8  # prompts prefilled together, at most
-
-
-def share_weights(model: Model) -> Model:
-    """A model of the same modules whose arrays are ``model``'s own (no copy): applying an
-    adapter to it swaps its layers, never ``model``'s."""
-
-    def copy_of(value):
-        if isinstance(value, nn.Module):
-            new = copy.copy(value)  # dict items and attributes, shallow
-            sets = {k: set(v) for k, v in value.__dict__.items() if isinstance(v, set)}
-            new.__dict__.update(sets)  # _no_grad: freezing one must not freeze the other
-            for key, item in value.items():
-                dict.__setitem__(new, key, copy_of(item))
-            return new
-        if isinstance(value, list):
-            return [copy_of(v) for v in value]
-        if isinstance(value, dict):
-            return {k: copy_of(v) for k, v in value.items()}
-        return value  # an array (shared), or a plain value
-
-    return copy_of(model)
-
-
-def state_key(model: Model, *, dtype: str | None, quantize: str | None, max_cache: int) -> str:
-    """What a stored state is valid for: the weights (fingerprint and adapter tensors), the
-    dtype and quantization they run in, and the KV window."""
-    return f"{model_identity(model)}|{dtype or 'stored'}|{quantize or 'none'}|{max_cache}"
-
-
-@dataclass
-class Served:
-    name: str
-    model: Model
-    tokenizer: object
-    format: ChatFormat
-    cache: PrefixCache
-    adapter: str | None = None
-    tool_calls: ToolCalls | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def token_table(self):
-        """llguidance's view of the tokenizer (``schema.token_table``), made on first use."""
-        if getattr(self, "_table", None) is None:
-            from mlx_rwkvx.server.schema import token_table
-
-            self._table = token_table(self.tokenizer, self.model.config.vocab_size)
-        return self._table
-
-    def token_bytes(self, token: int) -> bytes:
-        """A token's bytes (none for a padded row of the head: no text)."""
-        tok = self.tokenizer
-        try:
-            if hasattr(tok, "decode_bytes"):
-                return tok.decode_bytes([token])
-            return tok.decode([token]).encode("utf-8")
-        except ValueError:
-            return b""
-
-
-class Job:
-    """Work for the engine's loop, either ``answers``, ``(served, ids, params)`` for each
-    answer to decode in the batch, or an ``embedding`` (its inputs a piece at a time, between
-    steps of the batches; an ``("embedding", index, vector)`` event for each). The events
-    arrive in ``job.events`` on the event loop, the last one ``("end", None)``; the work
-    stops at the next step once ``cancelled`` is set (its client went)."""
-
-    def __init__(
-        self,
-        answers: list[tuple[Served, list[int], Params]] | None = None,
-        embedding: Embedding | None = None,
-    ):
-        self.answers, self.embedding = answers or [], embedding
-        self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.cancelled = threading.Event()
-        self.open = 0  # answers not yet done
-        self.ended = False
-
-    def emit(self, *event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            self.cancelled.set()
-
-    def fail(self, error: ApiError) -> None:
-        """End the job with ``error`` (once; its other answers are dropped by the engine)."""
-        if not self.ended:
-            self.ended = True
-            self.cancelled.set()
-            self.emit("error", error)
-            self.emit("end", None)
-
-    def answered(self) -> None:
-        """One answer done; the job ends with its last."""
-        self.open -= 1
-        if self.open <= 0 and not self.ended:
-            self.ended = True
-            self.emit("end", None)
 
 
 def _weights(model: Model) -> tuple:
@@ -281,7 +171,7 @@ class Engine:
         for index, (served, ids, params) in enumerate(job.answers):
             if job.ended:
                 return
-            with _failures(job):
+            with failures(job):
                 if _fits(served.model, len(ids) + params.max_tokens, self.max_cache):
                     self._join(job, served, ids, params, index)
                 else:  # the KV window slides: alone, through the generation layer
@@ -303,7 +193,7 @@ class Engine:
                 )
             )
         else:
-            with _failures(job):
+            with failures(job):
                 for index, vector in job.embedding.step(self.prefill_step):
                     job.emit("embedding", index, vector)
             if job.embedding.done and not job.ended:
@@ -383,7 +273,7 @@ class Engine:
             row = self._pending[0]
             model = self._batch(row.served).model
             piece, row.todo = row.todo[: self.prefill_step], row.todo[self.prefill_step :]
-            with _failures(row.job):
+            with failures(row.job):
                 _, row.state = model.hidden(
                     mx.array([piece], dtype=mx.int32), row.state, check=False
                 )
@@ -573,33 +463,6 @@ class Engine:
             except queue.Empty:
                 break
             job.fail(ApiError(503, "the server is shutting down", type="server_error"))
-
-
-class _failures:
-    """A job's errors as its response: an ``ApiError`` as it is, a ``UserError`` as a 400, a
-    bug as a 500 (its traceback in the log, never in a response)."""
-
-    def __init__(self, job: Job):
-        self.job = job
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb) -> bool:
-        if e is None:
-            return False
-        if isinstance(e, ApiError):
-            self.job.fail(e)
-        elif isinstance(e, UserError):  # a request the model cannot take (an id, a template)
-            self.job.fail(ApiError(400, str(e)))
-        elif isinstance(e, Exception):
-            log.exception("a request failed")
-            self.job.fail(
-                ApiError(500, "internal error (see the server's log)", type="server_error")
-            )
-        else:
-            return False
-        return True
 
 
 def _fits(model: Model, tokens: int, max_cache: int) -> bool:

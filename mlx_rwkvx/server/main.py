@@ -30,8 +30,9 @@ from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import load
 from mlx_rwkvx.io.targets import check_not_unsafe, resolve_target
 from mlx_rwkvx.ops import configure_and_prepare
-from mlx_rwkvx.server.engine import Engine, Served, share_weights, state_key
+from mlx_rwkvx.server.engine import Engine
 from mlx_rwkvx.server.guards import loopback
+from mlx_rwkvx.server.served import Served, share_weights, state_key
 from mlx_rwkvx.server.tools import ToolCalls
 from mlx_rwkvx.settings import Settings, opt
 

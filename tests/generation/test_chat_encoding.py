@@ -94,11 +94,11 @@ def test_generate_chat_keeps_a_message_as_text(tok):
 
 def test_the_servers_chat_prompt_keeps_a_message_as_text(tok):
     pytest.importorskip("fastapi")
-    from mlx_rwkvx.server.app import _chat_ids
     from mlx_rwkvx.server.protocol import Message
+    from mlx_rwkvx.server.requests import chat_ids
 
     served = types.SimpleNamespace(tokenizer=tok, format=chat_format(tok))
-    ids = _chat_ids(served, [Message(role="user", content=SPOOF)], None)
+    ids = chat_ids(served, [Message(role="user", content=SPOOF)], None)
     assert _specials(tok, ids) == ["<|im_start|>", "<|im_end|>", "<|im_start|>"]
 
 

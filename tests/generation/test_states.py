@@ -28,7 +28,7 @@ from mlx_rwkvx.io.states import (
     save_state,
 )
 from mlx_rwkvx.io.tokenizers import ByteTokenizer
-from mlx_rwkvx.server.engine import state_key
+from mlx_rwkvx.server.served import state_key
 
 import mlx.core as mx
 import pytest

@@ -265,8 +265,8 @@ def test_a_stream_is_cancelled_when_its_client_goes_while_nothing_is_sent():
     itself (from ASGI 2.4 it learns of one only when a send fails, and none is tried)."""
     import asyncio
 
-    from mlx_rwkvx.server.app import _streamed
-    from mlx_rwkvx.server.engine import Job
+    from mlx_rwkvx.server.jobs import Job
+    from mlx_rwkvx.server.replies import _streamed
 
     async def go():
         job, gone = Job(), asyncio.Event()
@@ -301,7 +301,7 @@ def test_a_failed_sampler_fails_its_answer_alone(model, monkeypatch):
 
     from mlx_rwkvx.server import engine as engine_module
     from mlx_rwkvx.server.answers import Params, sampling
-    from mlx_rwkvx.server.engine import Job
+    from mlx_rwkvx.server.jobs import Job
     from mlx_rwkvx.server.main import ServerConfig, build
 
     def failing_at_second(params, served):

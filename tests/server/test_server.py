@@ -586,8 +586,8 @@ def test_tools_go_into_the_template_and_calls_come_out(tmp_path):
     """A Qwen2-style template: the tools are written into the prompt; an answer's calls,
     streamed or not, become ``tool_calls`` (canned answers through the answer assembly)."""
     from mlx_rwkvx.generation import chat_format
-    from mlx_rwkvx.server.app import _Choice
-    from mlx_rwkvx.server.engine import Served
+    from mlx_rwkvx.server.replies import _Choice
+    from mlx_rwkvx.server.served import Served
     from mlx_rwkvx.server.tools import ToolCalls
 
     tok = chatml_tokenizer(tmp_path / "tok", template=QWEN_TOOLS)

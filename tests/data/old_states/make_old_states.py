@@ -24,7 +24,7 @@ import mlx_rwkvx  # noqa: E402,F401  (before mlx: the system BLAS)
 from mlx_rwkvx.generation import Chat  # noqa: E402
 from mlx_rwkvx.generation.prefix_cache import PrefixCache  # noqa: E402
 from mlx_rwkvx.io.tokenizers import ByteTokenizer  # noqa: E402
-from mlx_rwkvx.server.engine import state_key  # noqa: E402
+from mlx_rwkvx.server.served import state_key  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from helpers import tiny_model  # noqa: E402

@@ -194,6 +194,20 @@ def test_no_import_cycle():
         visit(m)
 
 
+MOST_LINES = 570  # a module longer than this does more than one job: split it along a seam
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {
+        str(path.relative_to(PACKAGE.parent)): count
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (count := len(path.read_text().splitlines())) > MOST_LINES
+    }
+    assert not long, f"modules of more than {MOST_LINES} lines: " + ", ".join(
+        f"{name} ({count})" for name, count in long.items()
+    )
+
+
 def test_the_layers_know_every_module():
     for module in MODULES:
         group(module)

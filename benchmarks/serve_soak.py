@@ -14,7 +14,6 @@ import os
 import threading
 import time
 
-from benchmarks.common import Goal
 from benchmarks.serve_client import Server, concurrently, words
 
 import numpy as np
@@ -259,56 +258,3 @@ def soak(path: str, folder: str, spec: dict) -> dict:
         "cache_bytes": spec["cache_bytes"],
         "deadline": spec["deadline"],
     }
-
-
-def soak_lines(s: dict) -> list[str]:
-    grew = (s["after"]["rss"] - s["before"]["rss"]) / 2**20
-    idle = "never" if s["idle_after"] is None else f"{s['idle_after']:.1f} s after the last"
-    return [
-        f"Soak: {s['clients']} clients x {s['requests']} requests in {s['wall']:.0f} s, each "
-        f"client cycling through {', '.join(KINDS)} (walk-away: the longest answer allowed, "
-        f"the client gone before it ends; bad: {len(BAD)} kinds of malformed or over-limit "
-        f"requests), a {s['cache_bytes'] / 2**20:.0f} MiB state cache kept on disk. "
-        f"{s['good']} good requests: {s['5xx']} 5xx, {s['late']} past their "
-        f"{s['deadline']:.0f} s deadline, {s['wrong']} unlike their answer alone"
-        f"{_which(s)}, {s.get('tie', 0)} parting from it at a near-tie of the answer alone "
-        f"(two tokens within {TIE:g} in log-probability: float32 rounding's choice, which "
-        f"differs in a batch); {s['bad']} bad ones: {s['not_4xx']} not a 4xx. Nothing "
-        f"decoding: {idle}. From the first half of the requests to the end: resident memory "
-        f"{s['before']['rss'] / 2**20:.0f} -> {s['after']['rss'] / 2**20:.0f} "
-        f"MiB ({grew:+.0f}), open descriptors {s['before']['fds']} -> {s['after']['fds']}, "
-        f"state folder {s['before']['folder'] / 2**20:.1f} -> "
-        f"{s['after']['folder'] / 2**20:.1f} MiB; the server "
-        f"{'answering' if s['alive'] else 'NOT answering'} after."
-    ]
-
-
-def _which(s: dict) -> str:
-    kinds = s.get("wrong_kinds") or []
-    return f" ({', '.join(f'{k} of prompt {p}' for k, p in kinds)})" if kinds else ""
-
-
-def soak_goals(s: dict) -> list[Goal]:
-    idle = 0 if s["idle_after"] is not None and s["alive"] else 1
-    return [
-        Goal(
-            "soak: 5xx answers, late or wrong good answers, bad requests not a 4xx, "
-            "answers still running or a server not answering at the end",
-            s["5xx"] + s["late"] + s["wrong"] + s["not_4xx"] + idle,
-            0,
-            False,
-        ),
-        Goal("soak: open descriptors grown", s["after"]["fds"] - s["before"]["fds"], 4, False),
-        Goal(
-            "soak: resident memory growth over the second half / --cache-bytes",
-            (s["after"]["rss"] - s["before"]["rss"]) / s["cache_bytes"],
-            1.5,
-            False,
-        ),
-        Goal(
-            "soak: state folder on disk / --cache-bytes",
-            s["after"]["folder"] / s["cache_bytes"],
-            1.0,
-            False,
-        ),
-    ]

@@ -245,6 +245,53 @@ def test_no_command_builds_or_checks_its_settings_by_its_own_code():
     assert not problems, "\n".join(problems)
 
 
+def _starts(tree: ast.AST) -> tuple[bool, bool, bool]:
+    """(whether the module has a top-level ``main``, calls ``settings.load``, builds an
+    ``argparse.ArgumentParser`` of its own)."""
+    main = any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body)
+    calls = [n.func for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    loads = any(
+        isinstance(f, ast.Attribute)
+        and f.attr == "load"
+        and isinstance(f.value, ast.Name)
+        and f.value.id == "settings"
+        for f in calls
+    )
+    parser = any(
+        getattr(f, "attr", None) == "ArgumentParser" or getattr(f, "id", None) == "ArgumentParser"
+        for f in calls
+    )
+    return main, loads, parser
+
+
+def test_every_command_starts_through_settings_load():
+    """Every command (a module of the package with a ``main``: the demo too) reads its command
+    line through ``settings.load``, and no module but settings.py builds a parser of its own."""
+    commands, problems = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "settings.py" and path.parent == PACKAGE:
+            continue
+        where = path.relative_to(PACKAGE.parent)
+        main, loads, parser = _starts(ast.parse(path.read_text()))
+        if main:
+            commands.append(str(where))
+        if main and not loads:
+            problems.append(f"{where}: main does not start through settings.load")
+        if parser:
+            problems.append(f"{where}: builds an argparse.ArgumentParser")
+    assert any(c.startswith("mlx_rwkvx/demo") for c in commands) and len(commands) >= 8, commands
+    assert not problems, "\n".join(problems)
+
+
+def test_the_start_rule_catches_its_own_parser():
+    old = """
+import argparse
+def main(argv=None):
+    args = argparse.ArgumentParser(prog="x").parse_args(argv)
+"""
+    assert _starts(ast.parse(old)) == (True, False, True)
+
+
 def test_the_rule_catches_what_it_forbids():
     old = """
 def _check(cfg):

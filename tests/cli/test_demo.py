@@ -113,7 +113,7 @@ def test_a_rerun_removes_only_what_the_demo_wrote(demo):
 
 
 def test_a_manifest_names_only_entries_of_its_own_folder(tmp_path):
-    from mlx_rwkvx.demo import MARKER, _prepare
+    from mlx_rwkvx.demo.folder import MARKER, prepare
 
     (tmp_path / "precious.txt").write_text("mine")
     out = tmp_path / "run"
@@ -121,7 +121,7 @@ def test_a_manifest_names_only_entries_of_its_own_folder(tmp_path):
     (out / "data").mkdir()
     entries = ["../precious.txt", "/etc", "..", ".", "data"]
     (out / MARKER).write_text(json.dumps({"entries": entries}))
-    _prepare(out)
+    prepare(out)
     assert (tmp_path / "precious.txt").read_text() == "mine"
     assert sorted(p.name for p in out.iterdir()) == [MARKER]
 

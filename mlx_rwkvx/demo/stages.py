@@ -1,46 +1,22 @@
-"""``python -m mlx_rwkvx.demo [--quick] [--out DIR]``: the toolkit's whole job in minutes, offline.
-
-1. A synthetic corpus, as text: key-value recall (``key=value;`` pairs, then ``?`` and the keys
-   asked again: each value is 3 digits, chance 1 in 1000), copying and small sums; held-out
-   examples from another seed.
-2. Pretraining a tiny RWKV-X (byte tokenizer, RWKV-7 and MoBA blocks) on it with
-   ``python -m mlx_rwkvx.train --mode pretrain``.
-3. A new task the base never saw, reversing a word, fine-tuned as two Macs would:
-   the data split 3:1 by ``python -m mlx_rwkvx.pretokenize --split-weights 3,1``, the larger
-   part trained with ``--parallel 2``, the other alone, and the Macs' LoRA adapters merged by
-   ``python -m mlx_rwkvx.merge``: Foundry's FedAvg (A and B averaged apart), and exactly (the
-   updates B @ A of the three parts averaged by their tokens, re-factored by SVD).
-4. Answers to a few held-out prompts before and after each stage and a table of held-out
-   accuracy per task and stage.
-
-Every stage runs the command-line tools' own ``main`` with the arguments printed beside it.
-Everything lands in ``--out`` (default ``./mlx_rwkvx-demo``; what an earlier run wrote there is
-replaced, what else is there is kept): the model, the adapters, ``metrics.jsonl`` (a line per
-stage), ``loss.png`` (with matplotlib), and the data. Accuracy is exact match of the whole
-answer under greedy decoding (computed for a batch at once: the answer's tokens are each the
-argmax after the ones before them). ``--quick`` runs the same stages at toy sizes (for the
-tests; accuracy meaningless): seconds, after the first run on a machine, which compiles MLX's
-CPU kernels (about a minute and a half on 2 cores).
-"""
+"""The demo's stages on its output folder: the corpus written, the pretraining, the data split
+and the LoRA fine-tuning of two Macs, the merges, and the report (the accuracy table, the time
+per stage, the goals, ``loss.png`` and the command that chats with the result). Each stage runs
+the command-line tools' own code with the arguments printed beside it, scores the held-out
+questions after it and appends its line to ``metrics.jsonl``."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import shlex
-import string
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import mlx_rwkvx
-from mlx_rwkvx import cli
 from mlx_rwkvx import train as train_cli
-from mlx_rwkvx.cli import help_text
-from mlx_rwkvx.errors import UserError
-from mlx_rwkvx.io.targets import output_lock, remove_path, remove_stale, resolve_target
+from mlx_rwkvx.demo.corpus import Tasks, write_jsonl
+from mlx_rwkvx.demo.sizes import Sizes
 from mlx_rwkvx.models import Model, ModelConfig
 from mlx_rwkvx.tuner.from_config import train_from_config
 from mlx_rwkvx.tuner.merge import merge_adapters
@@ -49,159 +25,8 @@ from mlx_rwkvx.tuner.pretokenize import pretokenize
 import mlx.core as mx
 import numpy as np
 
-PROG = "mlx_rwkvx.demo"
-DEFAULT_OUT = "mlx_rwkvx-demo"
 TRAIN_SEED, HELD_OUT_SEED, VALID_SEED = 0, 1, 2  # the training texts never hold a held-out question
-MARKER = ".mlx_rwkvx-demo"  # in --out: the manifest of what the demo wrote, which a rerun removes
-# everything the demo writes in --out (its folders are its own: a rerun replaces them whole)
-ENTRIES = (
-    "data",
-    "model_config.json",
-    "pretrain",
-    "mac-1",
-    "mac-2",
-    "merged-fedavg",
-    "merged",
-    "metrics.jsonl",
-    "loss.png",
-)
 SPLIT = "3,1"  # the fine-tuning data: 3 parts on the first Mac, 1 on the second
-ANSWER_DIGITS = 3  # a recall answer: 1 in 1000 by chance
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """How big each part of the demo is (``FULL`` meets the goals; ``QUICK`` only runs)."""
-
-    pairs: int  # key=value pairs before the question mark
-    queries: int  # keys asked after it
-    word: int  # letters of a word to copy
-    pretrain_units: int  # a recall text, two copy texts and a sum text each
-    finetune_examples: int
-    held_out: int  # examples per task for the accuracy table
-    hidden: int
-    head_size: int
-    blocks: tuple[str, ...]
-    chunk: int
-    top_k: int
-    batch: int
-    pretrain_lr: float
-    finetune_lr: float
-    finetune_epochs: int
-    lora_rank: int
-
-
-FULL = Sizes(
-    pairs=8,
-    queries=8,
-    word=6,
-    pretrain_units=3600,
-    finetune_examples=1600,
-    held_out=200,
-    hidden=128,
-    head_size=32,
-    blocks=("rwkv7", "rwkv7", "moba", "rwkv7"),
-    chunk=16,
-    top_k=3,
-    batch=16,
-    pretrain_lr=1e-3,
-    finetune_lr=1e-3,
-    finetune_epochs=4,
-    lora_rank=32,
-)
-QUICK = Sizes(
-    pairs=4,
-    queries=2,
-    word=4,
-    pretrain_units=64,
-    finetune_examples=128,
-    held_out=16,
-    hidden=64,
-    head_size=16,
-    blocks=("rwkv7", "moba", "rwkv7"),
-    chunk=8,
-    top_k=2,
-    batch=8,
-    pretrain_lr=3e-3,
-    finetune_lr=2e-3,
-    finetune_epochs=1,
-    lora_rank=4,
-)
-
-
-# ----- the corpus --------------------------------------------------------------------------------
-
-
-class Tasks:
-    """The tasks, each a (prompt, answer) maker over a seeded ``random.Random``.
-
-    ``recall``: ``abc=123;...;xyz=456;?xyz=`` -> ``456``; ``copy``: ``copy:hello|`` ->
-    ``hello``; ``sum``: ``12+34=`` -> ``46``; ``reverse`` (fine-tuning only, a task the base
-    never saw): ``reverse:hello|`` -> ``olleh``. A training text puts several answers in a row
-    (all the keys asked after one context). The fine-tuning task keeps to letters the base has
-    seen: a LoRA adapter leaves the head as it is, and the rows of bytes never seen in
-    pretraining stay untrained."""
-
-    def __init__(self, sizes: Sizes):
-        self.sizes = sizes
-        self.held_out: set[str] = set()  # prompts (and recall contexts) training never draws
-
-    def context(self, rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
-        keys: list[str] = []
-        while len(keys) < self.sizes.pairs:
-            key = "".join(rng.choice(string.ascii_lowercase) for _ in range(3))
-            if key not in keys:
-                keys.append(key)
-        pairs = [(k, f"{rng.randrange(10**ANSWER_DIGITS):0{ANSWER_DIGITS}d}") for k in keys]
-        return "".join(f"{k}={v};" for k, v in pairs), pairs
-
-    def hold_out(self, questions: list[tuple[str, str]]) -> None:
-        """Never draw these questions (nor, for recall, their contexts) for training."""
-        for prompt, _ in questions:
-            self.held_out |= {prompt, prompt.split("?")[0]}
-
-    def question(self, task: str, rng: random.Random) -> tuple[str, str]:
-        while True:
-            prompt, answer = self._question(task, rng)
-            if prompt not in self.held_out and prompt.split("?")[0] not in self.held_out:
-                return prompt, answer
-
-    def _question(self, task: str, rng: random.Random) -> tuple[str, str]:
-        if task == "recall":
-            ctx, pairs = self.context(rng)
-            key, value = rng.choice(pairs)
-            return f"{ctx}?{key}=", value
-        if task in ("copy", "reverse"):
-            word = "".join(rng.choice(string.ascii_lowercase) for _ in range(self.sizes.word))
-            return f"{task}:{word}|", word[::-1] if task == "reverse" else word
-        if task == "sum":
-            a, b = rng.randrange(50), rng.randrange(50)
-            return f"{a}+{b}=", str(a + b)
-        raise ValueError(task)
-
-    def text(self, task: str, rng: random.Random) -> str:
-        if task == "recall":
-            ctx, pairs = self.context(rng)
-            while ctx in self.held_out:
-                ctx, pairs = self.context(rng)
-            asked = rng.sample(pairs, self.sizes.queries)
-            return ctx + "?" + "".join(f"{k}={v};" for k, v in asked)
-        n = {"sum": 6}.get(task, 4)
-        return "".join(p + a + ";" for p, a in (self.question(task, rng) for _ in range(n)))
-
-    def pretrain_corpus(self, units: int, rng: random.Random) -> list[str]:
-        """``units`` times a recall text, two copy texts and a sum text."""
-        return [self.text(t, rng) for _ in range(units) for t in ("recall", "copy", "copy", "sum")]
-
-    def finetune_corpus(self, n: int, rng: random.Random) -> list[str]:
-        return [self.text("reverse", rng) for _ in range(n)]
-
-
-def write_jsonl(path: Path, texts: list[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for text in texts:
-            f.write(json.dumps({"text": text}) + "\n")
 
 
 # ----- scoring -----------------------------------------------------------------------------------
@@ -566,93 +391,3 @@ def _plot(out: Path, steps: dict[str, list[tuple[int, float]]]) -> None:
     fig.savefig(out / "loss.png", dpi=100)
     plt.close(fig)
     print(f"wrote {out / 'loss.png'}")
-
-
-def _prepare(out: Path) -> None:
-    """Make ``out`` ready for the demo: a new or empty folder, or an earlier demo's, whose
-    entries (its manifest, ``MARKER``, lists them) are removed and nothing else: what a user
-    added is kept, and said once. A folder without a manifest that is not empty is refused.
-    Called holding ``out``'s lock."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out}: not a folder")
-    if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise UserError(
-            f"--out {out}: a folder the demo did not write (no {MARKER}); give an "
-            "empty or new folder"
-        )
-    try:
-        if out.exists():
-            for name in _written_before(out):
-                remove_path(str(out / name))
-            remove_stale(str(out))  # what a killed stage was writing
-        # (our own hidden files, such as a killed stage's lock, are no user's)
-        kept = (
-            sorted(p.name for p in out.iterdir() if not p.name.startswith(".mlx_rwkvx"))
-            if out.exists()
-            else []
-        )
-        out.mkdir(parents=True, exist_ok=True)
-        manifest = {
-            "written_by": f"python -m {PROG}: a rerun removes these, nothing else",
-            "entries": list(ENTRIES),
-        }
-        (out / MARKER).write_text(json.dumps(manifest, indent=1) + "\n")
-    except OSError as e:
-        raise UserError(f"--out {out}: {e.strerror or e}") from e
-    if kept:
-        print(
-            f"kept {len(kept)} thing{'s' if len(kept) > 1 else ''} of yours in {out}: "
-            f"{', '.join(kept[:8])}{' ...' if len(kept) > 8 else ''}"
-        )
-
-
-def _written_before(out: Path) -> list[str]:
-    """What an earlier demo wrote in ``out``: its manifest's entries, plain names in ``out``
-    (a marker of the first demos, plain text, stands for every entry the demo writes)."""
-    try:
-        entries = json.loads((out / MARKER).read_text())["entries"]
-    except (ValueError, KeyError, TypeError):
-        return list(ENTRIES)
-    if not isinstance(entries, list):
-        return []
-    plain = [e for e in entries if isinstance(e, str) and e not in ("", ".", "..", MARKER)]
-    return [e for e in plain if os.sep not in e and (os.altsep or os.sep) not in e]
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=help_text(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--out", default=DEFAULT_OUT, help=f"where everything goes (default: ./{DEFAULT_OUT})"
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="toy sizes: seconds, once MLX has compiled its CPU kernels (the "
-        "first run on a machine: a minute and a half on 2 cores)",
-    )
-    args = parser.parse_args(argv)
-
-    def body():
-        # resolved: the printed commands run from any folder; never the current folder or one
-        # above it, the home folder or /
-        out = Path(os.path.realpath(resolve_target(Path(args.out).expanduser(), what="--out")))
-        with output_lock(str(out), "--out"):
-            remove_stale(str(out.parent), out.name)
-            _prepare(out)
-            started = time.perf_counter()
-            mlx_rwkvx.configure()
-            demo = Demo(out, QUICK if args.quick else FULL, args.quick)
-            demo.corpus()
-            base = demo.pretrain()
-            merged = demo.finetune(base)
-            demo.report(base, merged, started)
-
-    cli.run(PROG, body, kept="the stages finished so far are in --out")
-
-
-if __name__ == "__main__":
-    main()

@@ -61,7 +61,7 @@ def _lora_model(p: dict, shards: int = 1) -> Model:
 
 def _lora_step(model: Model, shards: int = 1, group=None, eps: float | None = None) -> Step:
     cfg = TrainConfig(mode="lora", lr=1e-3, warmup=0, parallel=shards).resolved()
-    optimizer = optimizer_for(cfg, 100)[0]
+    optimizer = optimizer_for(cfg, 100)
     if eps is not None:  # AdamW's eps in place of RWKV's (measure's check)
         optimizer.eps = eps
     return Step(model, optimizer, stacked=shards, group=group)

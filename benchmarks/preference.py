@@ -130,13 +130,13 @@ def measure(quick: bool = False) -> dict:
     verify = {"ln2": rel_err(first, math.log(2)), "logprob": rel_err(policy[0][0].item(), alone)}
     if not max(verify.values()) <= 1e-5:
         raise VerificationFailed(f"preference: {verify}")
-    optimizer, _ = optimizer_for(cfg, 100)
+    optimizer = optimizer_for(cfg, 100)
     terms = partial(preference_loss, "dpo", beta=cfg.beta, kind=cfg.dpo_loss)
     dpo_step = PreferenceStep(model, optimizer, pairs, reference, terms=terms)
     indices = np.arange(len(pairs))
     dpo = _step_time_and_peak(lambda: dpo_step([indices]), c["steps"])
     sft_model = _model(c)
-    sft_optimizer, _ = optimizer_for(cfg, 100)
+    sft_optimizer = optimizer_for(cfg, 100)
     step = Step(sft_model, sft_optimizer)
     batch = _sequences(pairs)
     sft = _step_time_and_peak(lambda: step([batch]), c["steps"])

@@ -78,7 +78,7 @@ def _mlx_lm_fit(cfg, B: int, T: int) -> tuple[int, int]:
 def _lora_step(model: Model, rank: int, tcfg: TrainConfig) -> Step:
     """LoRA on ``model``'s rwkv targets, and the trainer's own step for it."""
     apply_lora(model, target_paths(model, "rwkv"), rank=rank, alpha=2.0 * rank)
-    return Step(model, optimizer_for(tcfg, 100)[0], grad_clip=tcfg.grad_clip)
+    return Step(model, optimizer_for(tcfg, 100), grad_clip=tcfg.grad_clip)
 
 
 def _train_shape(shape: dict, rank: int, tmp: str) -> dict:

@@ -36,7 +36,7 @@ class MergeConfig(Settings):
         "one weight per adapter (6,2), or auto: the tokens each trained on (default: equal)"
     )
     rank: int | None = opt(
-        "--method delta: the merged rank (default: the largest of the adapters')"
+        "--method delta: the merged rank (default: the largest of the adapters')", ge=1
     )
     fuse_into: str | None = opt(
         "write MODEL with the merged update folded into its weights (float; a quantized base is "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import math
 import sys
 import types
@@ -210,7 +211,7 @@ class Settings:
         """Settings that do not go together (each is within its own limits here)."""
 
     @classmethod
-    def from_yaml(cls, data: dict, notes: list[str]) -> dict:
+    def from_yaml(cls, data: dict) -> dict:
         """The settings of a ``--config`` file by field: any name a setting goes by, typed as
         the field is; ValueError naming an unknown or mistyped key."""
         known, out = names(cls), {}
@@ -288,6 +289,8 @@ def parser(cls, prog: str, description: str, *, yaml: bool = True) -> argparse.A
                 kwargs.update(nargs="?", const=meta["const"])
         if f.default is not None and spec.base is not bool:
             kwargs["help"] += f" (default: {f.default})"
+        if meta["required"] and not yaml:  # no file can give it: argparse says it is missing
+            kwargs["required"] = True
         group = meta["exclusive"]
         if group is not None and group not in groups:
             groups[group] = p.add_mutually_exclusive_group()
@@ -297,17 +300,17 @@ def parser(cls, prog: str, description: str, *, yaml: bool = True) -> argparse.A
 
 
 def parse(p: argparse.ArgumentParser, argv, from_yaml) -> tuple[dict, dict]:
-    """(the flags given, the settings of the ``--config`` file through ``from_yaml(data,
-    notes)``); a file that cannot be read is one line naming it and the problem (exit 2)."""
+    """(the flags given, the settings of the ``--config`` file through ``from_yaml(data)``); a
+    file that cannot be read is one line naming it and the problem (exit 2)."""
     args = vars(p.parse_args(argv))
-    source, found, notes = args.pop("config", None), {}, []
+    source, found = args.pop("config", None), {}
     if source:
         try:
             with open(source) as f:
                 data = safe_load(f) or {}
             if not isinstance(data, dict):
                 raise ValueError("expected a mapping of settings")
-            found = from_yaml(data, notes)
+            found = from_yaml(data)
         except (OSError, ValueError, YAMLError) as e:
             # one line, not argparse's usage block: YAML's messages span lines of their own
             problem = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
@@ -315,8 +318,6 @@ def parse(p: argparse.ArgumentParser, argv, from_yaml) -> tuple[dict, dict]:
                 f"{p.prog}: error: --config {source}: {' '.join(problem.split())}", file=sys.stderr
             )
             sys.exit(2)
-    for note in notes:
-        print(f"note: --config {source}: {note}", file=sys.stderr)
     return args, found
 
 
@@ -325,16 +326,17 @@ def load(
 ):
     """The settings of a command run as ``prog argv``: ``cls``'s defaults, then its YAML
     ``--config`` (with ``yaml``), then the flags; each checked (``cls.check()``).
-    ``description``: ``--help``'s text (default: the class's docstring). ``--help``, a flag
-    argparse refuses or a file that cannot be read exit 2 with their message; a value out of
-    its limits, settings that do not go together or a required one missing are one
-    ``UsageError`` naming the flag (run it inside ``cli.run``)."""
-    description = help_text(description or cls.__doc__ or "")
+    ``description``: ``--help``'s text (default: the class's docstring). ``--help`` exits 0; a
+    flag argparse refuses or a file that cannot be read exit 2 with their message; a value out
+    of its limits, settings that do not go together or a required one missing are one
+    ``UsageError`` naming the flag (run it inside ``cli.run``). A required setting given empty
+    (``--output ""``) is given: the command's own check of it says what is wrong."""
+    description = help_text(inspect.cleandoc(description or cls.__doc__ or ""))
     p = parser(cls, prog, description, yaml=yaml)
     flags, found = parse(p, argv, cls.from_yaml)
     cfg = cls(**cls.combine(flags, found))
     for name, spec in specs(cls).items():
-        if spec.meta["required"] and getattr(cfg, name) in (None, "", []):
+        if spec.meta["required"] and getattr(cfg, name) in (None, []):
             where = " (on the command line or in --config)" if yaml else ""
             raise UsageError(f"{spec.flag} is required{where}")
     cfg.check()

@@ -141,6 +141,28 @@ def test_limits_the_rules_between_and_required():
         Demo(name="x", count="3").check()
 
 
+@dataclass
+class Plain(Settings):
+    """A command of two lines of help,
+    the second indented in its docstring as every docstring is."""
+
+    output: str | None = opt("where to write", required=True)
+
+
+def test_help_reads_as_written_and_usage_shows_what_is_required(capsys):
+    with pytest.raises(SystemExit) as e:
+        settings.load(Plain, ["--help"], "plain", yaml=False)
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "\nthe second indented in its docstring" in out  # not "    the second"
+    assert "usage: plain [-h] --output OUTPUT" in out  # required: no brackets
+    with pytest.raises(SystemExit) as e:
+        settings.load(Plain, [], "plain", yaml=False)
+    assert e.value.code == 2 and "--output" in capsys.readouterr().err
+    # given empty, it is given: the command's own check of the path says what is wrong
+    assert settings.load(Plain, ["--output", ""], "plain", yaml=False).output == ""
+
+
 def test_argparse_refuses_what_it_cannot_read(capsys):
     for argv in (["--count", "x"], ["--kind", "c"], ["--level", "mid"]):
         with pytest.raises(SystemExit) as e:

@@ -1,6 +1,6 @@
 """Evaluation: the loss of a model on a data set (mean loss, perplexity, bits per byte;
-``perplexity.py``, on the trainer's one definition, ``data.loss.dataset_loss``). Entry
-point of the command: ``mlx_rwkvx.evaluate``."""
+``perplexity.py``, on the one definition the trainer's validation uses too,
+``data.loss.dataset_loss``). Entry point of the command: ``mlx_rwkvx.evaluate``."""
 
 from mlx_rwkvx.evaluation.perplexity import (
     PLAIN_TEXT,

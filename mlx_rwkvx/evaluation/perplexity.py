@@ -1,6 +1,7 @@
 """The loss of a model on a data set: any data set the trainer reads (text, chat, prompt /
-completion JSONL, SQLite, ``.bin``, an mlx-lm folder) or a plain text file, through the
-trainer's own ``dataset_loss`` (the fused head and loss: no ``[tokens, vocab]`` logits).
+completion JSONL, SQLite, ``.bin``, an mlx-lm folder) or a plain text file, through
+``data.loss.dataset_loss``, the trainer's validation loss too (the fused head and loss: no
+``[tokens, vocab]`` logits).
 
 Long texts go in windows of ``max_seq_len`` tokens with the state carried from one to the next
 (for RWKV-7 the same as one pass over the whole text; attention blocks keep ``max_cache``

@@ -233,7 +233,7 @@ class TrainConfig(Settings):
             )
 
     @classmethod
-    def from_yaml(cls, data: dict, notes: list[str]) -> dict:
+    def from_yaml(cls, data: dict) -> dict:
         """Ours, or mlx-lm's LoRA config as it is: its ``lora_parameters`` block, its
         ``optimizer`` and ``optimizer_config``, its other keys where they ask for what this
         trainer does."""

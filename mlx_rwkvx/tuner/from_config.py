@@ -98,7 +98,7 @@ def _run(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
     if group is not None:  # every rank runs the same steps (one with fewer would hang the rest)
         per_epoch = int(mx.distributed.all_min(mx.array(per_epoch), group=group).item())
     total = cfg.iters or cfg.epochs * per_epoch
-    optimizer, _ = optimizer_for(cfg, total)
+    optimizer = optimizer_for(cfg, total)
     state = TrainState(stack_tokens=[0] * cfg.parallel, total=total)
     if group is not None:
         state.rank, state.ranks = group.rank(), group.size()

@@ -33,7 +33,7 @@ def make_optimizer(
     final_lr: float = 0.0,
     rwkv_groups: bool = False,
 ):
-    """(optimizer, schedule): AdamW with ``warmup`` steps of linear warm-up, then cosine decay
+    """AdamW with ``warmup`` steps of linear warm-up, then cosine decay
     from ``lr`` to ``final_lr`` at ``total_steps``; ``rwkv_groups`` (full fine-tuning and
     pretraining): no weight decay on norms, biases and other vectors and low-rank matrices
     (RWKV's grouping: see _no_decay)."""
@@ -46,8 +46,8 @@ def make_optimizer(
     if rwkv_groups:
         no_decay = optim.AdamW(weight_decay=0.0, **adamw)
         decay = optim.AdamW(weight_decay=weight_decay, **adamw)
-        return optim.MultiOptimizer([no_decay, decay], [_no_decay]), schedule
-    return optim.AdamW(weight_decay=weight_decay, **adamw), schedule
+        return optim.MultiOptimizer([no_decay, decay], [_no_decay])
+    return optim.AdamW(weight_decay=weight_decay, **adamw)
 
 
 def optimizer_for(cfg: TrainConfig, total_steps: int):

@@ -328,8 +328,8 @@ def test_chat_save_replaces_only_a_conversation(kit, tmp_path):
     device.symlink_to("/dev/null")
     before = snapshot(tmp_path)
     for path, message in [
-        (m2 / "model.safetensors", "is not a saved conversation"),
-        (essay, "is not a saved conversation"),
+        (m2 / "model.safetensors", "is not a saved state"),
+        (essay, "is not a saved state"),
         (fifo, "not a regular file"),
         (device, "not a regular file"),
     ]:
@@ -344,7 +344,7 @@ def test_chat_save_replaces_only_a_conversation(kit, tmp_path):
             said.append(text)
 
     assert generate_cli._command(chat, f"/save {m2 / 'model'}", Screen())
-    assert said and said[-1].startswith("error: ") and "not a saved conversation" in said[-1]
+    assert said and said[-1].startswith("error: ") and "not a saved state" in said[-1]
     assert snapshot(tmp_path) == before
     # a conversation is replaced by the next save
     mine = tmp_path / "mine.safetensors"

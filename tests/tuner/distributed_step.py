@@ -79,7 +79,7 @@ def start(train_mode: str):
     cfg = TrainConfig(
         model="m", data="d", output="o", lr=1e-2, warmup=0, iters=3, train_mode=train_mode
     ).resolved()
-    optimizer, _ = optimizer_for(cfg, 3)
+    optimizer = optimizer_for(cfg, 3)
     return model, cfg, optimizer
 
 

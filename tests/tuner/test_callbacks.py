@@ -140,7 +140,7 @@ def test_final_files_are_written_at_the_end():
 def _adapted(seed: int = 0):
     model = Model(rwkv7_cfg(), seed=seed)
     apply_lora(model, target_paths(model, "rwkv"), rank=2, alpha=4)
-    optimizer, _ = make_optimizer(10, lr=1e-2)
+    optimizer = make_optimizer(10, lr=1e-2)
     optimizer.init(model.trainable_parameters())
     return model, optimizer
 

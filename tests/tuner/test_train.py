@@ -657,7 +657,7 @@ def test_pretraining_decays_only_what_rwkvs_trainer_decays():
     cfg = TrainConfig(
         mode="pretrain", model="m", data="d", output="o", lr=0.1, warmup=0, weight_decay=0.5
     ).resolved()
-    optimizer, _ = optimizer_for(cfg, 10)
+    optimizer = optimizer_for(cfg, 10)
     before = {k: v + 1.0 for k, v in tree_flatten(model.trainable_parameters())}  # none zero
     model.load_weights(list(before.items()), strict=False)
     optimizer.update(model, tree_unflatten([(k, mx.zeros_like(v)) for k, v in before.items()]))

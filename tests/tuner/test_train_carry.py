@@ -108,7 +108,7 @@ def test_trim_state_keeps_rwkv_states_and_checks_its_arguments():
 
 def _step(model, **kw):
     cfg = TrainConfig(model="m", data="d", output="o", carry_state=True, lr=1e-3, **kw).resolved()
-    optimizer, _ = optimizer_for(cfg, 10)
+    optimizer = optimizer_for(cfg, 10)
     return Step(
         model,
         optimizer,

@@ -1,6 +1,7 @@
 """Wrote the two state files of the formats before ``mlx_rwkvx.state/1`` (run once, at commit
-00d1006, with that commit's ``Chat.save`` and ``PrefixCache``; the code no longer writes these
-formats, so running it now writes the new one). tests/generation/test_states.py loads them:
+00d1006, with that commit's ``Chat.save`` and ``PrefixCache``; kept as the record of how they
+were made: the code no longer writes these formats, so the script refuses to run on it).
+tests/io/test_states.py loads them:
 
     python tests/data/old_states/make_old_states.py
 
@@ -33,6 +34,8 @@ PREFIX_TOKENS = list(b"a prefix of a conversation")
 
 
 def main() -> None:
+    if (HERE.parent.parent.parent / "mlx_rwkvx" / "io" / "states.py").exists():
+        sys.exit("this code writes mlx_rwkvx.state/1, not the old formats: run it at 00d1006")
     model = tiny_model("rfa", seed=5)
     chat = Chat(model, ByteTokenizer(), max_tokens=6, system="be brief")
     for turn in ("hello", "and again"):

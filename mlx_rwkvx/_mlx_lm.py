@@ -4,7 +4,8 @@ they compare against it).
 
 ``pyproject.toml`` pins ``mlx-lm<0.33``. When mlx-lm 0.33 comes, this is the place to look:
 ``tests/test_mlx_lm.py`` fails naming any name listed here that the installed mlx-lm no longer
-has (at import, inside the functions below, and their attributes). Names marked *internal*
+has (at import, inside the functions below, and their attributes), and anything ``RELIED``
+lists that we use inside them (methods, fields, keyword parameters). Names marked *internal*
 are mlx-lm's own machinery, not documented for others (an underscore, or a class we subclass
 or whose attributes we read): they may change in any release. The others are what mlx-lm's
 README and examples use.
@@ -59,7 +60,126 @@ from mlx_lm.tuner.trainer import default_loss
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import load_model
 
+# What we use inside those names, checked against the installed mlx-lm by tests/test_mlx_lm.py:
+# an mlx-lm path -> the attributes we call, read or override on it (on the class, or on an
+# instance its __init__ builds) and, written "name=", the keyword parameters we pass it (a
+# class: its constructor's). Anything we start to use of mlx-lm's classes belongs here.
+RELIED: dict[str, tuple[str, ...]] = {
+    # RowsCache (models/cache.py) subclasses it: its state, what read_caches / write_caches
+    # call on a plain one (empty, make_mask, advance), the batch methods BatchGenerator calls
+    # that RowsCache overrides (extend, finalize and make_mask call the base's)
+    "mlx_lm.models.cache.ArraysCache": (
+        "left_padding=",
+        "cache",
+        "left_padding",
+        "lengths",
+        "batch_size",
+        "state",
+        "empty",
+        "advance",
+        "filter",
+        "extend",
+        "extract",
+        "prepare",
+        "finalize",
+        "make_mask",
+        "merge",
+    ),
+    # generation/stream.py's StopStrings: a state from make_state, stepped by the static
+    # split and flush (the state a tuple whose first item is None after a stop string)
+    "mlx_lm.generate.TextStateMachine": ("make_state", "split", "flush"),
+    # generation/stream.py's _ByteDetokenizer subclasses it: the three methods it overrides,
+    # and last_segment, which reads the text and offset fields (tokens: declared beside them)
+    "mlx_lm.tokenizer_utils.StreamingDetokenizer": (
+        "reset",
+        "add_token",
+        "finalize",
+        "last_segment",
+        "text",
+        "tokens",
+        "offset",
+    ),
+    # for a tokenizer that brings no detokenizer (generation/stream.py, server/engine.py)
+    "mlx_lm.tokenizer_utils.NaiveStreamingDetokenizer": ("add_token", "finalize", "last_segment"),
+    # generation/stream.py yields ours, built by keyword
+    "mlx_lm.generate.GenerationResponse": (
+        "text=",
+        "token=",
+        "logprobs=",
+        "from_draft=",
+        "prompt_tokens=",
+        "prompt_tps=",
+        "generation_tokens=",
+        "generation_tps=",
+        "peak_memory=",
+        "finish_reason=",
+    ),
+    # generation/stream.py's decode loop from the second token (prompt and model positional)
+    "mlx_lm.generate.generate_step": (
+        "max_tokens=",
+        "sampler=",
+        "logits_processors=",
+        "prompt_cache=",
+    ),
+    # generation/stream.py and server/answers.py
+    "mlx_lm.sample_utils.make_sampler": ("temp=", "top_p=", "min_p=", "top_k="),
+    "mlx_lm.sample_utils.make_logits_processors": (
+        "logit_bias=",
+        "repetition_penalty=",
+        "presence_penalty=",
+        "frequency_penalty=",
+    ),
+    # server/batch.py builds one a batch; server/engine.py inserts rows with their caches,
+    # steps them and takes a row's cache and tokens out (extract_cache, remove: uid -> both)
+    "mlx_lm.generate.BatchGenerator": (
+        "max_tokens=",
+        "stop_tokens=",
+        "completion_batch_size=",
+        "insert",
+        "next_generated",
+        "extract_cache",
+        "remove",
+    ),
+    "mlx_lm.generate.BatchGenerator.insert": (
+        "max_tokens=",
+        "caches=",
+        "all_tokens=",
+        "samplers=",
+        "logits_processors=",
+    ),
+    "mlx_lm.generate.BatchGenerator.remove": ("return_prompt_caches=",),
+    # what next_generated yields, read by server/engine.py's _token
+    "mlx_lm.generate.GenerationBatch.Response": (
+        "uid",
+        "token",
+        "logprobs",
+        "finish_reason",
+        "prompt_cache",
+        "all_tokens",
+    ),
+    # adapters/lora.py wraps with from_base, adapters/fuse.py fuses, adapters/variants.py
+    # subclasses it (built by keyword; its from_base, __call__ overridden) and tuner/parallel.py
+    # stacks its fields
+    "mlx_lm.tuner.lora.LoRALinear": (
+        "r=",
+        "dropout=",
+        "scale=",
+        "from_base",
+        "fuse",
+        "linear",
+        "lora_a",
+        "lora_b",
+        "scale",
+        "dropout",
+    ),
+    "mlx_lm.tuner.lora.LoRALinear.from_base": ("r=", "dropout=", "scale="),
+    # adapters/lora.py and fuse.py as LoRALinear; adapters/tensors.py saves its m with lora_a/b
+    "mlx_lm.tuner.dora.DoRALinear": ("from_base", "fuse", "lora_a", "lora_b", "m"),
+    "mlx_lm.tuner.dora.DoRALinear.from_base": ("r=", "dropout=", "scale="),
+}
+
 __all__ = [
+    "RELIED",
     "ArraysCache",
     "BatchGenerator",
     "DoRALinear",

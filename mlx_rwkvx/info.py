@@ -1,5 +1,6 @@
 """``python -m mlx_rwkvx.info``: versions, the MLX device, the BLAS in use, and matmul speed;
-``--selfcheck`` runs each kernel against the MLX ops path on this device."""
+``--selfcheck`` runs each kernel against the MLX ops path on this device and lists it per shape
+class as passed, failed (why) or not available."""
 
 from __future__ import annotations
 
@@ -54,22 +55,33 @@ def report(timing: bool = True) -> list[str]:
 
 
 def selfcheck() -> list[str]:
-    """Run every kernel's on-device self-check (against the MLX ops path) and report it:
+    """Run every kernel's on-device self-check (against the exact MLX path) and report each
+    kernel per shape class as passed, failed (why) or not available on this device:
     ``ops.configure_and_prepare()``, which every command that runs a model runs first."""
     from mlx_rwkvx.ops import configure_and_prepare
-    from mlx_rwkvx.ops.dispatch import DISPATCHERS
+    from mlx_rwkvx.ops.common import HEAD_SIZES
+    from mlx_rwkvx.ops.dispatch import DISPATCHERS, PREPARED_DTYPES, shape_class
     from mlx_rwkvx.ops.mlx_kernels import kernel_backend
 
     import mlx.core as mx
 
     backend = kernel_backend()
     if backend is None:
-        return [f"kernels    none on {mx.default_device()}: the ops run their MLX paths"]
-    return [
-        f"kernels    {backend} {op} size {size} {dtype}: "
-        + ("ok" if ok else f"FAILED (the {DISPATCHERS[op].fallback} path is used)")
-        for op, size, dtype, ok in configure_and_prepare()
-    ]
+        lines = [f"kernels    none on {mx.default_device()}: the ops run their MLX paths"]
+    else:
+        lines = [f"kernels    {backend} on {mx.default_device()}"]
+    configure_and_prepare()
+    for op, dispatcher in sorted(DISPATCHERS.items()):
+        for key in ((size, dtype) for size in HEAD_SIZES for dtype in PREPARED_DTYPES):
+            line = f"kernels    {op} {shape_class(key)}: "
+            if not dispatcher.kernel_available(key):
+                lines.append(line + "not available on this device")
+            elif dispatcher.results.get(key):
+                lines.append(line + "passed")
+            else:
+                reason = dispatcher.reasons.get(key, "unchecked").replace("\n", "\n" + " " * 11)
+                lines.append(line + f"FAILED, the {dispatcher.fallback} path is used: {reason}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -85,11 +85,12 @@ def test_bad_cache_limit_is_one_clear_error():
 
 
 def test_info_selfcheck_reports_the_kernels(capsys, monkeypatch):
-    # on this CPU: no kernels, said so
+    # on this CPU: no kernels, said so, and for each op and shape class
     info.main(["--no-timing", "--selfcheck"])
-    assert (
-        "kernels    none on Device(cpu, 0): the ops run their MLX paths" in capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert "kernels    none on Device(cpu, 0): the ops run their MLX paths" in out
+    assert "kernels    wkv7 size 64 bfloat16: not available on this device" in out
+    assert out.count(": not available on this device") == 16
     # as on a GPU whose WKV7 kernel is right and whose MoBA kernel is wrong (stand-ins for them)
     import importlib
 
@@ -107,9 +108,12 @@ def test_info_selfcheck_reports_the_kernels(capsys, monkeypatch):
         monkeypatch.setattr(dispatcher, "kernel_available", lambda key=None: True)
         monkeypatch.setattr(dispatcher, "impls", {**dispatcher.impls, KERNEL: kernel})
         monkeypatch.setattr(dispatcher, "results", {})
+        monkeypatch.setattr(dispatcher, "reasons", {})
     with pytest.warns(RuntimeWarning, match="moba kernel"):
         info.main(["--no-timing", "--selfcheck"])
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("kernels")]
-    assert len(lines) == 16  # two ops, four head sizes, float32 and bfloat16
-    assert all(x.endswith(": ok") for x in lines if " wkv7 " in x), lines
-    assert all(x.endswith("FAILED (the blockwise path is used)") for x in lines if " moba " in x)
+    assert lines[0] == "kernels    metal on Device(cpu, 0)"
+    assert len(lines) == 1 + 16  # two ops, four head sizes, float32 and bfloat16
+    assert all(x.endswith(": passed") for x in lines if " wkv7 " in x), lines
+    failed = ": FAILED, the blockwise path is used: disagrees with the blockwise path"
+    assert all(failed in x for x in lines if " moba " in x), lines

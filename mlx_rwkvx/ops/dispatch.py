@@ -7,8 +7,12 @@ gradients, once per shape class (head size, dtype). ``prepare()`` runs them all 
 that compiles calls it first; ``info --selfcheck`` reports it); otherwise a check runs the first
 time a shape class is used, but never inside ``mx.compile`` or another function
 transformation, where the call takes the MLX path and one warning says to call ``prepare()``
-first. A kernel that disagrees is never used again (one warning): the fallback is
-always exact, only slower.
+first. A kernel that fails its check is never used again for that shape class, and one warning
+says why: it raised (at build -- MLX compiles a custom kernel when it is first evaluated --, at
+launch, on a resource limit, in the forward or only in the backward: the exception's type and
+the first lines of its message), returned non-finite values, or disagrees (the relative error).
+The fallback is always exact, only slower. A kernel forced by ``impl=`` or the environment
+variable is not checked: if it fails, the failure is raised, as the user chose it.
 """
 
 from __future__ import annotations
@@ -19,21 +23,51 @@ from collections.abc import Callable, Hashable, Sequence
 
 from mlx_rwkvx._runtime import configure
 from mlx_rwkvx.errors import UserError
-from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES
+from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES, SELF_CHECK_TOL
 
 import mlx.core as mx
 
 KERNEL = "kernel"
+# The dtypes every command checks its kernels in up front (configure_and_prepare)
+PREPARED_DTYPES = (mx.float32, mx.bfloat16)
+# A compiler's message runs to pages: the warning keeps its head
+MESSAGE_LINES = 5
 
 
-def agree(a: Sequence[mx.array], b: Sequence[mx.array], tol: float) -> bool:
-    """Every pair within ``tol`` norm-wise relative error (and finite)."""
-    for x, y in zip(a, b, strict=True):
-        x, y = x.astype(mx.float32), y.astype(mx.float32)
-        err = mx.linalg.norm(x - y) / mx.maximum(mx.linalg.norm(y), 1e-30)
-        if not err.item() <= tol:
-            return False
-    return True
+def mismatch(
+    mine: dict[str, mx.array], exact: dict[str, mx.array], tol: float, exact_name: str
+) -> str | None:
+    """Why the kernel's named outputs and gradients ``mine`` fail against the exact path's
+    (named ``exact_name``): non-finite values, or a norm-wise relative error above ``tol``;
+    None when they pass."""
+    bad = [name for name, x in mine.items() if not mx.all(mx.isfinite(x)).item()]
+    if bad:
+        return f"returned non-finite values in {', '.join(bad)}"
+    for name, x in mine.items():
+        x, y = x.astype(mx.float32), exact[name].astype(mx.float32)
+        err = (mx.linalg.norm(x - y) / mx.maximum(mx.linalg.norm(y), 1e-30)).item()
+        if not err <= tol:
+            return (
+                f"disagrees with the {exact_name} path: relative error {err:.1e} in {name} "
+                f"(tolerance {tol:.0e})"
+            )
+    return None
+
+
+def raised(error: Exception) -> str:
+    """An exception as a self-check's reason: its type and the first lines of its message."""
+    lines = str(error).strip().splitlines()
+    if not lines:
+        return f"raised {type(error).__name__}"
+    more = len(lines) - MESSAGE_LINES
+    head = "\n    ".join(lines[:MESSAGE_LINES]) + (f"\n    ({more} more lines)" if more > 0 else "")
+    return f"raised {type(error).__name__}: {head}"
+
+
+def shape_class(key: Hashable) -> str:
+    """A self-check's key ``(size, dtype)`` as the warnings and ``info`` write it."""
+    size, dtype = key
+    return f"size {size} {str(dtype).rsplit('.', 1)[-1]}"
 
 
 def in_transformation(x: mx.array) -> bool:
@@ -50,10 +84,11 @@ def in_transformation(x: mx.array) -> bool:
 
 class Dispatcher:
     """One op's implementations (name -> function taking checked arguments) and the rule that
-    picks one. ``self_check(key, kernel, exact)`` runs the kernel implementation against the
-    exact one (``fallback``) for a shape class ``key`` and says whether they agree;
-    ``kernel_available(key)`` whether the device has a kernel (for ``key``, or at all when
-    ``key`` is None)."""
+    picks one. ``self_check(key, impl)`` runs one implementation on the tiny problem of a
+    shape class ``key = (size, dtype)`` and returns its outputs and gradients by name (lazy: the
+    dispatcher evaluates the kernel's inside its guard); ``kernel_available(key)`` whether the
+    device has a kernel (for ``key``, or at all when ``key`` is None). ``results`` holds each
+    checked key's verdict, ``reasons`` why each failed one failed."""
 
     def __init__(
         self,
@@ -63,16 +98,19 @@ class Dispatcher:
         env_var: str,
         fallback: str,
         kernel_available: Callable[[Hashable | None], bool],
-        self_check: Callable[[Hashable, Callable, Callable], bool],
+        self_check: Callable[[Hashable, Callable], dict[str, mx.array]],
     ):
         self.op, self.impls, self.env_var, self.fallback = op, impls, env_var, fallback
         self.kernel_available, self._self_check = kernel_available, self_check
         self.results: dict[Hashable, bool] = {}
+        self.reasons: dict[Hashable, str] = {}
         self._warned_trace = False
         DISPATCHERS[op] = self
 
     def forced(self, impl: str | None) -> str | None:
-        """The implementation named by ``impl`` or else the environment variable, or None."""
+        """The implementation named by ``impl`` or else the environment variable, or None. A
+        forced kernel is the user's explicit choice: it is not self-checked, and its failure is
+        raised, not contained."""
         name = impl or os.environ.get(self.env_var) or None
         if name is None:
             return None
@@ -88,18 +126,32 @@ class Dispatcher:
         return name
 
     def kernel_passes(self, key: Hashable) -> bool:
-        """The self-check of ``key``, run once and remembered."""
+        """The self-check of ``key``, run once and remembered. Whatever the kernel does --
+        raise, return NaN, disagree -- ends here as a False, one warning and its reason."""
         if key not in self.results:
-            ok = bool(self._self_check(key, self.impls[KERNEL], self.impls[self.fallback]))
-            if not ok:
+            reason = self._check(key)
+            if reason is not None:
+                self.reasons[key] = reason
                 warnings.warn(
-                    f"mlx_rwkvx: the {self.op} kernel {key} disagrees with the {self.fallback} "
-                    f"path on this device; using the {self.fallback} path instead",
+                    f"mlx_rwkvx: the {self.op} kernel for {shape_class(key)} failed its "
+                    f"self-check on this device, the {self.fallback} path is used instead: "
+                    + reason,
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            self.results[key] = ok
+            self.results[key] = reason is None
         return self.results[key]
+
+    def _check(self, key: Hashable) -> str | None:
+        """Why the kernel fails on ``key``'s problem, or None. The exact path runs outside the
+        guard: an exception there is a bug of ours and keeps its traceback."""
+        try:
+            mine = self._self_check(key, self.impls[KERNEL])
+            mx.eval(mine)
+        except Exception as error:  # any failure of the kernel is a verdict on it
+            return raised(error)
+        exact = self._self_check(key, self.impls[self.fallback])
+        return mismatch(mine, exact, SELF_CHECK_TOL[key[1]], self.fallback)
 
     def pick(self, impl: str | None, key: Hashable, probe: mx.array, default: str) -> str:
         """The implementation for one call: forced, else the kernel if it passed its check for
@@ -147,4 +199,4 @@ def configure_and_prepare() -> list[tuple[str, int, mx.Dtype, bool]]:
     (``prepare``, whose report it returns), so that a kernel that fails is known before any
     work."""
     configure()
-    return prepare(dtypes=(mx.float32, mx.bfloat16))
+    return prepare(dtypes=PREPARED_DTYPES)

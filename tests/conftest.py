@@ -5,6 +5,17 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+# The ops take today's fixed rule, not a measurement (which would make a run depend on the
+# machine's load), and the tuning file, should a test turn tuning on, goes to a folder of the
+# run's own, never the user's cache (subprocesses inherit both)
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+os.environ["MLX_RWKVX_TUNE"] = "0"
+os.environ["MLX_RWKVX_CACHE"] = tempfile.mkdtemp(prefix="mlx_rwkvx-test-cache-")
+atexit.register(shutil.rmtree, os.environ["MLX_RWKVX_CACHE"], ignore_errors=True)
+
 # Import the package before anything imports mlx.core, so MLX runs on the system OpenBLAS.
 import importlib.util  # noqa: E402
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from mlx_rwkvx._runtime import configure
 from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.ops import tuning
 from mlx_rwkvx.ops.common import FLOAT_DTYPES, HEAD_SIZES, SELF_CHECK_TOL
 
 import mlx.core as mx
@@ -88,7 +89,9 @@ class Dispatcher:
     shape class ``key = (size, dtype)`` and returns its outputs and gradients by name (lazy: the
     dispatcher evaluates the kernel's inside its guard); ``kernel_available(key)`` whether the
     device has a kernel (for ``key``, or at all when ``key`` is None). ``results`` holds each
-    checked key's verdict, ``reasons`` why each failed one failed."""
+    checked key's verdict, ``reasons`` why each failed one failed. ``workload(key, shape)``
+    describes a call for the tuner (``tuning.py``: the fastest exact candidate, measured),
+    given the ``shape`` the op passes to ``pick``; without it the fixed rule stands."""
 
     def __init__(
         self,
@@ -99,12 +102,15 @@ class Dispatcher:
         fallback: str,
         kernel_available: Callable[[Hashable | None], bool],
         self_check: Callable[[Hashable, Callable], dict[str, mx.array]],
+        workload: Callable[[Hashable, Hashable], tuning.Workload] | None = None,
+        tuner: tuning.Tuner | None = None,
     ):
         self.op, self.impls, self.env_var, self.fallback = op, impls, env_var, fallback
         self.kernel_available, self._self_check = kernel_available, self_check
         self.results: dict[Hashable, bool] = {}
         self.reasons: dict[Hashable, str] = {}
         self._warned_trace = False
+        self.workload, self.tuner = workload, tuner
         DISPATCHERS[op] = self
 
     def forced(self, impl: str | None) -> str | None:
@@ -153,14 +159,17 @@ class Dispatcher:
         exact = self._self_check(key, self.impls[self.fallback])
         return mismatch(mine, exact, SELF_CHECK_TOL[key[1]], self.fallback)
 
-    def pick(self, impl: str | None, key: Hashable, probe: mx.array, default: str) -> str:
+    def pick(
+        self, impl: str | None, key: Hashable, probe: mx.array, default: str, shape=None
+    ) -> str:
         """The implementation for one call: forced, else the kernel if it passed its check for
-        ``key``, else ``default``. ``probe`` (an input) tells whether this is a traced call."""
+        ``key``, else ``default``; with tuning on and the call's ``shape``, the fastest of
+        those measured (``tuned``). ``probe`` (an input) tells whether this is a traced call."""
         name = self.forced(impl)
         if name is not None:
             return name
         if not self.kernel_available(key):
-            return default
+            return self.tuned(key, shape, probe, default, ())
         if key not in self.results and in_transformation(probe):
             if not self._warned_trace:
                 self._warned_trace = True
@@ -171,7 +180,22 @@ class Dispatcher:
                     stacklevel=3,
                 )
             return default
-        return KERNEL if self.kernel_passes(key) else default
+        if self.kernel_passes(key):
+            return self.tuned(key, shape, probe, KERNEL, (KERNEL,))
+        return self.tuned(key, shape, probe, default, ())
+
+    def tuned(self, key: Hashable, shape, probe: mx.array, rule: str, extra) -> str:
+        """The fastest of the op's candidates for this call and ``extra`` (a kernel that
+        passed), measured once per shape class and length bucket; ``rule`` where the op
+        describes no workload, tuning is off, or a traced call finds nothing remembered."""
+        if self.workload is None or shape is None or not tuning.enabled():
+            return rule
+
+        def traced() -> bool:
+            return in_transformation(probe)
+
+        tuner = self.tuner or tuning.TUNER
+        return tuner.choose(self.op, self.workload(key, shape), self.impls, extra, traced, rule)
 
 
 DISPATCHERS: dict[str, Dispatcher] = {}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 
+from mlx_rwkvx.ops import tuning
 from mlx_rwkvx.ops.dispatch import KERNEL, Dispatcher
 from mlx_rwkvx.ops.moba import blockwise, kernel, naive
 from mlx_rwkvx.ops.moba.blockwise import moba_attention_blockwise
@@ -47,6 +48,9 @@ __all__ = [
 ]
 
 ENV_VAR = "MLX_RWKVX_MOBA"
+# Dense attention is measured against the blockwise path up to this many keys (its memory is
+# O(T S))
+REF_TUNE_MAX_S = 1024
 
 
 def _self_check(key, impl) -> dict:
@@ -60,6 +64,23 @@ def _self_check(key, impl) -> dict:
     return dict(zip(["out", "dq", "dk", "dv"], [f(q, k, v), *grads], strict=True))
 
 
+def _workload(key, shape) -> tuning.Workload:
+    """A training step's call (forward and backward) for the tuner, at the call's batch,
+    heads, chunk size and top_k and the top of its length buckets."""
+    (D, dtype), (B, T, Hq, S, Hkv, chunk_size, top_k) = key, shape
+    T, S = tuning.length_bucket(T), tuning.length_bucket(S)
+
+    def make(fn):
+        keys = mx.random.split(mx.random.key(1), 3)
+        q = mx.random.normal((B, T, Hq, D), key=keys[0]).astype(dtype)
+        k, v = (mx.random.normal((B, S, Hkv, D), key=key).astype(dtype) for key in keys[1:])
+        return tuning.forward_backward(lambda *a: fn(*a, chunk_size, top_k, None), [q, k, v])
+
+    names = ("ref", "blockwise") if S <= REF_TUNE_MAX_S else ("blockwise",)
+    where = (f"chunk={chunk_size}", f"top_k={top_k}", f"T<={T}", f"S<={S}")
+    return tuning.Workload((f"D={D}", tuning.dtype_name(dtype), *where), names, make)
+
+
 DISPATCH = Dispatcher(
     "moba",
     {"ref": naive.dense, "blockwise": blockwise.attention, KERNEL: kernel.attention},
@@ -67,6 +88,7 @@ DISPATCH = Dispatcher(
     fallback="blockwise",
     kernel_available=kernel.available,
     self_check=_self_check,
+    workload=_workload,
 )
 
 
@@ -79,11 +101,14 @@ def moba_attention(q, k, v, *, chunk_size: int, top_k: int, scale=None, impl: st
     Gradients w.r.t. q, k, v are exact for the selection, which is held fixed.
 
     ``impl`` (``"ref"``, ``"blockwise"``, ``"kernel"``), else ``MLX_RWKVX_MOBA``, picks the
-    implementation; by default the kernel where the device has one for this head dim and it
-    passed its self-check (a kernel that raises, returns non-finite values or disagrees falls
-    back, with one warning), else the blockwise path. A kernel forced by ``impl`` or the
-    variable is not checked: its failure is raised.
+    implementation; by default the fastest of those available, measured on this device once per
+    head dim, dtype, chunk size, top_k and length bucket (``ops/tuning.py``); with
+    ``MLX_RWKVX_TUNE=0`` the kernel where the device has one for this head dim and it passed its
+    self-check, else the blockwise path. A kernel competes only when it passed its self-check
+    (one that raises, returns non-finite values or disagrees falls back, with one warning); a
+    kernel forced by ``impl`` or the variable is not checked: its failure is raised.
     """
     check_inputs(q, k, v, chunk_size, top_k)
-    name = DISPATCH.pick(impl, (q.shape[-1], q.dtype), q, "blockwise")
+    shape = (*q.shape[:3], *k.shape[1:3], chunk_size, top_k)
+    name = DISPATCH.pick(impl, (q.shape[-1], q.dtype), q, "blockwise", shape=shape)
     return DISPATCH.impls[name](q, k, v, chunk_size, top_k, scale)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from mlx_rwkvx.ops import tuning
 from mlx_rwkvx.ops.dispatch import KERNEL, Dispatcher
 from mlx_rwkvx.ops.wkv7 import chunk, kernel, naive
 from mlx_rwkvx.ops.wkv7.chunk import CHUNK, wkv7_chunked
@@ -24,6 +25,9 @@ __all__ = ["CHUNK", "wkv7", "wkv7_chunked", "wkv7_kernel", "wkv7_ref", "wkv7_ste
 ENV_VAR = "MLX_RWKVX_WKV7"
 # Up to this many steps the step loop beats the chunked path (benchmarks/BENCHMARKS.md, wkv7)
 REF_MAX_T = 8
+# The step loop is measured against the chunked path up to this length bucket; beyond it the
+# loop's autograd tape makes it slower everywhere and costly to time
+REF_TUNE_MAX_T = 64
 
 
 def _self_check_inputs(N: int, dtype) -> list:
@@ -56,6 +60,26 @@ def _self_check(key, impl) -> dict:
     return _outputs_and_grads(impl, _self_check_inputs(N, dtype))
 
 
+def _workload(key, shape) -> tuning.Workload:
+    """A training step's call (forward and backward) for the tuner, at the call's batch and
+    heads and the top of its length bucket."""
+    (N, dtype), (B, T, H) = key, shape
+    T = tuning.length_bucket(T)
+
+    def make(fn):
+        keys = mx.random.split(mx.random.key(1), 4)
+        r, k, v = (mx.random.uniform(-0.5, 0.5, (B, T, H, N), key=keys[i]) for i in range(3))
+        kk = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+        log_w = mx.log(mx.random.uniform(0.5, 0.999, (B, T, H, N), key=keys[3]))
+        state = mx.zeros((B, H, N, N))
+        args = [x.astype(dtype) for x in (r, log_w, k, v, -kk, 0.5 * kk)] + [state]
+        args[1] = log_w
+        return tuning.forward_backward(fn, args)
+
+    names = ("ref", "chunked") if T <= REF_TUNE_MAX_T else ("chunked",)
+    return tuning.Workload((f"N={N}", tuning.dtype_name(dtype), f"T<={T}"), names, make)
+
+
 DISPATCH = Dispatcher(
     "wkv7",
     {"ref": naive.step_loop, "chunked": chunk.chunked, KERNEL: kernel.kernel},
@@ -63,6 +87,7 @@ DISPATCH = Dispatcher(
     fallback="chunked",
     kernel_available=kernel.available,
     self_check=_self_check,
+    workload=_workload,
 )
 
 
@@ -75,12 +100,14 @@ def wkv7(r, log_w, k, v, a, b, state=None, *, impl: str | None = None):
     Differentiable w.r.t. all seven inputs.
 
     ``impl`` (``"ref"``, ``"chunked"``, ``"kernel"``), else ``MLX_RWKVX_WKV7``, picks the
-    implementation; by default the kernel where the device has one and it passed its
-    self-check (a kernel that raises, returns non-finite values or disagrees falls back, with
-    one warning), else the step loop for T <= REF_MAX_T, else the chunked path. A kernel
-    forced by ``impl`` or the variable is not checked: its failure is raised.
+    implementation; by default the fastest of those available, measured on this device once per
+    head size, dtype and length bucket (``ops/tuning.py``); with ``MLX_RWKVX_TUNE=0`` the
+    kernel where the device has one and it passed its self-check, else the step loop for
+    T <= REF_MAX_T, else the chunked path. A kernel competes only when it passed its
+    self-check (one that raises, returns non-finite values or disagrees falls back, with one
+    warning); a kernel forced by ``impl`` or the variable is not checked: its failure is raised.
     """
     check_inputs(r, log_w, k, v, a, b, state)
     default = "ref" if r.shape[1] <= REF_MAX_T else "chunked"
-    name = DISPATCH.pick(impl, (r.shape[-1], r.dtype), r, default)
+    name = DISPATCH.pick(impl, (r.shape[-1], r.dtype), r, default, shape=r.shape[:3])
     return DISPATCH.impls[name](r, log_w, k, v, a, b, state)

@@ -1,9 +1,10 @@
 """A run's checkpoints, which never lose work: every ``save_every`` steps, at the end and on
 Ctrl-C or SIGTERM, ``checkpoint_<step>.safetensors`` (the trained tensors, what ``load`` and
 merging read, the adapter config in its metadata), ``checkpoint_<step>.state.safetensors``
-(optimizer state, step, data position; each step's randomness comes from the seed and the step)
-and last ``checkpoint_<step>.json``, the manifest that marks the checkpoint complete, each
-written atomically. Entry points: ``save_checkpoint``, ``scan_checkpoints`` (the newest complete
+(optimizer state, step, data position, the ops' implementations the run chose -- a resumed run
+uses them, ``ops/tuning.py``; each step's randomness comes from the seed and the step) and last
+``checkpoint_<step>.json``, the manifest that marks the checkpoint complete, each written
+atomically. Entry points: ``save_checkpoint``, ``scan_checkpoints`` (the newest complete
 one and the newer ones cut short), ``load_checkpoint``."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mlx_rwkvx.io.atomic import atomic_target, save_safetensors, save_text
 from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.models import Model
 from mlx_rwkvx.models.init import INIT_ALIASES
+from mlx_rwkvx.ops import tuning
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -161,6 +163,7 @@ def _save_checkpoint(
         "base": base,
         "ranks": str(state.ranks),
         "shard_tokens": json.dumps(state.stack_tokens),  # the file's old name
+        "tuning": json.dumps(tuning.choices()),  # a resumed run computes as this one did
     }
     with atomic_target(str(out / names["state"]), folder=False) as tmp:
         save_safetensors(tmp, dict(tree_flatten(optimizer.state)), meta)
@@ -231,4 +234,5 @@ def load_checkpoint(
     state.step, state.tokens = int(meta["step"]), int(meta["tokens"])
     state.stack_tokens = json.loads(meta.get("shard_tokens", "[]")) or state.stack_tokens
     state.position = json.loads(meta["position"])
+    tuning.use_choices(json.loads(meta.get("tuning", "{}")))  # before the step is compiled
     mx.eval(model.parameters(), optimizer.state)

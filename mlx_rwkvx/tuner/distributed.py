@@ -1,10 +1,12 @@
 """Data parallelism across Macs over ``mx.distributed`` (``mlx.launch``): the group of ranks,
 each rank's share of the examples, the gradient all-sum (one collective per 32 MB bucket) and
 rank 0's run state broadcast to every rank. Entry points: ``data_parallel_group``,
-``rank_share``, ``all_sum``, ``broadcast``, ``broadcast_state``, ``peers_lost``."""
+``rank_share``, ``all_sum``, ``broadcast``, ``broadcast_json``, ``broadcast_state``,
+``peers_lost``."""
 
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import contextmanager
 
@@ -53,6 +55,18 @@ def broadcast(tree, group):
     if group.rank() != 0:
         tree = tree_unflatten([(k, mx.zeros_like(v)) for k, v in tree_flatten(tree)])
     return all_sum(tree, group)
+
+
+def broadcast_json(value, group):
+    """``value`` (anything ``json`` writes) as rank 0 of ``group`` holds it, on every rank: its
+    length, then its UTF-8 bytes, each an all-sum of rank 0's and everybody else's zeros."""
+    if group is None or group.size() == 1:
+        return value
+    mine = json.dumps(value).encode() if group.rank() == 0 else b""
+    size = int(mx.distributed.all_sum(mx.array(len(mine)), group=group).item())
+    data = list(mine) if group.rank() == 0 else [0] * size
+    summed = mx.distributed.all_sum(mx.array(data, dtype=mx.int32), group=group)
+    return json.loads(bytes(summed.tolist()).decode())
 
 
 def data_parallel_group():

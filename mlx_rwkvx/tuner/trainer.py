@@ -18,6 +18,7 @@ from mlx_rwkvx._crash import crash_point
 from mlx_rwkvx.data.loss import batch_loss, dataset_loss, segment_loss, segments
 from mlx_rwkvx.errors import Interrupted, NonFinite, TrainError
 from mlx_rwkvx.models import Model
+from mlx_rwkvx.ops import tuning
 from mlx_rwkvx.tuner import distributed, parallel
 from mlx_rwkvx.tuner.callbacks import Callback
 from mlx_rwkvx.tuner.steps import StepResult, Task, TrainState
@@ -63,7 +64,11 @@ class Step:
     one ended with, its KV caches cut to ``max_cache``; no gradient crosses a boundary), the
     gradients summed over micro-batches and ranks, then one update. NonFinite before anything
     is updated when the loss or the gradient norm is not finite. The compiled functions see a
-    bounded number of shapes (segments and windows of fixed lengths)."""
+    bounded number of shapes (segments and windows of fixed lengths).
+
+    Before a micro-batch of a new length bucket is stepped on (the compiled functions traced
+    for it), the ops' implementations are chosen at its shapes (``tune``): nothing is measured
+    inside ``mx.compile``, where a call with nothing remembered takes the op's fixed rule."""
 
     def __init__(
         self,
@@ -87,6 +92,8 @@ class Step:
         # between_windows(n), after the step's n-th window: True drops the step (WindowStop)
         self.between_windows: Callable[[int], bool] = lambda n: False
         self._windows = 0
+        self._tuned: set[tuple[int, int]] = set()  # the length classes tune() has seen
+        self._shared = False  # data parallel: rank 0's choices taken
         self.way = parallel.Stacked(stacked) if stacked > 1 else Single()
         grad_fn = nn.value_and_grad(model, self._loss_sum)
         state = [model.state, optimizer.state, mx.random.state]
@@ -106,6 +113,7 @@ class Step:
         def update(grads):
             optimizer.update(model, grads)
 
+        self._grad_fn = grad_fn  # uncompiled: what tune() runs
         self.first = mx.compile(first, inputs=state, outputs=state)
         self.carried = mx.compile(carried, inputs=state, outputs=state)
         self.mean_grads = mx.compile(mean_grads)
@@ -113,6 +121,32 @@ class Step:
 
     def _loss_sum(self, model, inputs, targets, before):
         return self.way.loss_sum(model, inputs, targets, before, self.grad_checkpoint)
+
+    def tune(self, inputs: mx.array, targets: mx.array) -> None:
+        """Let every op choose its implementation at this micro-batch's shapes (measured once
+        per device, shape class and length bucket, ``ops/tuning.py``): the gradient graph of
+        each of its segments is built uncompiled, where the ops may measure, and dropped
+        unevaluated (only the ops' first call at a shape evaluates anything)."""
+        parts, before = segments(inputs, targets, self.segment), None
+        for i, (x, y) in enumerate(parts):
+            (_, _, before), _ = self._grad_fn(self.model, x, y, before)
+            if i + 1 < len(parts) and self.max_cache is not None:
+                before = self.model.trim_state(before, self.max_cache)
+
+    def _tune_new(self, micro_batches) -> None:
+        """``tune`` on each micro-batch of a length class not seen yet (its segments' length
+        bucket and number: a carried state's attention cache grows with the segments). In a
+        data-parallel run every rank then takes rank 0's choices of its first step."""
+        for inputs, targets in micro_batches:
+            T = inputs.shape[1]
+            length = T if self.segment is None else min(T, self.segment)
+            key = (tuning.length_bucket(length), -(-T // length))
+            if key not in self._tuned:
+                self._tuned.add(key)
+                self.tune(mx.array(inputs), mx.array(targets))
+        if self.group is not None and not self._shared:
+            self._shared = True
+            tuning.use_choices(distributed.broadcast_json(tuning.choices(), self.group))
 
     def loss_and_grad(self, inputs: mx.array, targets: mx.array):
         """(summed loss, trained tokens, gradients of the sum) of one micro-batch, segment by
@@ -142,6 +176,8 @@ class Step:
         after it (decided with the other ranks in the step's collective)."""
         total_loss, total_count, grads = 0.0, 0, None
         self._windows = 0
+        if tuning.enabled():
+            self._tune_new(micro_batches)
         for inputs, targets in micro_batches:
             loss, count, g = self.loss_and_grad(mx.array(inputs), mx.array(targets))
             grads = g if grads is None else tree_map(mx.add, grads, g)

@@ -1,0 +1,133 @@
+"""A training run chooses the ops' implementations by measurement (``ops/tuning.py``) before
+its step is compiled, steps with those choices, records them in its checkpoints, and a resumed
+run uses the recorded ones without measuring. The measurement is faked (a fixed cost per
+implementation): nothing here depends on the machine's speed."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections import Counter
+
+import mlx_rwkvx
+from mlx_rwkvx.adapters import apply_lora, target_paths
+from mlx_rwkvx.data.batches import batches
+from mlx_rwkvx.data.examples import Example
+from mlx_rwkvx.io.tensors import read_safetensors
+from mlx_rwkvx.models import Model, preset
+from mlx_rwkvx.ops import tuning
+from mlx_rwkvx.tuner.config import TrainConfig
+from mlx_rwkvx.tuner.from_config import train_from_config
+from mlx_rwkvx.tuner.trainer import supervised, train
+
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+
+OPS = {op: importlib.import_module(f"mlx_rwkvx.ops.{op}") for op in ("wkv7", "moba")}
+# the measured winners, each not its op's fixed rule at these lengths (the step loop for
+# wkv7 at T <= 64, blockwise for MoBA): a step that took the rule did not use the tuning
+FASTEST = {"wkv7": "chunked", "moba": "ref"}
+TEXTS = [b"1+2=3", b"3+4=7", b"5+6=11", b"2+2=4"]
+
+
+def fake_measure(thunks: dict) -> dict[str, float]:
+    """What Tuner.measure returns, without running anything: FASTEST's implementation of the
+    op whose candidates these are at 1 ms a call, every other at 2 ms."""
+    fast = FASTEST["wkv7"] if "chunked" in thunks else FASTEST["moba"]
+    return {name: 1e-3 if name == fast else 2e-3 for name in thunks}
+
+
+@pytest.fixture
+def tuned(monkeypatch, tmp_path):
+    """Tuning on, a fresh tuner whose file is in tmp_path and whose measurement is faked, and
+    every call of an implementation counted by op (``calls``)."""
+    monkeypatch.setenv(tuning.ENV_TUNE, "1")
+    monkeypatch.setenv(tuning.ENV_CACHE, str(tmp_path / "cache"))
+    tuner = tuning.Tuner()
+    tuner.measure = fake_measure
+    monkeypatch.setattr(tuning, "TUNER", tuner)
+    calls = {op: Counter() for op in OPS}
+    for op, module in OPS.items():
+        for name, fn in module.DISPATCH.impls.items():
+
+            def counted(*args, _op=op, _name=name, _fn=fn, **kwargs):
+                calls[_op][_name] += 1
+                return _fn(*args, **kwargs)
+
+            monkeypatch.setitem(module.DISPATCH.impls, name, counted)
+    tuner.calls = calls
+    return tuner
+
+
+def _data():
+    examples = [
+        Example(np.frombuffer(t, np.uint8).astype(np.int32), np.arange(len(t)) > 0) for t in TEXTS
+    ]
+    return list(batches(examples, batch_size=2, seed=0, epoch=0))
+
+
+def _student():
+    student = Model(preset("rwkv-x-tiny"), seed=0)  # wkv7 and MoBA layers, head size 16
+    apply_lora(student, target_paths(student, "attn"), rank=4, alpha=8)
+    return student
+
+
+def test_a_training_run_tunes_before_compiling_and_steps_with_the_choices(tuned):
+    train(_student(), supervised(), optim.AdamW(learning_rate=1e-2), _data(), steps=3)
+    wkv7 = [name for name in tuned.table if name.startswith("wkv7 N=16 float32 T<=")]
+    moba = [name for name in tuned.table if name.startswith("moba D=16 float32 ")]
+    assert wkv7 and moba, tuned.table
+    assert {tuned.table[name] for name in wkv7 + moba} == {"chunked", "ref"}
+    assert set(tuned.timings) == set(tuned.table) and tuned.measured == len(tuned.table)
+    saved = json.loads(tuned.path.read_text())["choices"]
+    assert saved == tuned.table
+    # the compiled steps (and the uncompiled pass that chose) called only the winners
+    for op, fastest in FASTEST.items():
+        assert set(tuned.calls[op]) == {fastest}, (op, tuned.calls[op])
+
+
+def test_with_tuning_off_a_run_measures_nothing(tuned, monkeypatch):
+    monkeypatch.setenv(tuning.ENV_TUNE, "0")
+    train(_student(), supervised(), optim.AdamW(learning_rate=1e-2), _data(), steps=2)
+    assert tuned.table == {} and tuned.measured == 0 and not tuned.path.exists()
+    assert set(tuned.calls["wkv7"]) == {"ref"} and set(tuned.calls["moba"]) == {"blockwise"}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A tiny RWKV-X base and a few facts to learn (the byte tokenizer)."""
+    root = tmp_path_factory.mktemp("tuning")
+    mlx_rwkvx.save(Model(preset("rwkv-x-tiny"), seed=0), root / "base")
+    rows = [{"prompt": t[: t.index(b"=") + 1].decode(), "completion": "x"} for t in TEXTS]
+    (root / "data").mkdir()
+    (root / "data" / "train.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    return root
+
+
+def _cfg(ws, out, **kw):
+    fields = dict(model=str(ws / "base"), data=str(ws / "data"), output=str(out), batch_size=2)
+    fields.update(lr=1e-2, warmup=0, iters=2, save_every=2, lora_rank=4, lora_alpha=8)
+    return TrainConfig(**{**fields, **kw})
+
+
+def test_a_checkpoint_records_the_choices_and_resume_uses_them(
+    tuned, workspace, tmp_path, monkeypatch
+):
+    out = train_from_config(_cfg(workspace, tmp_path / "run"))
+    chosen = tuned.choices()
+    assert sorted(chosen.values()) == ["chunked", "ref"], chosen
+    _, meta = read_safetensors(str(out / "checkpoint_2.state.safetensors"))
+    assert json.loads(meta["tuning"]) == chosen
+    # another process: a tuner of its own, another cache folder (no file to read the choices
+    # from), and a measurement that would choose the rules
+    monkeypatch.setenv(tuning.ENV_CACHE, str(tmp_path / "elsewhere"))
+    fresh = tuning.Tuner()
+    fresh.measure = lambda thunks: pytest.fail(f"measured {sorted(thunks)} on resume")
+    monkeypatch.setattr(tuning, "TUNER", fresh)
+    for counter in tuned.calls.values():
+        counter.clear()
+    train_from_config(_cfg(workspace, out, iters=4, resume=True))
+    assert fresh.pinned == chosen and fresh.measured == 0 and fresh.table == {}
+    for op, fastest in FASTEST.items():
+        assert set(tuned.calls[op]) == {fastest}, (op, tuned.calls[op])

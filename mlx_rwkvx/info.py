@@ -1,6 +1,8 @@
 """``python -m mlx_rwkvx.info``: versions, the MLX device, the BLAS in use, and matmul speed;
 ``--selfcheck`` runs each kernel against the MLX ops path on this device and lists it per shape
-class as passed, failed (why) or not available."""
+class as passed, failed (why) or not available, then the tuning table: the implementation
+chosen per op, shape class and length bucket and each candidate's measured time, and the file
+that holds them."""
 
 from __future__ import annotations
 
@@ -81,6 +83,28 @@ def selfcheck() -> list[str]:
             else:
                 reason = dispatcher.reasons.get(key, "unchecked").replace("\n", "\n" + " " * 11)
                 lines.append(line + f"FAILED, the {dispatcher.fallback} path is used: {reason}")
+    return lines + tuning_table()
+
+
+def tuning_table() -> list[str]:
+    """The implementations chosen by measurement on this device (``ops/tuning.py``), each with
+    every candidate's time per call (forward and backward), and where the file is."""
+    from mlx_rwkvx.ops import tuning
+
+    if not tuning.enabled():
+        return [f"tuning     off ({tuning.ENV_TUNE}=0): each op takes its fixed rule"]
+    tuner = tuning.TUNER
+    entries = tuner.entries()
+    lines = [
+        f"tuning     file {tuner.path}" + ("" if tuner.path.exists() else " (not written yet)")
+    ]
+    if not entries:
+        lines.append(
+            "tuning     nothing measured yet on this device (each op measures on first use)"
+        )
+    for name, chosen, timings in entries:
+        times = ", ".join(f"{c} {t * 1e3:.3g} ms" for c, t in sorted(timings.items()))
+        lines.append(f"tuning     {name}: {chosen}" + (f" ({times})" if times else ""))
     return lines
 
 

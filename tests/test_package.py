@@ -117,3 +117,32 @@ def test_info_selfcheck_reports_the_kernels(capsys, monkeypatch):
     assert all(x.endswith(": passed") for x in lines if " wkv7 " in x), lines
     failed = ": FAILED, the blockwise path is used: disagrees with the blockwise path"
     assert all(failed in x for x in lines if " moba " in x), lines
+
+
+def test_info_selfcheck_prints_the_tuning_table(capsys, monkeypatch, tmp_path):
+    from mlx_rwkvx.ops import tuning, wkv7
+
+    import mlx.core as mx
+
+    info.main(["--no-timing", "--selfcheck"])  # the suite runs with tuning off
+    assert (
+        "tuning     off (MLX_RWKVX_TUNE=0): each op takes its fixed rule" in capsys.readouterr().out
+    )
+    monkeypatch.setenv(tuning.ENV_TUNE, "1")
+    monkeypatch.setenv(tuning.ENV_CACHE, str(tmp_path))
+    monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())
+    info.main(["--no-timing", "--selfcheck"])
+    out = capsys.readouterr().out
+    assert f"tuning     file {tmp_path / 'tuning.json'} (not written yet)" in out
+    assert "tuning     nothing measured yet on this device" in out
+    # one wkv7 call measures (a fake measurement: chunked 1 ms, the step loop 2.5 ms); another
+    # process's tuner reads the choice and the timings from the file
+    tuning.TUNER.measure = lambda thunks: {"chunked": 1e-3, "ref": 2.5e-3}
+    wkv7(*(mx.zeros((1, 8, 1, 16)) for _ in range(6)))
+    monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())
+    info.main(["--no-timing", "--selfcheck"])
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("tuning")]
+    assert lines == [
+        f"tuning     file {tmp_path / 'tuning.json'}",
+        "tuning     wkv7 N=16 float32 T<=8: chunked (chunked 1 ms, ref 2.5 ms)",
+    ]

@@ -204,9 +204,20 @@ class Tuner:
         with self._lock:
             self.pinned.update({str(k): str(v) for k, v in choices.items()})
 
-    def _read(self) -> dict[str, str] | None:
-        """The file's choices if it is this device's and versions', else None (one warning
-        when it exists but is unreadable or foreign)."""
+    def entries(self) -> list[tuple[str, str, dict[str, float]]]:
+        """``(entry name, implementation, seconds per call of each candidate)`` of every choice
+        known here (the file's, this process's; a pinned one has no timings), sorted by name:
+        what ``info --selfcheck`` prints."""
+        with self._lock:
+            self._load()
+            chosen = {**self.table, **self.pinned}
+            return [
+                (name, chosen[name], dict(self.timings.get(name, {}))) for name in sorted(chosen)
+            ]
+
+    def _read(self) -> tuple[dict[str, str], dict[str, dict[str, float]]] | None:
+        """The file's choices and timings if it is this device's and versions', else None (one
+        warning when it exists but is unreadable or foreign)."""
         path = self.path
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -228,7 +239,13 @@ class Tuner:
             here = ", ".join(f"{k} {v!r}" for k, v in mine.items())
             reason = f"written for {theirs}; this is {here}"
         else:
-            return {str(k): str(v) for k, v in table.items()}
+            timings = data.get("seconds_per_call")
+            timings = {
+                str(name): {str(c): float(t) for c, t in per.items() if isinstance(t, (int, float))}
+                for name, per in (timings.items() if isinstance(timings, dict) else ())
+                if isinstance(per, dict)
+            }
+            return {str(k): str(v) for k, v in table.items()}, timings
         warnings.warn(
             f"mlx_rwkvx: ignoring the tuning file {path} ({reason}); measuring again",
             RuntimeWarning,
@@ -239,8 +256,11 @@ class Tuner:
     def _load(self) -> None:
         if not self._loaded:
             self._loaded = True
-            for name, impl in (self._read() or {}).items():
+            table, timings = self._read() or ({}, {})
+            for name, impl in table.items():
                 self.table.setdefault(name, impl)
+                if name in timings:  # kept when the file is written again
+                    self.timings.setdefault(name, timings[name])
 
     def _save(self) -> None:
         """Write the table atomically (a temporary file, then a rename), so a reader never

@@ -123,6 +123,11 @@ def test_the_file_round_trips(tune_on):
     again = fake_op(device, tune_on)
     assert pick(again) == "fast"
     assert device.calls == [] and again.tuner.measured == 0
+    # its timings come along (info --selfcheck prints them) and survive the next write
+    timings = op.tuner.timings["fake N=64 T<=128"]
+    assert again.tuner.entries() == [("fake N=64 T<=128", "fast", timings)]
+    pick(again, T=1000)
+    assert json.loads(tune_on.read_text())["seconds_per_call"]["fake N=64 T<=128"] == timings
 
 
 def _only_warning(record, match):

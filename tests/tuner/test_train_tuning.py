@@ -1,6 +1,7 @@
 """A training run chooses the ops' implementations by measurement (``ops/tuning.py``) before
-its step is compiled, steps with those choices, records them in its checkpoints, and a resumed
-run uses the recorded ones without measuring. The measurement is faked (a fixed cost per
+its step is compiled, steps with those choices, records them in its checkpoints, a resumed
+run uses the recorded ones without measuring, and every data-parallel rank uses rank 0's
+(``tuning_ranks.py`` under ``mlx.launch``, marked slow). The measurement is faked (a fixed cost per
 implementation): nothing here depends on the machine's speed."""
 
 from __future__ import annotations
@@ -131,3 +132,22 @@ def test_a_checkpoint_records_the_choices_and_resume_uses_them(
     assert fresh.pinned == chosen and fresh.measured == 0 and fresh.table == {}
     for op, fastest in FASTEST.items():
         assert set(tuned.calls[op]) == {fastest}, (op, tuned.calls[op])
+
+
+@pytest.mark.slow  # two processes under mlx.launch
+def test_every_data_parallel_rank_uses_rank_0s_choices(tmp_path):
+    from test_distributed import HERE, launch
+
+    run = launch(HERE / "tuning_ranks.py", tmp_path / "ranks")
+    assert run.returncode == 0, run.stdout + run.stderr
+    ranks = [json.loads((tmp_path / f"ranks.{r}.json").read_text()) for r in range(2)]
+    wkv7 = [name for name in ranks[0]["choices"] if name.startswith("wkv7 ")]
+    assert wkv7 and {ranks[0]["choices"][name] for name in wkv7} == {"chunked"}
+    # rank 1 measured the step loop as faster, and took rank 0's choices
+    assert ranks[1]["choices"] == ranks[0]["choices"] == ranks[1]["pinned"]
+    # rank 1's own tuning pass built the step loop's graph; its compiled steps then called
+    # only the chunked path, as rank 0's did
+    calls = ranks[1]["called"]
+    first = calls.index("chunked")
+    assert "ref" in calls[:first] and set(calls[first:]) == {"chunked"}, calls
+    assert set(ranks[0]["called"]) == {"chunked"}

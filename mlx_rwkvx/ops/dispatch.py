@@ -135,7 +135,7 @@ class Dispatcher:
         """The self-check of ``key``, run once and remembered. Whatever the kernel does --
         raise, return NaN, disagree -- ends here as a False, one warning and its reason."""
         if key not in self.results:
-            reason = self._check(key)
+            reason = self._failure(key)
             if reason is not None:
                 self.reasons[key] = reason
                 warnings.warn(
@@ -148,7 +148,7 @@ class Dispatcher:
             self.results[key] = reason is None
         return self.results[key]
 
-    def _check(self, key: Hashable) -> str | None:
+    def _failure(self, key: Hashable) -> str | None:
         """Why the kernel fails on ``key``'s problem, or None. The exact path runs outside the
         guard: an exception there is a bug of ours and keeps its traceback."""
         try:

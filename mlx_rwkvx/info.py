@@ -2,7 +2,8 @@
 ``--selfcheck`` runs each kernel against the MLX ops path on this device and lists it per shape
 class as passed, failed (why) or not available, then the tuning table: the implementation
 chosen per op, shape class and length bucket and each candidate's measured time, and the file
-that holds them."""
+that holds them; ``--bench`` adds those and ``bench_here.py``'s timings of the ops and a LoRA
+step on this device."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ PROG = "mlx_rwkvx.info"
 class InfoConfig(Settings):
     no_timing: bool = opt("skip the matmul timing", default=False)
     selfcheck: bool = opt("check each kernel against the ops on this device", default=False)
+    bench: bool = opt(
+        "also time WKV7, MoBA and a LoRA step here (about a minute): a table to paste in an issue",
+        default=False,
+    )
 
 
 def _version(dist: str) -> str:
@@ -113,6 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg = settings.load(InfoConfig, argv, PROG, description=__doc__, yaml=False)
         mlx_rwkvx.configure()
         lines = report(timing=not cfg.no_timing)
+        if cfg.bench:
+            from mlx_rwkvx.bench_here import bench
+
+            return lines + selfcheck() + bench()
         return lines + (selfcheck() if cfg.selfcheck else [])
 
     print("\n".join(cli.run(PROG, body)))

@@ -119,6 +119,55 @@ def test_info_selfcheck_reports_the_kernels(capsys, monkeypatch):
     assert all(failed in x for x in lines if " moba " in x), lines
 
 
+def test_info_bench_prints_a_table_to_paste(capsys, monkeypatch):
+    import re
+
+    from mlx_rwkvx import bench_here
+
+    # tiny shapes (a step-loop-only length and a longer one) and the tiny model, via the CLI
+    tiny = bench_here.Shapes(
+        wkv7=((1, 8, 2, 16), (1, 80, 2, 16)),
+        moba=((1, 32, 2, 1, 16, 8, 2),),
+        lora_batch=1,
+        lora_length=16,
+        lora_steps=1,
+        repeats=1,
+        model="rwkv-x-tiny",
+    )
+    monkeypatch.setattr(bench_here, "shapes_here", lambda: tiny)
+    info.main(["--no-timing", "--bench"])
+    out = capsys.readouterr().out
+    assert "kernels    none on Device(cpu, 0)" in out  # the self-checks and the tuning table
+    assert "tuning     off" in out
+    lines = [x for x in out.splitlines() if x.startswith("bench      ")]
+    assert re.fullmatch(
+        r"bench      device Device\(cpu, 0\) \(.*device_name .*\), MLX [\d.]+\S*, "
+        r"mlx_rwkvx \S+",
+        lines[0],
+    ), lines[0]
+    ms = r"fwd +\d+\.\d\d ms   fwd\+bwd +\d+\.\d\d ms"
+    ops = [x.split()[1:4] for x in lines if re.search(ms + "$", x)]
+    assert ops == [
+        ["wkv7", "B=1", "T=8"],
+        ["wkv7", "B=1", "T=8"],
+        ["wkv7", "B=1", "T=80"],
+        ["moba", "B=1", "T=32"],
+        ["moba", "B=1", "T=32"],
+    ]
+    impls = [x.split()[-7] for x in lines if re.search(ms + "$", x)]
+    assert impls == ["ref", "chunked", "chunked", "ref", "blockwise"]  # no kernel on a CPU
+    # one column each: the implementations and the times start at the same place
+    timed = [x for x in lines if re.search(ms + "$", x)]
+    assert len({x.index(" fwd ") for x in timed}) == 1
+    assert len({len(x) for x in timed}) == 1
+    assert "rwkv-x-tiny" in lines[-2] and "batch 1 x T=16" in lines[-2]
+    assert re.fullmatch(
+        r"bench      lora +\d+ tokens/s +\d+\.\d ms/step   peak MLX memory +\d+ MiB   "
+        r"max RSS +\d+ MiB",
+        lines[-1],
+    ), lines[-1]
+
+
 def test_info_selfcheck_prints_the_tuning_table(capsys, monkeypatch, tmp_path):
     from mlx_rwkvx.ops import tuning, wkv7
 

@@ -44,6 +44,7 @@ LAYERS = [
             [
                 "mlx_rwkvx.api",
                 "mlx_rwkvx.info",
+                "mlx_rwkvx.bench_here",
                 "mlx_rwkvx.convert",
                 "mlx_rwkvx.generate",
                 "mlx_rwkvx.evaluate",

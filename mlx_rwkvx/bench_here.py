@@ -1,0 +1,206 @@
+"""``python -m mlx_rwkvx.info --bench``: a short benchmark of this device a user can paste in an
+issue. Each implementation of WKV7 and MoBA available here (the step loop and dense attention
+at short lengths only, a kernel only when it passed its self-check) forward and forward +
+backward at a few training shapes, and a LoRA step on the rwkv7-0.1b shape: tokens/s and peak
+memory. About a minute; on a CPU the shapes are scaled down (each line names its shape)."""
+
+from __future__ import annotations
+
+import importlib
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import mlx_rwkvx
+from mlx_rwkvx.ops import tuning
+from mlx_rwkvx.ops.dispatch import KERNEL
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+PREFIX = "bench      "
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What ``bench`` measures: WKV7 ``(B, T, H, N)``, MoBA ``(B, T, Hq, Hkv, D, chunk, top_k)``
+    (queries and keys of length T), the LoRA step's batch and length, and the calls timed per
+    measurement after one warm-up call."""
+
+    wkv7: tuple[tuple[int, int, int, int], ...]
+    moba: tuple[tuple[int, int, int, int, int, int, int], ...]
+    lora_batch: int
+    lora_length: int
+    lora_steps: int = 3
+    repeats: int = 3
+    model: str = "rwkv7-0.1b"
+
+
+# On an accelerator: the training shapes of a 0.1B model
+GPU_SHAPES = Shapes(
+    wkv7=((1, 64, 12, 64), (1, 512, 12, 64), (1, 2048, 12, 64)),
+    moba=((1, 1024, 12, 2, 64, 64, 3), (1, 4096, 12, 2, 64, 256, 3)),
+    lora_batch=1,
+    lora_length=512,
+    lora_steps=5,
+    repeats=5,
+)
+# On a CPU (a few cores): shorter, so the whole run stays near a minute
+CPU_SHAPES = Shapes(
+    wkv7=((1, 64, 12, 64), (1, 512, 12, 64), (1, 2048, 12, 64)),
+    moba=((1, 1024, 12, 2, 64, 64, 3), (1, 2048, 12, 2, 64, 256, 3)),
+    lora_batch=1,
+    lora_length=256,
+    lora_steps=3,
+    repeats=3,
+)
+
+
+def shapes_here() -> Shapes:
+    return CPU_SHAPES if mx.default_device().type == mx.cpu else GPU_SHAPES
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn()`` (which evaluates its results) in ms, after one warm-up."""
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _fwd_and_fwd_bwd(fn: Callable, args: list[mx.array], repeats: int) -> tuple[float, float]:
+    """ms per call of ``fn(*args)``, then of it and its gradient w.r.t. every argument."""
+    both = tuning.forward_backward(fn, args)
+    return median_ms(lambda: fn(*args), repeats), median_ms(both, repeats)
+
+
+def _candidates(dispatcher, key, short: bool, short_only: str) -> list[str]:
+    """The implementations to time: all but the kernel (unless it passed its self-check on
+    ``key``) and ``short_only`` (unless the shape is ``short``)."""
+    names = []
+    for name in dispatcher.impls:
+        if name == KERNEL and not (
+            dispatcher.kernel_available(key) and dispatcher.kernel_passes(key)
+        ):
+            continue
+        if name == short_only and not short:
+            continue
+        names.append(name)
+    return names
+
+
+def _line(op: str, shape: str, impl: str, fwd: float, fwd_bwd: float) -> str:
+    return f"{PREFIX}{op:<5} {shape:<34} {impl:<10} fwd {fwd:9.2f} ms   fwd+bwd {fwd_bwd:9.2f} ms"
+
+
+def _op_module(name: str):
+    # the package ``mlx_rwkvx.ops.wkv7``, not the function ``ops`` re-exports under its name
+    return importlib.import_module(f"mlx_rwkvx.ops.{name}")
+
+
+def wkv7_lines(shapes: Shapes) -> list[str]:
+    W = _op_module("wkv7")
+    lines = []
+    for B, T, H, N in shapes.wkv7:
+        keys = mx.random.split(mx.random.key(0), 4)
+        r, k, v = (mx.random.uniform(-0.5, 0.5, (B, T, H, N), key=keys[i]) for i in range(3))
+        kk = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+        log_w = mx.log(mx.random.uniform(0.5, 0.999, (B, T, H, N), key=keys[3]))
+        args = [r, log_w, k, v, -kk, 0.5 * kk, mx.zeros((B, H, N, N))]
+        mx.eval(args)
+        short = T <= W.REF_TUNE_MAX_T
+        for name in _candidates(W.DISPATCH, (N, mx.float32), short, "ref"):
+            fwd, both = _fwd_and_fwd_bwd(W.DISPATCH.impls[name], args, shapes.repeats)
+            lines.append(_line("wkv7", f"B={B} T={T} H={H} N={N} float32", name, fwd, both))
+    return lines
+
+
+def moba_lines(shapes: Shapes) -> list[str]:
+    M = _op_module("moba")
+    lines = []
+    for B, T, Hq, Hkv, D, chunk, top_k in shapes.moba:
+        keys = mx.random.split(mx.random.key(0), 3)
+        q = mx.random.normal((B, T, Hq, D), key=keys[0])
+        k, v = (mx.random.normal((B, T, Hkv, D), key=key) for key in keys[1:])
+        mx.eval(q, k, v)
+        short = T <= M.REF_TUNE_MAX_S
+        shape = f"B={B} T={T} H={Hq}/{Hkv} D={D} c={chunk} k={top_k}"
+        for name in _candidates(M.DISPATCH, (D, mx.float32), short, "ref"):
+            impl = M.DISPATCH.impls[name]
+
+            def fn(q, k, v, impl=impl, chunk=chunk, top_k=top_k):
+                return impl(q, k, v, chunk, top_k, None)
+
+            fwd, both = _fwd_and_fwd_bwd(fn, [q, k, v], shapes.repeats)
+            lines.append(_line("moba", shape, name, fwd, both))
+    return lines
+
+
+def max_rss_mib() -> float:
+    """This process's peak resident memory (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def lora_lines(shapes: Shapes) -> list[str]:
+    """Steps of LoRA training (rank 16 on the "rwkv" targets, AdamW, compiled) on a randomly
+    initialised model of ``shapes.model``'s shape: tokens/s and peak memory."""
+    from mlx_rwkvx.adapters import apply_lora, target_paths
+    from mlx_rwkvx.models import Model, preset
+
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    B, T = shapes.lora_batch, shapes.lora_length
+    model = Model(preset(shapes.model), seed=0)
+    apply_lora(model, target_paths(model, "rwkv"), rank=16, alpha=32.0)
+    tokens = mx.random.randint(0, model.config.vocab_size, (B, T + 1), key=mx.random.key(0))
+    optimizer = optim.AdamW(learning_rate=1e-4)
+
+    def loss(model, x, y):
+        return nn.losses.cross_entropy(model(x), y, reduction="mean")
+
+    loss_and_grad = nn.value_and_grad(model, loss)
+    state = [model.state, optimizer.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(x, y):
+        value, grads = loss_and_grad(model, x, y)
+        optimizer.update(model, grads)
+        return value
+
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    mx.eval(step(x, y), state)  # compiles
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    for _ in range(shapes.lora_steps):
+        mx.eval(step(x, y), state)
+    seconds = (time.perf_counter() - t0) / shapes.lora_steps
+    params = sum(v.size for _, v in tree_flatten(model.parameters())) / 1e6
+    return [
+        f"{PREFIX}lora  {shapes.model} ({params:.0f}M params, random init) rank 16 on 'rwkv', "
+        f"batch {B} x T={T}, AdamW, compiled, mean of {shapes.lora_steps} steps",
+        f"{PREFIX}lora  {B * T / seconds:9.0f} tokens/s   {seconds * 1e3:9.1f} ms/step   "
+        f"peak MLX memory {mx.get_peak_memory() / 2**20:8.0f} MiB   "
+        f"max RSS {max_rss_mib():8.0f} MiB",
+    ]
+
+
+def bench(shapes: Shapes | None = None) -> list[str]:
+    """The benchmark's lines: the device, then WKV7, MoBA and the LoRA step."""
+    shapes = shapes or shapes_here()
+    info = ", ".join(f"{k} {v}" for k, v in sorted(mx.device_info().items()))
+    lines = [
+        f"{PREFIX}device {mx.default_device()} ({info}), MLX {mx.__version__}, "
+        f"mlx_rwkvx {mlx_rwkvx.__version__}",
+        f"{PREFIX}shapes for {'a CPU (scaled down)' if shapes == CPU_SHAPES else 'an accelerator'}"
+        f"; times are the median of {shapes.repeats} calls after a warm-up, float32",
+    ]
+    return lines + wkv7_lines(shapes) + moba_lines(shapes) + lora_lines(shapes)

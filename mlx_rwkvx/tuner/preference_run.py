@@ -22,6 +22,7 @@ from functools import partial
 
 from mlx_rwkvx.data.records import find_split
 from mlx_rwkvx.errors import DataError, NonFinite, TrainError
+from mlx_rwkvx.ops import tuning
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.distributed import all_sum, rank_share
 from mlx_rwkvx.tuner.preference import (
@@ -32,6 +33,7 @@ from mlx_rwkvx.tuner.preference import (
     preference_loss,
 )
 from mlx_rwkvx.tuner.steps import RunData, StepResult, Task
+from mlx_rwkvx.tuner.trainer import use_rank0_choices
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -109,7 +111,11 @@ class PreferenceStep:
     counts and logged sums all-summed over its ranks, each rank's pairs its own share), clipped
     by its global norm ``grad_clip`` (0: none), one update; NonFinite before anything is
     updated when the loss or the norm is not finite. ``reference``: ``[len(pairs), 2]``, the
-    reference model's log-probabilities (``reference_logprobs``; ORPO: unused)."""
+    reference model's log-probabilities (``reference_logprobs``; ORPO: unused).
+
+    Before a micro-batch of a new length bucket is stepped on, its loss-and-grad graph is built
+    once and dropped (``tune``), where the ops choose their implementations; a data-parallel
+    run's ranks then take rank 0's choices, as ``trainer.Step`` does."""
 
     def __init__(
         self,
@@ -132,15 +138,34 @@ class PreferenceStep:
             return _values(terms(policy, (ref_c, ref_r)))
 
         self.loss_and_grad = nn.value_and_grad(model, loss)
+        self._tuned: set[int] = set()  # the length buckets tune() has seen
+        self._shared = False  # data parallel: rank 0's choices taken
+
+    def _batch(self, indices):
+        ref = self.reference[indices]
+        return [self.pairs[i] for i in indices], mx.array(ref[:, 0]), mx.array(ref[:, 1])
+
+    def tune(self, micro_batches) -> None:
+        """Let every op choose its implementation (``ops/tuning.py``) at the shapes of each
+        micro-batch of a length bucket not seen yet: its gradient graph is built and dropped
+        unevaluated. In a data-parallel run every rank then takes rank 0's choices."""
+        for indices in micro_batches:
+            batch, ref_c, ref_r = self._batch(indices)
+            longest = max(len(p.prompt) + max(len(p.chosen), len(p.rejected)) for p in batch)
+            if tuning.length_bucket(longest) not in self._tuned:
+                self._tuned.add(tuning.length_bucket(longest))
+                self.loss_and_grad(self.model, batch, ref_c, ref_r)
+        if self.group is not None and not self._shared:
+            self._shared = True
+            use_rank0_choices(self.group)
 
     def __call__(self, micro_batches, stop: bool = False):
         grads, sums, n, fed = None, None, 0, 0
+        if tuning.enabled():
+            self.tune(micro_batches)
         for indices in micro_batches:
-            batch = [self.pairs[i] for i in indices]
-            ref = self.reference[indices]
-            values, g = self.loss_and_grad(
-                self.model, batch, mx.array(ref[:, 0]), mx.array(ref[:, 1])
-            )
+            batch, ref_c, ref_r = self._batch(indices)
+            values, g = self.loss_and_grad(self.model, batch, ref_c, ref_r)
             values = mx.stack(values)
             sums = values if sums is None else sums + values
             grads = g if grads is None else tree_map(mx.add, grads, g)

@@ -58,6 +58,12 @@ class WindowStop(Exception):
     was updated yet) and redone on --resume."""
 
 
+def use_rank0_choices(group) -> None:
+    """Every data-parallel rank takes rank 0's tuning choices, so all step with the same
+    implementations (each rank's own measurement may differ)."""
+    tuning.use_choices(distributed.broadcast_json(tuning.choices(), group))
+
+
 class Step:
     """One training step, compiled: ``loss_and_grad`` of each micro-batch (with --carry-state,
     segment by segment of ``segment`` columns, each starting from the state the previous
@@ -146,7 +152,7 @@ class Step:
                 self.tune(mx.array(inputs), mx.array(targets))
         if self.group is not None and not self._shared:
             self._shared = True
-            tuning.use_choices(distributed.broadcast_json(tuning.choices(), self.group))
+            use_rank0_choices(self.group)
 
     def loss_and_grad(self, inputs: mx.array, targets: mx.array):
         """(summed loss, trained tokens, gradients of the sum) of one micro-batch, segment by

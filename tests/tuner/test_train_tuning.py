@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 from collections import Counter
+from functools import partial
 
 import mlx_rwkvx
 from mlx_rwkvx.adapters import apply_lora, target_paths
@@ -17,8 +18,11 @@ from mlx_rwkvx.data.examples import Example
 from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.ops import tuning
+from mlx_rwkvx.tuner import distributed, preference_run
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.from_config import train_from_config
+from mlx_rwkvx.tuner.preference import Pair, preference_loss
+from mlx_rwkvx.tuner.preference_run import PreferenceStep, reference_logprobs
 from mlx_rwkvx.tuner.trainer import supervised, train
 
 import mlx.optimizers as optim
@@ -151,3 +155,54 @@ def test_every_data_parallel_rank_uses_rank_0s_choices(tmp_path):
     first = calls.index("chunked")
     assert "ref" in calls[:first] and set(calls[first:]) == {"chunked"}, calls
     assert set(ranks[0]["called"]) == {"chunked"}
+
+
+def _pairs() -> list[Pair]:
+    def tokens(text: str) -> np.ndarray:
+        return np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+
+    rows = [(t[: t.index(b"=") + 1].decode(), t[t.index(b"=") + 1 :].decode()) for t in TEXTS]
+    return [
+        Pair(tokens(p), tokens(a), np.ones(len(a), bool), tokens("0"), np.ones(1, bool))
+        for p, a in rows
+    ]
+
+
+def _dpo_step(model, pairs, group=None) -> PreferenceStep:
+    reference = reference_logprobs(model, pairs, 2)
+    terms = partial(preference_loss, "dpo", beta=0.1, kind="sigmoid", lam=0.1)
+    optimizer = optim.AdamW(learning_rate=1e-2)
+    return PreferenceStep(model, optimizer, pairs, reference, terms=terms, group=group)
+
+
+def test_a_dpo_run_tunes_and_steps_with_the_choices(tuned):
+    step, pairs = _dpo_step(_student(), _pairs()), _pairs()
+    for _ in range(2):
+        step([np.arange(2), np.arange(2, len(pairs))])
+    assert any(name.startswith("wkv7 N=16 float32 T<=") for name in tuned.table), tuned.table
+    for op, fastest in FASTEST.items():
+        assert set(tuned.calls[op]) == {fastest}, (op, tuned.calls[op])
+
+
+class _TwoRanks:
+    def size(self) -> int:
+        return 2
+
+
+def test_a_data_parallel_dpo_step_uses_rank_0s_choices(tuned, monkeypatch):
+    """Rank 0 chose the step loop for wkv7 (this rank measured chunked as faster): the steps,
+    after the tuning pass that shares the choices, call only the step loop."""
+    shared = []
+
+    def rank_0s(choices, group):
+        shared.append(dict(choices))
+        tuned.calls["wkv7"].clear()  # what follows steps with rank 0's choices
+        return {k: "ref" if k.startswith("wkv7 ") else v for k, v in choices.items()}
+
+    monkeypatch.setattr(distributed, "broadcast_json", rank_0s)
+    monkeypatch.setattr(preference_run, "all_sum", lambda tree, group: tree)
+    step = _dpo_step(_student(), _pairs(), group=_TwoRanks())
+    step([np.arange(2), np.arange(2, 4)])
+    step([np.arange(2), np.arange(2, 4)])
+    assert set(tuned.calls["wkv7"]) == {"ref"}, tuned.calls["wkv7"]
+    assert len(shared) == 1 and "chunked" in shared[0].values(), shared

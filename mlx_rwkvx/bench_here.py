@@ -81,18 +81,12 @@ def _fwd_and_fwd_bwd(fn: Callable, args: list[mx.array], repeats: int) -> tuple[
     return median_ms(lambda: fn(*args), repeats), median_ms(both, repeats)
 
 
-def _candidates(dispatcher, key, short: bool, short_only: str) -> list[str]:
-    """The implementations to time: all but the kernel (unless it passed its self-check on
-    ``key``) and ``short_only`` (unless the shape is ``short``)."""
-    names = []
-    for name in dispatcher.impls:
-        if name == KERNEL and not (
-            dispatcher.kernel_available(key) and dispatcher.kernel_passes(key)
-        ):
-            continue
-        if name == short_only and not short:
-            continue
-        names.append(name)
+def _candidates(dispatcher, key, shape) -> list[str]:
+    """The implementations the tuner would time for this call: the op's exact candidates at
+    ``shape`` (its workload's) and the kernel where it passed its self-check on ``key``."""
+    names = list(dispatcher.workload(key, shape).candidates)
+    if dispatcher.kernel_available(key) and dispatcher.kernel_passes(key):
+        names.append(KERNEL)
     return names
 
 
@@ -109,14 +103,9 @@ def wkv7_lines(shapes: Shapes) -> list[str]:
     W = _op_module("wkv7")
     lines = []
     for B, T, H, N in shapes.wkv7:
-        keys = mx.random.split(mx.random.key(0), 4)
-        r, k, v = (mx.random.uniform(-0.5, 0.5, (B, T, H, N), key=keys[i]) for i in range(3))
-        kk = k / mx.linalg.norm(k, axis=-1, keepdims=True)
-        log_w = mx.log(mx.random.uniform(0.5, 0.999, (B, T, H, N), key=keys[3]))
-        args = [r, log_w, k, v, -kk, 0.5 * kk, mx.zeros((B, H, N, N))]
+        args = W.timing_inputs(B, T, H, N)
         mx.eval(args)
-        short = T <= W.REF_TUNE_MAX_T
-        for name in _candidates(W.DISPATCH, (N, mx.float32), short, "ref"):
+        for name in _candidates(W.DISPATCH, (N, mx.float32), (B, T, H)):
             fwd, both = _fwd_and_fwd_bwd(W.DISPATCH.impls[name], args, shapes.repeats)
             lines.append(_line("wkv7", f"B={B} T={T} H={H} N={N} float32", name, fwd, both))
     return lines
@@ -126,19 +115,17 @@ def moba_lines(shapes: Shapes) -> list[str]:
     M = _op_module("moba")
     lines = []
     for B, T, Hq, Hkv, D, chunk, top_k in shapes.moba:
-        keys = mx.random.split(mx.random.key(0), 3)
-        q = mx.random.normal((B, T, Hq, D), key=keys[0])
-        k, v = (mx.random.normal((B, T, Hkv, D), key=key) for key in keys[1:])
-        mx.eval(q, k, v)
-        short = T <= M.REF_TUNE_MAX_S
+        qkv = M.timing_inputs(B, T, Hq, T, Hkv, D)
+        mx.eval(qkv)
         shape = f"B={B} T={T} H={Hq}/{Hkv} D={D} c={chunk} k={top_k}"
-        for name in _candidates(M.DISPATCH, (D, mx.float32), short, "ref"):
+        call = (B, T, Hq, T, Hkv, chunk, top_k)
+        for name in _candidates(M.DISPATCH, (D, mx.float32), call):
             impl = M.DISPATCH.impls[name]
 
             def fn(q, k, v, impl=impl, chunk=chunk, top_k=top_k):
                 return impl(q, k, v, chunk, top_k, None)
 
-            fwd, both = _fwd_and_fwd_bwd(fn, [q, k, v], shapes.repeats)
+            fwd, both = _fwd_and_fwd_bwd(fn, qkv, shapes.repeats)
             lines.append(_line("moba", shape, name, fwd, both))
     return lines
 

@@ -64,6 +64,15 @@ def _self_check(key, impl) -> dict:
     return dict(zip(["out", "dq", "dk", "dv"], [f(q, k, v), *grads], strict=True))
 
 
+def timing_inputs(B: int, T: int, Hq: int, S: int, Hkv: int, D: int, dtype=mx.float32) -> list:
+    """Synthetic ``(q, k, v)`` of a call's shape (T queries, S keys): what the tuner and ``info
+    --bench`` time the implementations on."""
+    keys = mx.random.split(mx.random.key(1), 3)
+    q = mx.random.normal((B, T, Hq, D), key=keys[0]).astype(dtype)
+    k, v = (mx.random.normal((B, S, Hkv, D), key=key).astype(dtype) for key in keys[1:])
+    return [q, k, v]
+
+
 def _workload(key, shape) -> tuning.Workload:
     """A training step's call (forward and backward) for the tuner, at the call's batch,
     heads, chunk size and top_k and the top of its length buckets."""
@@ -71,10 +80,8 @@ def _workload(key, shape) -> tuning.Workload:
     T, S = tuning.length_bucket(T), tuning.length_bucket(S)
 
     def make(fn):
-        keys = mx.random.split(mx.random.key(1), 3)
-        q = mx.random.normal((B, T, Hq, D), key=keys[0]).astype(dtype)
-        k, v = (mx.random.normal((B, S, Hkv, D), key=key).astype(dtype) for key in keys[1:])
-        return tuning.forward_backward(lambda *a: fn(*a, chunk_size, top_k, None), [q, k, v])
+        qkv = timing_inputs(B, T, Hq, S, Hkv, D, dtype)
+        return tuning.forward_backward(lambda *a: fn(*a, chunk_size, top_k, None), qkv)
 
     names = ("ref", "blockwise") if S <= REF_TUNE_MAX_S else ("blockwise",)
     where = (f"chunk={chunk_size}", f"top_k={top_k}", f"T<={T}", f"S<={S}")

@@ -60,6 +60,18 @@ def _self_check(key, impl) -> dict:
     return _outputs_and_grads(impl, _self_check_inputs(N, dtype))
 
 
+def timing_inputs(B: int, T: int, H: int, N: int, dtype=mx.float32) -> list:
+    """Synthetic ``(r, log_w, k, v, a, b, state)`` of a training call's shape: what the tuner
+    and ``info --bench`` time the implementations on (log_w stays float32)."""
+    keys = mx.random.split(mx.random.key(1), 4)
+    r, k, v = (mx.random.uniform(-0.5, 0.5, (B, T, H, N), key=keys[i]) for i in range(3))
+    kk = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    log_w = mx.log(mx.random.uniform(0.5, 0.999, (B, T, H, N), key=keys[3]))
+    args = [x.astype(dtype) for x in (r, log_w, k, v, -kk, 0.5 * kk)] + [mx.zeros((B, H, N, N))]
+    args[1] = log_w
+    return args
+
+
 def _workload(key, shape) -> tuning.Workload:
     """A training step's call (forward and backward) for the tuner, at the call's batch and
     heads and the top of its length bucket."""
@@ -67,14 +79,7 @@ def _workload(key, shape) -> tuning.Workload:
     T = tuning.length_bucket(T)
 
     def make(fn):
-        keys = mx.random.split(mx.random.key(1), 4)
-        r, k, v = (mx.random.uniform(-0.5, 0.5, (B, T, H, N), key=keys[i]) for i in range(3))
-        kk = k / mx.linalg.norm(k, axis=-1, keepdims=True)
-        log_w = mx.log(mx.random.uniform(0.5, 0.999, (B, T, H, N), key=keys[3]))
-        state = mx.zeros((B, H, N, N))
-        args = [x.astype(dtype) for x in (r, log_w, k, v, -kk, 0.5 * kk)] + [state]
-        args[1] = log_w
-        return tuning.forward_backward(fn, args)
+        return tuning.forward_backward(fn, timing_inputs(B, T, H, N, dtype))
 
     names = ("ref", "chunked") if T <= REF_TUNE_MAX_T else ("chunked",)
     return tuning.Workload((f"N={N}", tuning.dtype_name(dtype), f"T<={T}"), names, make)

@@ -138,31 +138,26 @@ class PreferenceStep:
             return _values(terms(policy, (ref_c, ref_r)))
 
         self.loss_and_grad = nn.value_and_grad(model, loss)
-        self._tuned: set[int] = set()  # the length buckets tune() has seen
         self._shared = False  # data parallel: rank 0's choices taken
 
     def _batch(self, indices):
         ref = self.reference[indices]
         return [self.pairs[i] for i in indices], mx.array(ref[:, 0]), mx.array(ref[:, 1])
 
-    def tune(self, micro_batches) -> None:
-        """Let every op choose its implementation (``ops/tuning.py``) at the shapes of each
-        micro-batch of a length bucket not seen yet: its gradient graph is built and dropped
-        unevaluated. In a data-parallel run every rank then takes rank 0's choices."""
+    def share_choices(self, micro_batches) -> None:
+        """A data-parallel run's first step: every op chooses its implementation (``ops/
+        tuning.py``) at the shapes of these micro-batches (their gradient graphs built and
+        dropped unevaluated), then every rank takes rank 0's choices. The step is not compiled,
+        so a single process needs no such pass: its own calls choose as they go."""
         for indices in micro_batches:
-            batch, ref_c, ref_r = self._batch(indices)
-            longest = max(len(p.prompt) + max(len(p.chosen), len(p.rejected)) for p in batch)
-            if tuning.length_bucket(longest) not in self._tuned:
-                self._tuned.add(tuning.length_bucket(longest))
-                self.loss_and_grad(self.model, batch, ref_c, ref_r)
-        if self.group is not None and not self._shared:
-            self._shared = True
-            use_rank0_choices(self.group)
+            self.loss_and_grad(self.model, *self._batch(indices))
+        use_rank0_choices(self.group)
+        self._shared = True
 
     def __call__(self, micro_batches, stop: bool = False):
         grads, sums, n, fed = None, None, 0, 0
-        if tuning.enabled():
-            self.tune(micro_batches)
+        if tuning.enabled() and self.group is not None and not self._shared:
+            self.share_choices(micro_batches)
         for indices in micro_batches:
             batch, ref_c, ref_r = self._batch(indices)
             values, g = self.loss_and_grad(self.model, batch, ref_c, ref_r)

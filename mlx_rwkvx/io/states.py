@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import sys
 from array import array
 from dataclasses import dataclass, field
 
 from mlx_rwkvx.errors import CheckpointError
 from mlx_rwkvx.io.atomic import atomic_target, check_target
+from mlx_rwkvx.io.tensors import safetensors_header
 from mlx_rwkvx.models.model import Model
 
 import mlx.core as mx
@@ -164,26 +164,20 @@ def read_header(path: str, *, what: str = "a saved state") -> StateHeader:
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError("shorter than a safetensors header")
-            (length,) = struct.unpack("<Q", head)
-            if length > min(size - 8, _MAX_HEADER):
-                raise ValueError("cut short, or not a safetensors file")
-            header = json.loads(f.read(length))
+            header, data_start = safetensors_header(f, _MAX_HEADER)
             meta = header.pop("__metadata__", None) or {}
             fmt = meta.get("format")
             if fmt not in FORMATS:
                 raise ValueError(f"no format tag of one: {str(fmt)[:40]!r}")
             end = max((t["data_offsets"][1] for t in header.values()), default=0)
-            if 8 + length + end != size:
+            if data_start + end != size:
                 raise ValueError("cut short")
             name = "now.tokens" if fmt == OLD_CHAT_FORMAT else "tokens"
             entry = header.get(name)
             if entry is None or entry["dtype"] != "I32":
                 raise ValueError("no tokens")
             start, stop = entry["data_offsets"]
-            f.seek(8 + length + start)
+            f.seek(data_start + start)
             tokens = array("i", f.read(stop - start))
         if sys.byteorder == "big":
             tokens.byteswap()

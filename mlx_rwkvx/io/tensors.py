@@ -31,6 +31,19 @@ def read_safetensors(path: str) -> tuple[dict[str, mx.array], dict[str, str]]:
 _MAX_HEADER = 100 << 20  # the safetensors format's own limit on its JSON header
 
 
+def safetensors_header(f, limit: int = _MAX_HEADER) -> tuple[dict, int]:
+    """(the JSON header, the offset its data starts at) of the ``.safetensors`` file open in
+    ``f``, read from its start. ValueError when the file is shorter than its header says, the
+    header is longer than ``limit`` bytes, or it is not JSON."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise ValueError("shorter than a safetensors header")
+    (length,) = struct.unpack("<Q", head)
+    if length > min(os.fstat(f.fileno()).st_size - 8, limit):
+        raise ValueError("cut short, or not a safetensors file")
+    return json.loads(f.read(length)), 8 + length
+
+
 def _refuse_shared_bytes(path: str) -> None:
     """mx.load checks each tensor's byte range against its shape and the file's size, not
     against the others': many tensors naming one range would each read it (a small file
@@ -38,16 +51,13 @@ def _refuse_shared_bytes(path: str) -> None:
     a header it cannot parse here is left to mx.load to name."""
     try:
         with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > min(os.fstat(f.fileno()).st_size - 8, _MAX_HEADER):
-                return
-            header = json.loads(f.read(length))
+            header, _ = safetensors_header(f)
         ranges = sorted(
             (int(t["data_offsets"][0]), int(t["data_offsets"][1]), name)
             for name, t in header.items()
             if name != "__metadata__"
         )
-    except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
         return
     end, last = 0, None  # the furthest byte read so far, and by which tensor
     for start, stop, name in ranges:

@@ -150,46 +150,30 @@ def _from_chunks(x: mx.array, T: int) -> mx.array:
     return mx.moveaxis(x.reshape(B, H, n_chunks * L, N), 2, 1)[:, :T]
 
 
+@mx.custom_function
 def _scan(P: mx.array, U: mx.array, state: mx.array) -> mx.array:
-    """States entering each chunk, ``[B, H, n_chunks, N, N]``, and the final one appended."""
+    """States entering each chunk, ``[B, H, n_chunks, N, N]``, and the final one appended:
+    ``S_{c+1} = S_c P_c + U_c``, one ``addmm`` per chunk."""
     states = [state]
     for c in range(P.shape[2]):
         states.append(mx.addmm(U[:, :, c], states[-1], P[:, :, c]))
     return mx.stack(states, axis=2)
 
 
-@mx.custom_function
-def _wkv7_chunked_core(r, log_w, k, v, a, b, state):
-    T = r.shape[1]
-    n_chunks = -(-T // CHUNK)
-    P, U, Qm, Y0 = _chunk_maps(*(_to_chunks(x, n_chunks) for x in (r, log_w, k, v, a, b)))
-    states = _scan(P, U, state)  # [B, H, n_chunks + 1, N, N]
-    Y = Y0 + Qm @ mx.swapaxes(states[:, :, :-1], -1, -2)
-    # states, P and Qm ride along as outputs: the VJP's reverse scan needs them first
-    return _from_chunks(Y, T).astype(r.dtype), states[:, :, -1], states, P, Qm
-
-
-@_wkv7_chunked_core.vjp
-def _wkv7_chunked_vjp(primals, cotangents, outputs):
-    dy, d_state_out = cotangents[:2]
-    _, _, states, P, Qm = outputs
-    T = primals[0].shape[1]
+@_scan.vjp
+def _scan_vjp(primals, cotangent, output):
+    """The reverse scan: with ``G_c`` the cotangent of state c from its other uses, the whole
+    cotangent of S_c is ``D_c = G_c + D_{c+1} P_c^T``; then ``dP_c = S_c^T D_{c+1}``,
+    ``dU_c = D_{c+1}``."""
+    P = primals[0]
     n_chunks = P.shape[2]
-    dY = _to_chunks(dy, n_chunks)  # [B, H, nc, L, N]
-    entry = states[:, :, :-1]  # S_c entering chunk c
-    # Y = Y0 + Qm S_c^T: the state's share of each chunk's output gradient
-    d_from_y = mx.swapaxes(dY, -1, -2) @ Qm  # [B, H, nc, N, N]
-    d_next = [d_state_out.astype(mx.float32)]  # dL/dS_{c+1}, from the last chunk back
     P_t = mx.swapaxes(P, -1, -2)
+    d = [cotangent[:, :, n_chunks]]
     for c in reversed(range(n_chunks)):
-        d_next.append(mx.addmm(d_from_y[:, :, c], d_next[-1], P_t[:, :, c]))
-    d_state = d_next.pop()
-    d_after = mx.stack(d_next[::-1], axis=2)  # dL/dS_{c+1} for each chunk c
-    cotangents_of_maps = [mx.swapaxes(entry, -1, -2) @ d_after, d_after, dY @ entry, dY]
-    chunks = [_to_chunks(x, n_chunks) for x in primals[:6]]
-    _, grads = mx.vjp(_chunk_maps, chunks, cotangents_of_maps)
-    out = [_from_chunks(g, T).astype(x.dtype) for g, x in zip(grads, primals[:6], strict=True)]
-    return (*out, d_state)
+        d.append(mx.addmm(cotangent[:, :, c], d[-1], P_t[:, :, c]))
+    d_state = d.pop()
+    d_after = mx.stack(d[::-1], axis=2)  # the whole cotangent of S_{c+1}, chunk c
+    return mx.swapaxes(output[:, :, :-1], -1, -2) @ d_after, d_after, d_state
 
 
 def wkv7_chunked(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
@@ -206,5 +190,9 @@ def wkv7_chunked(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
 def chunked(r, log_w, k, v, a, b, state) -> tuple[mx.array, mx.array]:
     """``wkv7_chunked`` without the argument checks (the dispatcher ran them)."""
     state = zero_state(r) if state is None else state
-    y, state_out, *_ = _wkv7_chunked_core(r, log_w, k, v, a, b, state)
-    return y, state_out
+    T = r.shape[1]
+    n_chunks = -(-T // CHUNK)
+    P, U, Qm, Y0 = _chunk_maps(*(_to_chunks(x, n_chunks) for x in (r, log_w, k, v, a, b)))
+    states = _scan(P, U, state.astype(mx.float32))  # [B, H, n_chunks + 1, N, N]
+    Y = Y0 + Qm @ mx.swapaxes(states[:, :, :-1], -1, -2)
+    return _from_chunks(Y, T).astype(r.dtype), states[:, :, -1]

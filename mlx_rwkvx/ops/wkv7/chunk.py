@@ -24,34 +24,17 @@ REF = SUB // 2 - 1  # the reference: the cumulative log-decay after this step of
 
 
 def _unit_lower_inverse(A: mx.array) -> mx.array:
-    """``(I - A)^-1`` for strictly lower-triangular ``A [..., n, n]``, n = SUB * 2^k.
+    """``(I - A)^-1`` for strictly lower-triangular ``A [..., n, n]``, n a power of two.
 
-    Diagonal blocks of SUB by ``(I + A)(I + A^2)(I + A^4)`` (exact: A is nilpotent), then pairs
-    of blocks merged, ``[[M1, 0], [M2 A21 M1, M2]]``, until one block is left. All matmuls.
+    A is nilpotent (``A^n = 0``), so ``(I - A)^-1 = (I + A)(I + A^2)(I + A^4)...(I + A^(n/2))``
+    exactly: log2(n) squarings and as many products, all batched matmuls.
     """
-    n = A.shape[-1]
-    pre = A.shape[:-2]
-    nb = n // SUB
-    blocks = A.reshape(*pre, nb, SUB, nb, SUB)
-    X = mx.moveaxis(mx.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., nb, SUB, SUB]
-    M = X + mx.eye(SUB, dtype=A.dtype)
-    power = X
-    for _ in range(SUB.bit_length() - 2):  # SUB = 8: X^2 then X^4
+    M = A + mx.eye(A.shape[-1], dtype=A.dtype)
+    power = A
+    for _ in range(A.shape[-1].bit_length() - 2):
         power = power @ power
         M = M + M @ power
-    size = SUB
-    while nb > 1:
-        grid = A.reshape(*pre, nb // 2, 2, size, nb // 2, 2, size)
-        # block (2j+1, 2j) of A at this size: rows of the odd block, columns of the even one
-        A21 = mx.moveaxis(mx.diagonal(grid[..., 1, :, :, 0, :], axis1=-4, axis2=-2), -1, -3)
-        M1, M2 = M[..., 0::2, :, :], M[..., 1::2, :, :]
-        M21 = M2 @ A21 @ M1
-        top = mx.concatenate([M1, mx.zeros_like(M1)], axis=-1)
-        bottom = mx.concatenate([M21, M2], axis=-1)
-        M = mx.concatenate([top, bottom], axis=-2)
-        nb //= 2
-        size *= 2
-    return M[..., 0, :, :]
+    return M
 
 
 @mx.custom_function

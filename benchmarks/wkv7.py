@@ -15,6 +15,7 @@ from benchmarks.common import (
     with_goals,
 )
 from benchmarks.wkv7_choices import measure_choices, render_choices
+from benchmarks.wkv7_floor import measure_floor, render_floor
 from benchmarks.workloads import WKV7_N, chunked_flops, fwd, fwd_bwd, wkv7_inputs
 from mlx_rwkvx.ops.wkv7 import wkv7, wkv7_ref
 from mlx_rwkvx.perf import best_time, matmul_gflops
@@ -110,9 +111,11 @@ def measure(quick: bool = False) -> dict:
             f"T={T} H={H}: "
             + ", ".join(f"{k} {v['time'] * 1e3:.1f} ms" for k, v in runs.items() if v)
         )
+    T, H = cfg["base"]
     return {
         "verify": verified,
         "choices": measure_choices(cfg["crossover"], cfg["chunk_T"]),
+        "floors": {"fb": measure_floor(T, H, rate), "fwd": measure_floor(4 * T, H, rate)},
         "N": WKV7_N,
         "slow_loop_head_steps": SLOW_LOOP_HEAD_STEPS,
         "matmul_n": cfg["matmul_n"],
@@ -171,6 +174,28 @@ def _goals(r: dict) -> list[Goal]:
         Goal(memory_goal, ratio(r2, "ref_fb", r2, "ours_fb", "peak"), 10, True),
         Goal(f"T={4 * T} / T={T} fwd time", ratio(r4, "ours_fwd", r1, "ours_fwd"), 4.5, False),
         Goal(f"T={4 * T} / T={T} fwd+bwd time", ratio(r4, "ours_fb", r1, "ours_fb"), 4.5, False),
+    ]
+
+
+def _floor_rows(r: dict, goals: list[Goal]) -> list[dict]:
+    """The two speed goals beside the floor of the chunked path at their shapes."""
+    T, H = r["base"]
+    by_shape = {(row["T"], row["H"]): row["runs"] for row in r["rows"]}
+    return [
+        {
+            "goal": goals[0].name,
+            "baseline": by_shape[(T, H)]["ref_fb"]["time"],
+            "direction": "fb",
+            "bound": goals[0].bound,
+            "floor": r["floors"]["fb"],
+        },
+        {
+            "goal": goals[1].name,
+            "baseline": by_shape[(4 * T, H)]["lm_fwd"]["time"],
+            "direction": "fwd",
+            "bound": goals[1].bound,
+            "floor": r["floors"]["fwd"],
+        },
     ]
 
 
@@ -236,6 +261,8 @@ def render(r: dict) -> Rendered:
         )
     goals = _goals(r)
     lines += ["", *render_choices(r["choices"])]
+    if "floors" in r:  # runs before the floor was measured have none
+        lines += render_floor(_floor_rows(r, goals), r["matmul_n"])
     return with_goals(lines, goals)
 
 

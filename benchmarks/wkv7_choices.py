@@ -68,5 +68,8 @@ def render_choices(c: dict) -> list[str]:
         )
     lines += ["", f"| chunk length (T={c['chunk_T']}) | fwd | fwd+bwd |", "|---|---|---|"]
     for row in c["lengths"]:
-        lines.append(f"| {row['L']} | {row['fwd'] * 1e3:.1f} ms | {row['fb'] * 1e3:.1f} ms |")
+        chosen = " (CHUNK)" if row["L"] == c["chunk"] else ""
+        lines.append(
+            f"| {row['L']}{chosen} | {row['fwd'] * 1e3:.1f} ms | {row['fb'] * 1e3:.1f} ms |"
+        )
     return lines + [""]

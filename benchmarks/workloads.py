@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config, rwkv_x_block_types
 from mlx_rwkvx.models.config import default_qwen_layers, rfa_block_types
-from mlx_rwkvx.ops.wkv7 import CHUNK
+from mlx_rwkvx.ops.wkv7 import chunk
 from mlx_rwkvx.ops.wkv7.chunk import SUB
 from mlx_rwkvx.perf import best_time
 
@@ -107,12 +107,11 @@ def model_facts(cfg: ModelConfig, T: int, err: float) -> dict:
 
 def chunked_flops(T: int, H: int, N: int) -> float:
     """Matmul FLOPs of the chunked WKV7 forward (ops/wkv7/chunk.py), B = 1, from its shapes."""
-    L, S = CHUNK, SUB
+    L, S = chunk.CHUNK, SUB
     nq = L // S
     per_chunk = (
         2 * nq * (2 * S) * N * (2 * L)  # scores of r, a against k, b
-        + 2 * nq * 4 * S**3
-        + 2 * 2 * (L // 2) ** 3  # (I - A)^-1
+        + 2 * 2 * (L.bit_length() - 2) * L**3  # (I - A)^-1: squarings and products
         + 2 * L * L * N
         + 2 * L * L * (2 * N)
         + 2 * L * L * N  # A_ak v, the solve, Qm

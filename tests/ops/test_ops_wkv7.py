@@ -116,6 +116,23 @@ def test_all_decays_tiny(impl):
     compare(IMPLS[impl], inputs, 2, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL, grad_tols=tols)
 
 
+@pytest.mark.parametrize("L", [32, 64])
+@pytest.mark.parametrize("decays", ["wide", "any"])
+def test_other_chunk_lengths(monkeypatch, L, decays):
+    # the chunk lengths the benchmark compares: 4 and 8 sub-blocks per chunk (the off-diagonal
+    # blocks of non-adjacent sub-blocks take the factor between them), ragged T
+    monkeypatch.setattr(importlib.import_module("mlx_rwkvx.ops.wkv7.chunk"), "CHUNK", L)
+    rng = np.random.default_rng(L)
+    inputs = random_wkv7_inputs(rng, 1, 2 * L + 5, 2, 16, decay_range=DECAYS["wide"])
+    tols = None
+    if decays == "any":
+        inputs["log_w"] = rng.uniform(-80.0, 0.0, inputs["log_w"].shape)
+        # dlog_w's known limit with tiny decays (ops/wkv7/README.md): a chunk of 64 sums more
+        # cancelling terms: 1.3e-5 here
+        tols = {"log_w": 3e-5}
+    compare(W.wkv7_chunked, inputs, L, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL, grad_tols=tols)
+
+
 def test_any_decay_is_safe():
     # decays down to 1e-35 per step: LOG_W_MIN (1.1e-7) keeps every factor finite, and what the
     # state keeps of itself differs by less than 1.1e-7, below float32 resolution; outputs and

@@ -51,6 +51,44 @@ def _exp_both_vjp(primals, cotangents, outputs):
     return d_e * e - d_inv * inv
 
 
+def _scores(Q: mx.array, K: mx.array, back: mx.array, h: mx.array, c_end: mx.array):
+    """The L x L blocks of every (query kind, key kind) pair, ``[..., 2, L, 2, L]`` indexed
+    ``[r|a, t, k|b, s]``, masked (r rows keep s <= t, a rows s < t).
+
+    ``Q``, ``K`` ``[..., nq, 2 SUB, N]``: each sub-block's queries (r, a rows) and keys (k, b
+    rows) scaled to its own reference; ``back`` = ``e^(m_q - c_end(q-1))``, ``h`` =
+    ``e^(c_end(q) - m_q)`` and ``c_end``, ``[..., nq, 1, N]``. A diagonal block is
+    ``Q_q K_q^T``; an off-diagonal one (q > p) rescales both sides to the sub-block boundaries,
+    ``e^(X_t - c_end(q-1))`` and ``e^(c_end(p) - c_s)``, both <= 1, with
+    ``e^(c_end(q-1) - c_end(p))`` (<= 1) between them where q - 1 > p.
+    """
+    *pre, nq, _, N = Q.shape
+    ii = mx.arange(SUB)
+    keep = mx.stack([ii[:, None] >= ii[None, :], ii[:, None] > ii[None, :]])  # [r|a, t, s]
+    keep = mx.broadcast_to(keep[:, :, None, :], (2, SUB, 2, SUB)).reshape(2 * SUB, 2 * SUB)
+    # where, not a product: above the diagonal two factors up to e^64 meet and may overflow
+    diag = mx.where(keep, Q @ mx.swapaxes(K, -1, -2), 0.0)
+    diag = diag.reshape(*pre, nq, 2, SUB, 2, SUB)  # [q, r|a, t, k|b, s]
+    if nq > 1:
+        Qo = Q[..., 1:, :, :] * back[..., 1:, :, :]  # e^(X_t - c_end(q-1)) <= 1
+        Ko = mx.swapaxes(K[..., :-1, :, :] * h[..., :-1, :, :], -1, -2)  # e^(c_end(p) - c_s)
+        if nq > 2:  # e^(c_end(q-1) - c_end(p)) for p <= q - 1, zero for p > q - 1
+            ce = c_end[..., 0, :]
+            low = mx.tril(mx.ones((nq - 1, nq - 1), dtype=mx.bool_))[..., None]
+            G = fast_exp(mx.where(low, ce[..., :-1, None, :] - ce[..., None, :-1, :], -mx.inf))
+            off = (Qo[..., :, None, :, :] * G[..., None, :]) @ Ko[..., None, :, :, :]
+        else:
+            off = (Qo @ Ko)[..., None, :, :, :]
+        off = off.reshape(*pre, nq - 1, nq - 1, 2, SUB, 2, SUB)  # [q - 1, p, ...]
+    zero = mx.zeros_like(diag[..., 0, :, :, :, :])
+    rows = []
+    for q in range(nq):
+        blocks = [off[..., q - 1, p, :, :, :, :] for p in range(q)]
+        blocks += [diag[..., q, :, :, :, :]] + [zero] * (nq - 1 - q)
+        rows.append(mx.stack(blocks, axis=-2))  # [r|a, t, k|b, p, s]
+    return mx.stack(rows, axis=-5).reshape(*pre, 2, nq * SUB, 2, nq * SUB)
+
+
 def _chunk_maps(r, log_w, k, v, a, b):
     """Each chunk's affine map of its initial state, for all chunks at once.
 
@@ -63,108 +101,98 @@ def _chunk_maps(r, log_w, k, v, a, b):
     lw = mx.maximum(log_w, LOG_W_MIN)
     c = mx.cumsum(lw, axis=-2)  # [..., L, N] inclusive cumulative log-decay from chunk start
     cq = c.reshape(*pre, nq, SUB, N)
-    m = cq[..., REF, :]  # [..., nq, N] each sub-block's reference
-    c_end = cq[..., -1, :]  # [..., nq, N]
-    c_before = mx.concatenate([mx.zeros_like(c_end[..., :1, :]), c_end[..., :-1, :]], axis=-2)
-    E, E_inv = _exp_both(cq - m[..., None, :])  # e^(c_t - m_q), in [e^-64, e^48], and 1/it
-    E_prev = mx.concatenate(
-        [fast_exp(c_before - m)[..., None, :], E[..., :-1, :]], axis=-2
-    )  # e^(c_{t-1} - m_q), in [e^-64, e^64]
-    h = E[..., -1, None, None, :]  # e^(c_end(q) - m_q) <= 1, [..., nq, 1, 1, N]
-    c_last = c[..., -1, :]  # [..., N]
-    to_start = fast_exp(m)[..., None, :]  # e^(m_q): from the reference back to the chunk start
-    to_end = fast_exp(c_last[..., None, :] - m)[..., None, None, :]  # e^(c_L - m_q) <= 1
-    # e^(m_q - c_end(p)) <= 1 between sub-blocks p < q; zero elsewhere
-    later = mx.tril(mx.ones((nq, nq), dtype=mx.bool_), k=-1)[..., None]
-    pair = fast_exp(mx.where(later, m[..., :, None, :] - c_end[..., None, :, :], -mx.inf))
-    same = mx.eye(nq, dtype=mx.bool_)[:, :, None, None, None]
+    m = cq[..., REF : REF + 1, :]  # [..., nq, 1, N] each sub-block's reference
+    c_end = cq[..., -1:, :]  # [..., nq, 1, N]
+    E, E_inv = _exp_both(cq - m)  # e^(c_t - m_q), in [e^-64, e^48], and 1/it
+    zero = mx.zeros_like(c_end[..., :1, :, :])
+    c_before = mx.concatenate([zero, c_end[..., :-1, :, :]], axis=-3)  # c_end(q - 1)
+    first, back = _exp_both(c_before - m)  # e^(c_end(q-1) - m_q) in [1, e^64], and 1/it
+    E_prev = mx.concatenate([first, E[..., :-1, :]], axis=-2)  # e^(c_{t-1} - m_q)
+    h = E[..., -1:, :]  # e^(c_end(q) - m_q) <= 1
 
-    rq, aq = r.reshape(*pre, nq, SUB, N), a.reshape(*pre, nq, SUB, N)
-    queries = mx.concatenate([rq * E, aq * E_prev], axis=-2)  # [..., nq, 2 SUB, N]
-    # keys k and b of each sub-block p, [..., p, kind, SUB, N], as seen from sub-block q
-    kb = mx.stack([k.reshape(*pre, nq, SUB, N), b.reshape(*pre, nq, SUB, N)], axis=-3)
-    near = kb * E_inv[..., :, None, :, :]  # e^(m_q - c_s): s in the query's own sub-block
-    far = near * h  # e^(c_end(p) - c_s) <= 1, seen from q > p times pair[q, p]
-    far_seen = far[..., None, :, :, :, :] * pair[..., None, None, :]
-    seen = mx.where(same, near[..., None, :, :, :, :], far_seen)  # [..., q, p, kind, SUB, N]
-    scores = queries @ mx.swapaxes(seen.reshape(*pre, nq, 2 * L, N), -1, -2)
-    scores = scores.reshape(*pre, nq, 2, SUB, nq, 2, SUB)  # [q, r|a, t, p, k|b, s]
+    def sub_blocks(x):
+        return x.reshape(*pre, nq, SUB, N)
 
-    def block(query_kind, key_kind, mask):
-        # where, not a product: above the diagonal two factors up to e^64 meet and may overflow
-        x = scores[..., query_kind, :, :, key_kind, :].reshape(*pre, L, L)
-        return mx.where(mask, x, 0.0)
+    Q = mx.concatenate([sub_blocks(r) * E, sub_blocks(a) * E_prev], axis=-2)  # [nq, 2 SUB, N]
+    K = mx.concatenate([sub_blocks(k) * E_inv, sub_blocks(b) * E_inv], axis=-2)
+    A = _scores(Q, K, back, h, c_end)  # [..., r|a, t, k|b, s]
+    A_rk, A_rb, A_ak, A_ab = (
+        A[..., 0, :, 0, :],
+        A[..., 0, :, 1, :],
+        A[..., 1, :, 0, :],
+        A[..., 1, :, 1, :],
+    )
 
-    incl = mx.tril(mx.ones((L, L), dtype=mx.bool_))
-    strict = mx.tril(mx.ones((L, L), dtype=mx.bool_), k=-1)
-    A_rk, A_rb = block(0, 0, incl), block(0, 1, incl)
-    A_ak, A_ab = block(1, 0, strict), block(1, 1, strict)
-
-    R0 = (rq * E * to_start).reshape(*pre, L, N)  # r_t e^(c_t)
-    A0 = (aq * E_prev * to_start).reshape(*pre, L, N)  # a_t e^(c_{t-1})
-    KB_L = (near * to_end).reshape(*pre, nq, 2, SUB, N)  # k_s, b_s times e^(c_L - c_s)
-    K_L = KB_L[..., 0, :, :].reshape(*pre, L, N)
-    B_L = KB_L[..., 1, :, :].reshape(*pre, L, N)
+    to_start = fast_exp(m)  # e^(m_q): from the reference back to the chunk start
+    R0 = (Q[..., :SUB, :] * to_start).reshape(*pre, L, N)  # r_t e^(c_t)
+    A0 = (Q[..., SUB:, :] * to_start).reshape(*pre, L, N)  # a_t e^(c_{t-1})
+    c_last = c[..., -1:, :]  # [..., 1, N]
+    KB_L = K * fast_exp(c_last[..., None, :, :] - m)  # times e^(c_L - m_q) <= 1
+    K_L = KB_L[..., :SUB, :].reshape(*pre, L, N)  # k_s e^(c_L - c_s)
+    B_L = KB_L[..., SUB:, :].reshape(*pre, L, N)  # b_s e^(c_L - c_s)
     # z_t = S_{t-1} a_t solves (I - A_ab) Z = A0 S^T + A_ak v: split by linearity in S
-    Z = _unit_lower_inverse(A_ab) @ mx.concatenate([A0, A_ak @ v], axis=-1)
-    Z_S, Z0 = Z[..., :N], Z[..., N:]
-    Qm = R0 + A_rb @ Z_S
-    VZ = mx.concatenate([v, Z0], axis=-2)  # [..., 2L, N]
-    Y0 = mx.concatenate([A_rk, A_rb], axis=-1) @ VZ
-    decay = fast_exp(c_last)  # [..., N] e^(c_L)
-    P = mx.swapaxes(Z_S, -1, -2) @ B_L + decay[..., None, :] * mx.eye(N, dtype=mx.float32)
-    U = mx.swapaxes(VZ, -1, -2) @ mx.concatenate([K_L, B_L], axis=-2)
+    M = _unit_lower_inverse(A_ab)
+    Z_S, Z0 = M @ A0, M @ (A_ak @ v)
+    Qm = mx.addmm(R0, A_rb, Z_S)
+    Y0 = mx.addmm(A_rk @ v, A_rb, Z0)
+    decay = fast_exp(c_last)  # [..., 1, N] e^(c_L)
+    P = mx.swapaxes(Z_S, -1, -2) @ B_L + decay * mx.eye(N, dtype=mx.float32)
+    U = mx.addmm(mx.swapaxes(v, -1, -2) @ K_L, mx.swapaxes(Z0, -1, -2), B_L)
     return P, U, Qm, Y0
 
 
 def _to_chunks(x: mx.array, n_chunks: int) -> mx.array:
-    """``[B, T, H, N]`` -> float32 ``[B, H, n_chunks, CHUNK, N]``, zero-padded at the end."""
+    """``[B, T, H, N]`` -> float32 ``[n_chunks, B, H, CHUNK, N]``, zero-padded at the end.
+    Chunk-major: the scan's slice of one chunk is contiguous."""
     B, T, H, N = x.shape
     x = x.astype(mx.float32)
     pad = n_chunks * CHUNK - T
     if pad:
         x = mx.concatenate([x, mx.zeros((B, pad, H, N), dtype=mx.float32)], axis=1)
-    return mx.moveaxis(x, 1, 2).reshape(B, H, n_chunks, CHUNK, N)
+    return mx.transpose(x.reshape(B, n_chunks, CHUNK, H, N), (1, 0, 3, 2, 4))
 
 
 def _from_chunks(x: mx.array, T: int) -> mx.array:
     """Inverse of ``_to_chunks`` (drops the padding)."""
-    B, H, n_chunks, L, N = x.shape
-    return mx.moveaxis(x.reshape(B, H, n_chunks * L, N), 2, 1)[:, :T]
+    n_chunks, B, H, L, N = x.shape
+    return mx.transpose(x, (1, 0, 3, 2, 4)).reshape(B, n_chunks * L, H, N)[:, :T]
+
+
+def _per_chunk(x: mx.array) -> list[mx.array]:
+    """``[n_chunks, B, ...]`` as a list of ``[B, ...]``: one split, not a slice per chunk."""
+    return mx.split(x.reshape(-1, *x.shape[2:]), x.shape[0])
 
 
 @mx.custom_function
-def _scan(P: mx.array, U: mx.array, state: mx.array) -> mx.array:
-    """States entering each chunk, ``[B, H, n_chunks, N, N]``, and the final one appended:
+def scan_states(P: mx.array, U: mx.array, state: mx.array) -> mx.array:
+    """States entering each chunk, ``[n_chunks, B, H, N, N]``, and the final one appended:
     ``S_{c+1} = S_c P_c + U_c``, one ``addmm`` per chunk."""
     states = [state]
-    for c in range(P.shape[2]):
-        states.append(mx.addmm(U[:, :, c], states[-1], P[:, :, c]))
-    return mx.stack(states, axis=2)
+    for P_c, U_c in zip(_per_chunk(P), _per_chunk(U), strict=True):
+        states.append(mx.addmm(U_c, states[-1], P_c))
+    return mx.stack(states)
 
 
-@_scan.vjp
+@scan_states.vjp
 def _scan_vjp(primals, cotangent, output):
     """The reverse scan: with ``G_c`` the cotangent of state c from its other uses, the whole
     cotangent of S_c is ``D_c = G_c + D_{c+1} P_c^T``; then ``dP_c = S_c^T D_{c+1}``,
     ``dU_c = D_{c+1}``."""
-    P = primals[0]
-    n_chunks = P.shape[2]
-    P_t = mx.swapaxes(P, -1, -2)
-    d = [cotangent[:, :, n_chunks]]
-    for c in reversed(range(n_chunks)):
-        d.append(mx.addmm(cotangent[:, :, c], d[-1], P_t[:, :, c]))
+    G = _per_chunk(cotangent)
+    d = [G.pop()]
+    for P_c, G_c in zip(reversed(_per_chunk(primals[0])), reversed(G), strict=True):
+        d.append(mx.addmm(G_c, d[-1], mx.swapaxes(P_c, -1, -2)))
     d_state = d.pop()
-    d_after = mx.stack(d[::-1], axis=2)  # the whole cotangent of S_{c+1}, chunk c
-    return mx.swapaxes(output[:, :, :-1], -1, -2) @ d_after, d_after, d_state
+    d_after = mx.stack(d[::-1])  # the whole cotangent of S_{c+1}, chunk c
+    return mx.swapaxes(output[:-1], -1, -2) @ d_after, d_after, d_state
 
 
 def wkv7_chunked(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
     """WKV7 by chunks of CHUNK steps: batched matmuls for all chunks plus a short state scan.
 
     Same contract as ``wkv7_ref`` (float32 state and accumulation, y in r's dtype); the VJP is
-    the reverse state scan plus one batched ``mx.vjp`` of the chunk maps. Memory kept for the
-    backward: the inputs and one N x N state per chunk.
+    the reverse state scan by hand and autograd through the chunk maps. Memory kept for the
+    backward: one N x N state per chunk and the maps' intermediates, O(T H N).
     """
     check_inputs(r, log_w, k, v, a, b, state)
     return chunked(r, log_w, k, v, a, b, state)
@@ -176,6 +204,6 @@ def chunked(r, log_w, k, v, a, b, state) -> tuple[mx.array, mx.array]:
     T = r.shape[1]
     n_chunks = -(-T // CHUNK)
     P, U, Qm, Y0 = _chunk_maps(*(_to_chunks(x, n_chunks) for x in (r, log_w, k, v, a, b)))
-    states = _scan(P, U, state.astype(mx.float32))  # [B, H, n_chunks + 1, N, N]
-    Y = Y0 + Qm @ mx.swapaxes(states[:, :, :-1], -1, -2)
-    return _from_chunks(Y, T).astype(r.dtype), states[:, :, -1]
+    states = scan_states(P, U, state.astype(mx.float32))  # [n_chunks + 1, B, H, N, N]
+    Y = Y0 + Qm @ mx.swapaxes(states[:-1], -1, -2)
+    return _from_chunks(Y, T).astype(r.dtype), states[-1]

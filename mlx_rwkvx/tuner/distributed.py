@@ -1,8 +1,8 @@
 """Data parallelism across Macs over ``mx.distributed`` (``mlx.launch``): the group of ranks,
 each rank's share of the examples, the gradient all-sum (one collective per 32 MB bucket) and
 rank 0's run state broadcast to every rank. Entry points: ``data_parallel_group``,
-``rank_share``, ``all_sum``, ``broadcast``, ``broadcast_json``, ``broadcast_state``,
-``peers_lost``."""
+``rank_share``, ``all_sum``, ``all_sum_int``, ``broadcast``, ``broadcast_json``,
+``all_gather_json``, ``broadcast_state``, ``peers_lost``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from mlx_rwkvx.errors import TrainError
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 ALL_SUM_BUCKET = 32 << 20  # bytes of gradients summed in one collective (mlx-lm's size)
@@ -67,6 +68,29 @@ def broadcast_json(value, group):
     data = list(mine) if group.rank() == 0 else [0] * size
     summed = mx.distributed.all_sum(mx.array(data, dtype=mx.int32), group=group)
     return json.loads(bytes(summed.tolist()).decode())
+
+
+def all_sum_int(n: int, group) -> int:
+    """``n`` summed over the ranks of ``group``."""
+    if group is None or group.size() == 1:
+        return n
+    return int(mx.distributed.all_sum(mx.array(n), group=group).item())
+
+
+def all_gather_json(value, group) -> list:
+    """``value`` (anything ``json`` writes) of every rank of ``group``, in rank order, on every
+    rank: the lengths, then each rank's UTF-8 bytes in its own row, each an all-sum."""
+    if group is None or group.size() == 1:
+        return [value]
+    ranks, rank = group.size(), group.rank()
+    mine = json.dumps(value).encode()
+    sizes = np.zeros(ranks, np.int32)
+    sizes[rank] = len(mine)
+    sizes = mx.distributed.all_sum(mx.array(sizes), group=group).tolist()
+    rows = np.zeros((ranks, max(sizes)), np.int32)
+    rows[rank, : len(mine)] = np.frombuffer(mine, np.uint8)
+    rows = mx.distributed.all_sum(mx.array(rows), group=group).tolist()
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes, strict=True)]
 
 
 def data_parallel_group():

@@ -33,7 +33,7 @@ from mlx_rwkvx.tuner.preference import (
     preference_loss,
 )
 from mlx_rwkvx.tuner.steps import RunData, StepResult, Task
-from mlx_rwkvx.tuner.trainer import use_rank0_choices
+from mlx_rwkvx.tuner.trainer import tune_on_rank0
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -138,25 +138,44 @@ class PreferenceStep:
             return _values(terms(policy, (ref_c, ref_r)))
 
         self.loss_and_grad = nn.value_and_grad(model, loss)
-        self._shared = False  # data parallel: rank 0's choices taken
+        self._tuned: set[tuple] = set()  # data parallel: the length classes chosen for
 
     def _batch(self, indices):
         ref = self.reference[indices]
         return [self.pairs[i] for i in indices], mx.array(ref[:, 0]), mx.array(ref[:, 1])
 
     def share_choices(self, micro_batches) -> None:
-        """A data-parallel run's first step: every op chooses its implementation (``ops/
-        tuning.py``) at the shapes of these micro-batches (their gradient graphs built and
-        dropped unevaluated), then every rank takes rank 0's choices. The step is not compiled,
-        so a single process needs no such pass: its own calls choose as they go."""
+        """A data-parallel step: the length classes of these micro-batches met for the first
+        time by any rank (prompt and answer length buckets, equal prompts or not) are chosen
+        for by rank 0 (their gradient graphs built and dropped unevaluated; another rank's on
+        blank pairs of its lengths), and every rank takes rank 0's choices (``trainer.
+        tune_on_rank0``). The step is not compiled, so a single process needs no such pass:
+        its own calls choose as they go."""
+        mine = {}
         for indices in micro_batches:
-            self.loss_and_grad(self.model, *self._batch(indices))
-        use_rank0_choices(self.group)
-        self._shared = True
+            key = _length_class([self.pairs[i] for i in indices])
+            if key not in self._tuned:
+                mine.setdefault(key, indices)
+
+        def tune(key, lengths):
+            if key in self._tuned:  # rank 0 met this class before: chosen already
+                return
+            if key in mine:
+                self.loss_and_grad(self.model, *self._batch(mine[key]))
+                return
+            blank = [_blank_pair(*n) for n in lengths]
+            zeros = mx.zeros(len(blank))
+            self.loss_and_grad(self.model, blank, zeros, zeros)
+
+        lengths = {
+            key: [[len(p.prompt), len(p.chosen), len(p.rejected)] for p in self._batch(ix)[0]]
+            for key, ix in mine.items()
+        }
+        self._tuned.update(tune_on_rank0(self.group, lengths, tune))
 
     def __call__(self, micro_batches, stop: bool = False):
         grads, sums, n, fed = None, None, 0, 0
-        if tuning.enabled() and self.group is not None and not self._shared:
+        if tuning.enabled() and self.group is not None:
             self.share_choices(micro_batches)
         for indices in micro_batches:
             batch, ref_c, ref_r = self._batch(indices)
@@ -183,6 +202,26 @@ class PreferenceStep:
         self.optimizer.update(self.model, grads)
         mx.eval(self.model.parameters(), self.optimizer.state)
         return StepResult(sums["loss"], n, norm, [], flag.item() > 0, fed, _means(sums, n))
+
+
+def _length_class(pairs: list[Pair]) -> tuple[int, int, int]:
+    """What a preference batch's ops are chosen by: the length buckets of its prompts and of
+    its answers (each padded to the longest), and whether the prompts need padding at all."""
+    prompt = max(len(p.prompt) for p in pairs)
+    answer = max(max(len(p.chosen), len(p.rejected)) for p in pairs)
+    ragged = len({len(p.prompt) for p in pairs}) > 1
+    return tuning.length_bucket(prompt), tuning.length_bucket(answer), int(ragged)
+
+
+def _blank_pair(prompt: int, chosen: int, rejected: int) -> Pair:
+    """A pair of zero tokens with these lengths: another rank's batch shape, for tuning."""
+    return Pair(
+        np.zeros(prompt, np.int32),
+        np.zeros(chosen, np.int32),
+        np.ones(chosen, bool),
+        np.zeros(rejected, np.int32),
+        np.ones(rejected, bool),
+    )
 
 
 def _evaluate(

@@ -26,6 +26,7 @@ from mlx_rwkvx.tuner.steps import StepResult, Task, TrainState
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_map
 
 __all__ = [
@@ -64,6 +65,27 @@ def use_rank0_choices(group) -> None:
     tuning.use_choices(distributed.broadcast_json(tuning.choices(), group))
 
 
+def tune_on_rank0(group, new: dict, tune: Callable[[tuple, object], None]) -> list[tuple]:
+    """A data-parallel step's length classes met for the first time by any rank, chosen for by
+    rank 0 alone: ``new`` maps this rank's new classes (tuples) to what rebuilds a step of
+    that class (anything ``json`` writes, e.g. a shape); rank 0 calls ``tune(key, spec)`` for
+    every rank's, then every rank takes rank 0's choices before stepping on any of them.
+    Returns every rank's new classes. One scalar all-sum a step; more when a class is new."""
+    if not distributed.all_sum_int(len(new), group):
+        return []
+    classes: dict[tuple, object] = {}
+    for theirs in distributed.all_gather_json([[list(k), v] for k, v in new.items()], group):
+        for key, spec in theirs:
+            classes.setdefault(tuple(key), spec)
+    if not classes:
+        return []
+    if group.rank() == 0:
+        for key, spec in classes.items():
+            tune(key, spec)
+    use_rank0_choices(group)
+    return list(classes)
+
+
 class Step:
     """One training step, compiled: ``loss_and_grad`` of each micro-batch (with --carry-state,
     segment by segment of ``segment`` columns, each starting from the state the previous
@@ -99,7 +121,6 @@ class Step:
         self.between_windows: Callable[[int], bool] = lambda n: False
         self._windows = 0
         self._tuned: set[tuple[int, int]] = set()  # the length classes tune() has seen
-        self._shared = False  # data parallel: rank 0's choices taken
         self.way = parallel.Stacked(stacked) if stacked > 1 else Single()
         grad_fn = nn.value_and_grad(model, self._loss_sum)
         state = [model.state, optimizer.state, mx.random.state]
@@ -142,17 +163,30 @@ class Step:
     def _tune_new(self, micro_batches) -> None:
         """``tune`` on each micro-batch of a length class not seen yet (its segments' length
         bucket and number: a carried state's attention cache grows with the segments). In a
-        data-parallel run every rank then takes rank 0's choices of its first step."""
+        data-parallel run rank 0 tunes every rank's new classes (another rank's on zeros of its
+        shape) and every rank takes rank 0's choices (``tune_on_rank0``)."""
+        mine = {}
         for inputs, targets in micro_batches:
             T = inputs.shape[1]
             length = T if self.segment is None else min(T, self.segment)
             key = (tuning.length_bucket(length), -(-T // length))
             if key not in self._tuned:
-                self._tuned.add(key)
+                mine.setdefault(key, (inputs, targets))
+        if self.group is None:
+            for inputs, targets in mine.values():
                 self.tune(mx.array(inputs), mx.array(targets))
-        if self.group is not None and not self._shared:
-            self._shared = True
-            use_rank0_choices(self.group)
+            self._tuned.update(mine)
+            return
+
+        def tune(key, shape):
+            if key in self._tuned:  # rank 0 met this class before: chosen already
+                return
+            zeros = np.zeros(shape, np.int32)
+            inputs, targets = mine.get(key, (zeros, zeros))
+            self.tune(mx.array(inputs), mx.array(targets))
+
+        shapes = {key: list(inputs.shape) for key, (inputs, _) in mine.items()}
+        self._tuned.update(tune_on_rank0(self.group, shapes, tune))
 
     def loss_and_grad(self, inputs: mx.array, targets: mx.array):
         """(summed loss, trained tokens, gradients of the sum) of one micro-batch, segment by

@@ -146,15 +146,14 @@ def test_every_data_parallel_rank_uses_rank_0s_choices(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     ranks = [json.loads((tmp_path / f"ranks.{r}.json").read_text()) for r in range(2)]
     wkv7 = [name for name in ranks[0]["choices"] if name.startswith("wkv7 ")]
-    assert wkv7 and {ranks[0]["choices"][name] for name in wkv7} == {"chunked"}
-    # rank 1 measured the step loop as faster, and took rank 0's choices
+    assert {ranks[0]["choices"][name] for name in wkv7} == {"chunked"}
+    # rank 0 chose for both length buckets, rank 1's T=40 included, which it never stepped on
+    assert {"wkv7 N=16 float32 T<=8", "wkv7 N=16 float32 T<=64"} <= set(wkv7), wkv7
+    # rank 1 measured nothing (it would have chosen the step loop) and took rank 0's choices
+    assert ranks[1]["measured"] == 0 and ranks[0]["measured"] > 0
     assert ranks[1]["choices"] == ranks[0]["choices"] == ranks[1]["pinned"]
-    # rank 1's own tuning pass built the step loop's graph; its compiled steps then called
-    # only the chunked path, as rank 0's did
-    calls = ranks[1]["called"]
-    first = calls.index("chunked")
-    assert "ref" in calls[:first] and set(calls[first:]) == {"chunked"}, calls
-    assert set(ranks[0]["called"]) == {"chunked"}
+    # so both ranks' compiled steps called only the chunked path, at T=40 too
+    assert set(ranks[1]["called"]) == set(ranks[0]["called"]) == {"chunked"}
 
 
 def _pairs() -> list[Pair]:
@@ -184,25 +183,94 @@ def test_a_dpo_run_tunes_and_steps_with_the_choices(tuned):
         assert set(tuned.calls[op]) == {fastest}, (op, tuned.calls[op])
 
 
-class _TwoRanks:
+class _Rank:
+    """A data-parallel group of 2 as seen from ``rank``."""
+
+    def __init__(self, rank: int):
+        self._rank = rank
+
     def size(self) -> int:
         return 2
 
+    def rank(self) -> int:
+        return self._rank
 
-def test_a_data_parallel_dpo_step_uses_rank_0s_choices(tuned, monkeypatch):
-    """Rank 0 chose the step loop for wkv7 (this rank measured chunked as faster): the steps,
-    after the tuning pass that shares the choices, call only the step loop."""
+
+# rank 0's choices as the faked broadcast hands them out: the step loop for wkv7 at every length
+# (this process's own measurement would pick the chunked path)
+RANK0_WKV7 = {f"wkv7 N=16 float32 T<={2**i}": "ref" for i in range(12)}
+
+
+def _fake_collectives(monkeypatch, peer):
+    """The collectives of ``tune_on_rank0`` faked for a process whose one peer's new classes
+    this step are ``peer(mine)`` (``mine``: this process's, as ``all_gather_json`` takes
+    them); the broadcast hands out rank 0's choices: this process's own if it is rank 0, else
+    RANK0_WKV7 over them. Returns the choices each broadcast handed out."""
     shared = []
 
-    def rank_0s(choices, group):
-        shared.append(dict(choices))
-        tuned.calls["wkv7"].clear()  # what follows steps with rank 0's choices
-        return {k: "ref" if k.startswith("wkv7 ") else v for k, v in choices.items()}
+    def gather(value, group):
+        return [value, peer(value)] if group.rank() == 0 else [peer(value), value]
 
-    monkeypatch.setattr(distributed, "broadcast_json", rank_0s)
+    def broadcast(choices, group):
+        out = dict(choices) if group.rank() == 0 else {**choices, **RANK0_WKV7}
+        shared.append(out)
+        return out
+
+    # "the peer has something new": the gather, whose lists say what, runs every step
+    monkeypatch.setattr(distributed, "all_sum_int", lambda n, group: n + 1)
+    monkeypatch.setattr(distributed, "all_gather_json", gather)
+    monkeypatch.setattr(distributed, "broadcast_json", broadcast)
+    return shared
+
+
+def _sft_step(group):
+    return supervised().step(_student(), optim.AdamW(learning_rate=1e-2), group)
+
+
+def _tokens(T: int):
+    x = np.arange(2 * T, dtype=np.int32).reshape(2, T) % 250 + 1
+    return x, x
+
+
+def test_a_data_parallel_rank_measures_nothing_and_steps_with_rank_0s_choices(tuned, monkeypatch):
+    """Rank 1 meets T=6 with rank 0, then T=40 alone: both are chosen for by rank 0 (the step
+    loop), which rank 1's compiled steps call, though its own measurement prefers chunked."""
+    peer = [[[8, 1], [2, 6]]]
+    shared = _fake_collectives(monkeypatch, lambda mine: peer)
+    monkeypatch.setattr(distributed, "all_sum", lambda tree, group: tree)
+    step = _sft_step(_Rank(1))
+    step([_tokens(6)])
+    peer.clear()  # rank 0 meets nothing new in the second step
+    step([_tokens(40)])
+    step([_tokens(40)])  # met before by both: nothing to choose, no broadcast
+    assert len(shared) == 2 and tuned.measured == 0, (shared, tuned.table)
+    assert not any(name.startswith("wkv7 ") for name in tuned.table), tuned.table
+    assert set(tuned.calls["wkv7"]) == {"ref"}, tuned.calls["wkv7"]
+
+
+def test_rank_0_chooses_for_a_length_only_another_rank_meets(tuned, monkeypatch):
+    peer = [[[64, 1], [2, 40]]]  # rank 1's new class in the first step: T=40
+    shared = _fake_collectives(monkeypatch, lambda mine: peer)
+    monkeypatch.setattr(distributed, "all_sum", lambda tree, group: tree)
+    step = _sft_step(_Rank(0))
+    step([_tokens(6)])
+    # measured on zeros of rank 1's shape, and handed out with rank 0's own
+    assert {"wkv7 N=16 float32 T<=8", "wkv7 N=16 float32 T<=64"} <= set(tuned.table)
+    assert len(shared) == 1 and shared[0] == tuning.choices()
+    assert set(tuned.calls["wkv7"]) == {"chunked"}
+
+
+def test_a_data_parallel_dpo_step_uses_rank_0s_choices(tuned, monkeypatch):
+    """Rank 1 of a DPO run: rank 0 chose the step loop for wkv7 (this rank would have measured
+    chunked as faster); this rank measures nothing and its steps call only the step loop."""
+    pairs = _pairs()
+    shared = _fake_collectives(monkeypatch, lambda mine: mine)  # rank 0 meets the same
     monkeypatch.setattr(preference_run, "all_sum", lambda tree, group: tree)
-    step = _dpo_step(_student(), _pairs(), group=_TwoRanks())
+    step = _dpo_step(_student(), pairs, group=_Rank(1))
+    # the reference model's pass before training chose by this rank's own measurement
+    measured = tuned.measured
+    tuned.calls["wkv7"].clear()
     step([np.arange(2), np.arange(2, 4)])
     step([np.arange(2), np.arange(2, 4)])
     assert set(tuned.calls["wkv7"]) == {"ref"}, tuned.calls["wkv7"]
-    assert len(shared) == 1 and "chunked" in shared[0].values(), shared
+    assert tuned.measured == measured and len(shared) == 1, shared

@@ -1,7 +1,8 @@
 """Two SFT steps of a tiny model with tuning on, by ``tests/tuner/test_train_tuning.py`` under
 ``mlx.launch`` on 2 ranks, each rank's measurement faked to prefer another wkv7 path (rank 0 the
 chunked one, rank 1 the step loop). Each rank writes its tuner's choices, its pinned ones and
-the wkv7 implementations its steps called to ``<out>.<rank>.json``."""
+the wkv7 implementations its steps called and how many workloads it measured to
+``<out>.<rank>.json``."""
 
 import importlib
 import json
@@ -42,9 +43,16 @@ def main(out: str) -> None:
     apply_lora(model, target_paths(model, "attn"), rank=4, alpha=8.0)
     step = Step(model, optim.AdamW(learning_rate=1e-2), group=group)
     rng = np.random.default_rng(rank)
-    for _ in range(2):
-        step([(rng.integers(1, 256, (2, 6)), rng.integers(1, 256, (2, 6)))])
-    record = {"choices": tuning.choices(), "pinned": tuning.TUNER.pinned, "called": called}
+    # both ranks meet T=6 first; rank 1 alone then meets T=40 (a length bucket rank 0 never
+    # steps on: rank 0 chooses for it all the same)
+    for T in (6, 40 if rank else 6):
+        step([(rng.integers(1, 256, (2, T)), rng.integers(1, 256, (2, T)))])
+    record = {
+        "choices": tuning.choices(),
+        "pinned": tuning.TUNER.pinned,
+        "called": called,
+        "measured": tuning.TUNER.measured,
+    }
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(record, f)
 

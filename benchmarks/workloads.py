@@ -110,8 +110,9 @@ def chunked_flops(T: int, H: int, N: int) -> float:
     L, S = chunk.CHUNK, SUB
     nq = L // S
     per_chunk = (
-        2 * nq * (2 * S) * N * (2 * L)  # scores of r, a against k, b
-        + 2 * 2 * (L.bit_length() - 2) * L**3  # (I - A)^-1: squarings and products
+        2 * (nq + (nq - 1) ** 2) * (2 * S) * N * (2 * S)  # scores: diagonal, off-diagonal
+        + 2 * nq * 4 * S**3
+        + 2 * 2 * (L // 2) ** 3  # (I - A)^-1
         + 2 * L * L * N
         + 2 * L * L * (2 * N)
         + 2 * L * L * N  # A_ak v, the solve, Qm

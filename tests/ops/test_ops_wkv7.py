@@ -133,6 +133,20 @@ def test_other_chunk_lengths(monkeypatch, L, decays):
     compare(W.wkv7_chunked, inputs, L, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL, grad_tols=tols)
 
 
+@pytest.mark.parametrize("L", [16, 32, 64])
+def test_correlated_keys(monkeypatch, L):
+    # keys pointing alike and in-context learning rates near 1 make A_ab's entries near -1:
+    # (I - A_ab)^-1 must not form high powers of A, whose entries grow binomially and cancel
+    monkeypatch.setattr(importlib.import_module("mlx_rwkvx.ops.wkv7.chunk"), "CHUNK", L)
+    rng = np.random.default_rng(L)
+    T, N = 2 * L + 5, 16
+    inputs = random_wkv7_inputs(rng, 1, T, 2, N, decay_range=(0.99, 0.9999))
+    kk = rng.standard_normal((1, 1, 2, N)) + 0.4 * rng.standard_normal((1, T, 2, N))
+    kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+    inputs["a"], inputs["b"] = -kk, kk * rng.uniform(0.9, 1.0, kk.shape)
+    compare(W.wkv7_chunked, inputs, L, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL)
+
+
 def test_any_decay_is_safe():
     # decays down to 1e-35 per step: LOG_W_MIN (1.1e-7) keeps every factor finite, and what the
     # state keeps of itself differs by less than 1.1e-7, below float32 resolution; outputs and

@@ -15,7 +15,8 @@ import mlx.core as mx
 
 # Decays below exp(-16) = 1.1e-7 per step are taken as exp(-16): what the state keeps of itself
 # differs by < 1.1e-7, below float32 resolution, and this bound keeps every exponential factor
-# of the chunked path inside [e^-64, e^64] (``SUB // 2`` steps either side of a reference).
+# taken about a sub-block's reference inside [e^-64, e^64] (``SUB // 2`` steps either side of
+# it); the factors across sub-blocks and chunks are <= 1 (README.md: where they may underflow).
 LOG_W_MIN = -16.0
 # Time steps per chunk of the state scan: the fastest of 16, 32, 64 (benchmarks/BENCHMARKS.md).
 CHUNK = 16
@@ -24,17 +25,38 @@ REF = SUB // 2 - 1  # the reference: the cumulative log-decay after this step of
 
 
 def _unit_lower_inverse(A: mx.array) -> mx.array:
-    """``(I - A)^-1`` for strictly lower-triangular ``A [..., n, n]``, n a power of two.
+    """``(I - A)^-1`` for strictly lower-triangular ``A [..., n, n]``, n = SUB * 2^k.
 
-    A is nilpotent (``A^n = 0``), so ``(I - A)^-1 = (I + A)(I + A^2)(I + A^4)...(I + A^(n/2))``
-    exactly: log2(n) squarings and as many products, all batched matmuls.
+    Diagonal blocks of SUB by ``(I + A)(I + A^2)(I + A^4)`` (exact: A is nilpotent), then pairs
+    of blocks merged, ``[[M1, 0], [M2 A21 M1, M2]]``, until one block is left. All matmuls.
+    (The product over the whole chunk, ``(I + A)...(I + A^(n/2))``, is as exact on paper but
+    forms ``A^8`` and beyond, whose entries grow binomially when the keys point alike and
+    cancel in float32: up to 1e-5 off at chunks of 16, overflow at 64.)
     """
-    M = A + mx.eye(A.shape[-1], dtype=A.dtype)
-    power = A
-    for _ in range(A.shape[-1].bit_length() - 2):
+    n = A.shape[-1]
+    pre = A.shape[:-2]
+    nb = n // SUB
+    assert n == SUB * nb and nb & (nb - 1) == 0, f"(I - A)^-1 of n={n}: n must be SUB * 2^k"
+    blocks = A.reshape(*pre, nb, SUB, nb, SUB)
+    X = mx.moveaxis(mx.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., nb, SUB, SUB]
+    M = X + mx.eye(SUB, dtype=A.dtype)
+    power = X
+    for _ in range(SUB.bit_length() - 2):  # SUB = 8: X^2 then X^4
         power = power @ power
         M = M + M @ power
-    return M
+    size = SUB
+    while nb > 1:
+        grid = A.reshape(*pre, nb // 2, 2, size, nb // 2, 2, size)
+        # block (2j+1, 2j) of A at this size: rows of the odd block, columns of the even one
+        A21 = mx.moveaxis(mx.diagonal(grid[..., 1, :, :, 0, :], axis1=-4, axis2=-2), -1, -3)
+        M1, M2 = M[..., 0::2, :, :], M[..., 1::2, :, :]
+        M21 = M2 @ A21 @ M1
+        top = mx.concatenate([M1, mx.zeros_like(M1)], axis=-1)
+        bottom = mx.concatenate([M21, M2], axis=-1)
+        M = mx.concatenate([top, bottom], axis=-2)
+        nb //= 2
+        size *= 2
+    return M[..., 0, :, :]
 
 
 @mx.custom_function

@@ -33,7 +33,7 @@ from mlx_rwkvx.tuner.preference import (
     preference_loss,
 )
 from mlx_rwkvx.tuner.steps import RunData, StepResult, Task
-from mlx_rwkvx.tuner.trainer import tune_on_rank0
+from mlx_rwkvx.tuner.trainer import tune_on_rank0, tuning_on
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -138,7 +138,9 @@ class PreferenceStep:
             return _values(terms(policy, (ref_c, ref_r)))
 
         self.loss_and_grad = nn.value_and_grad(model, loss)
-        self._tuned: set[tuple] = set()  # data parallel: the length classes chosen for
+        self._tuned: set[tuple] = set()  # data parallel: the length classes chosen for so far
+        # data parallel: decided once, by every rank alike (each step's tuning is collective)
+        self._tune = tuning_on(self.group) if self.group is not None else False
 
     def _batch(self, indices):
         ref = self.reference[indices]
@@ -158,8 +160,6 @@ class PreferenceStep:
                 mine.setdefault(key, indices)
 
         def tune(key, lengths):
-            if key in self._tuned:  # rank 0 met this class before: chosen already
-                return
             if key in mine:
                 self.loss_and_grad(self.model, *self._batch(mine[key]))
                 return
@@ -175,7 +175,7 @@ class PreferenceStep:
 
     def __call__(self, micro_batches, stop: bool = False):
         grads, sums, n, fed = None, None, 0, 0
-        if tuning.enabled() and self.group is not None:
+        if self._tune:  # data parallel only: a single process chooses as it goes
             self.share_choices(micro_batches)
         for indices in micro_batches:
             batch, ref_c, ref_r = self._batch(indices)
@@ -204,13 +204,15 @@ class PreferenceStep:
         return StepResult(sums["loss"], n, norm, [], flag.item() > 0, fed, _means(sums, n))
 
 
-def _length_class(pairs: list[Pair]) -> tuple[int, int, int]:
-    """What a preference batch's ops are chosen by: the length buckets of its prompts and of
-    its answers (each padded to the longest), and whether the prompts need padding at all."""
+def _length_class(pairs: list[Pair]) -> tuple[int, int, int, int]:
+    """What a preference batch's ops are chosen by: the length buckets of its prompts, of its
+    answers (each padded to the longest) and of both (the answers' attention reaches back
+    over the prompt), and whether the prompts need padding at all."""
     prompt = max(len(p.prompt) for p in pairs)
     answer = max(max(len(p.chosen), len(p.rejected)) for p in pairs)
     ragged = len({len(p.prompt) for p in pairs}) > 1
-    return tuning.length_bucket(prompt), tuning.length_bucket(answer), int(ragged)
+    bucket = tuning.length_bucket
+    return bucket(prompt), bucket(answer), bucket(prompt + answer), int(ragged)
 
 
 def _blank_pair(prompt: int, chosen: int, rejected: int) -> Pair:

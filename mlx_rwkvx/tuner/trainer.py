@@ -65,6 +65,22 @@ def use_rank0_choices(group) -> None:
     tuning.use_choices(distributed.broadcast_json(tuning.choices(), group))
 
 
+def tuning_on(group) -> bool:
+    """Whether the ops' implementations are chosen by measurement (``MLX_RWKVX_TUNE``): for a
+    data-parallel run every rank's setting, which must agree (a rank that tunes joins
+    collectives the others skip): a TrainError on every rank when they do not."""
+    if group is None:
+        return tuning.enabled()
+    settings = distributed.all_gather_json(tuning.enabled(), group)
+    if len(set(settings)) > 1:
+        ranks = ", ".join(f"rank {i}: {'on' if on else 'off'}" for i, on in enumerate(settings))
+        raise TrainError(
+            f"{tuning.ENV_TUNE} differs between the ranks ({ranks}): give every rank the same "
+            f"(mlx.launch --env {tuning.ENV_TUNE}=0)"
+        )
+    return settings[0]
+
+
 def tune_on_rank0(group, new: dict, tune: Callable[[tuple, object], None]) -> list[tuple]:
     """A data-parallel step's length classes met for the first time by any rank, chosen for by
     rank 0 alone: ``new`` maps this rank's new classes (tuples) to what rebuilds a step of
@@ -121,6 +137,8 @@ class Step:
         self.between_windows: Callable[[int], bool] = lambda n: False
         self._windows = 0
         self._tuned: set[tuple[int, int]] = set()  # the length classes tune() has seen
+        # data parallel: decided once, by every rank alike (each step's tuning is collective)
+        self._tune = tuning_on(self.group) if self.group is not None else None
         self.way = parallel.Stacked(stacked) if stacked > 1 else Single()
         grad_fn = nn.value_and_grad(model, self._loss_sum)
         state = [model.state, optimizer.state, mx.random.state]
@@ -179,8 +197,6 @@ class Step:
             return
 
         def tune(key, shape):
-            if key in self._tuned:  # rank 0 met this class before: chosen already
-                return
             zeros = np.zeros(shape, np.int32)
             inputs, targets = mine.get(key, (zeros, zeros))
             self.tune(mx.array(inputs), mx.array(targets))
@@ -216,7 +232,7 @@ class Step:
         after it (decided with the other ranks in the step's collective)."""
         total_loss, total_count, grads = 0.0, 0, None
         self._windows = 0
-        if tuning.enabled():
+        if tuning.enabled() if self.group is None else self._tune:
             self._tune_new(micro_batches)
         for inputs, targets in micro_batches:
             loss, count, g = self.loss_and_grad(mx.array(inputs), mx.array(targets))

@@ -15,6 +15,7 @@ import mlx_rwkvx
 from mlx_rwkvx.adapters import apply_lora, target_paths
 from mlx_rwkvx.data.batches import batches
 from mlx_rwkvx.data.examples import Example
+from mlx_rwkvx.errors import TrainError
 from mlx_rwkvx.io.tensors import read_safetensors
 from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.ops import tuning
@@ -202,13 +203,16 @@ RANK0_WKV7 = {f"wkv7 N=16 float32 T<={2**i}": "ref" for i in range(12)}
 
 
 def _fake_collectives(monkeypatch, peer):
-    """The collectives of ``tune_on_rank0`` faked for a process whose one peer's new classes
-    this step are ``peer(mine)`` (``mine``: this process's, as ``all_gather_json`` takes
-    them); the broadcast hands out rank 0's choices: this process's own if it is rank 0, else
-    RANK0_WKV7 over them. Returns the choices each broadcast handed out."""
+    """The collectives of ``tuning_on`` and ``tune_on_rank0`` faked for a process whose one
+    peer tunes too and whose new classes this step are ``peer(mine)`` (``mine``: this
+    process's, as ``all_gather_json`` takes them); the broadcast hands out rank 0's choices:
+    this process's own if it is rank 0, else RANK0_WKV7 over them. Returns the choices each
+    broadcast handed out."""
     shared = []
 
     def gather(value, group):
+        if isinstance(value, bool):  # the ranks' tuning settings: alike
+            return [value, value]
         return [value, peer(value)] if group.rank() == 0 else [peer(value), value]
 
     def broadcast(choices, group):
@@ -274,3 +278,12 @@ def test_a_data_parallel_dpo_step_uses_rank_0s_choices(tuned, monkeypatch):
     step([np.arange(2), np.arange(2, 4)])
     assert set(tuned.calls["wkv7"]) == {"ref"}, tuned.calls["wkv7"]
     assert tuned.measured == measured and len(shared) == 1, shared
+
+
+def test_ranks_that_disagree_on_tuning_stop_with_one_clear_error(tuned, monkeypatch):
+    # a rank that tunes would wait in collectives the others never join
+    monkeypatch.setattr(distributed, "all_gather_json", lambda value, group: [value, not value])
+    with pytest.raises(TrainError, match="MLX_RWKVX_TUNE differs between the ranks"):
+        _sft_step(_Rank(1))
+    with pytest.raises(TrainError, match="rank 0: on, rank 1: off"):
+        _dpo_step(_student(), _pairs(), group=_Rank(0))

@@ -1,6 +1,6 @@
-"""Part of the wkv7 section: the floor of the chunked WKV7 path on this machine, from parts
-measured in the same run. No arrangement of the chunk form's MLX ops runs faster than the sum
-of what it cannot skip:
+"""Part of the wkv7 section: the floor of the chunked WKV7 path at its chunk length (CHUNK) on
+this machine, from parts measured in the same run. No arrangement of that chunk form's MLX ops
+runs faster than the sum of what it cannot skip:
 
 - one exponential per decay (``e^log_w``, by ``pow2_exp``, the fastest exponential MLX has
   here) over the ``[B, T, H, N]`` input;
@@ -38,6 +38,7 @@ def measure_floor(T: int, H: int, matmul_gflops: float, N: int = WKV7_N) -> dict
     return {
         "T": T,
         "H": H,
+        "chunk": chunk.CHUNK,
         "exp": exp,
         "scan": scan,
         "flops": flops,
@@ -51,10 +52,11 @@ def render_floor(rows: list[dict], matmul_n: int) -> list[str]:
     """Each goal's floor and the best ratio the chunk form could reach here: ``rows`` of
     ``{"goal", "baseline" (seconds), "direction" ("fwd" or "fb"), "bound", "floor"}``."""
     lines = [
-        "The floor of the chunked path here (`benchmarks/wkv7_floor.py`): one exponential pass, "
-        "the state scan, and the chunk form's matmul FLOPs at the large-matmul rate; fwd+bwd "
-        "adds a second scan and twice the matmuls. Every other pass is left out: the path can "
-        "only be slower.",
+        f"The floor of the chunked path with chunks of {rows[0]['floor'].get('chunk', 'CHUNK')} "
+        "here (`benchmarks/wkv7_floor.py`): one exponential pass, the state scan, and the chunk "
+        "form's other matmul FLOPs at the large-matmul rate; fwd+bwd adds a second scan and "
+        "twice the matmuls. Every other pass is left out: the path can only be slower. (Longer "
+        "chunks halve the scan and add matmul work.)",
         "",
         f"| goal | exp pass | scan | other matmul FLOPs at the {matmul_n}^3 rate | floor "
         "| baseline | best ratio reachable | goal |",

@@ -214,7 +214,8 @@ def wkv7_chunked(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
 
     Same contract as ``wkv7_ref`` (float32 state and accumulation, y in r's dtype); the VJP is
     the reverse state scan by hand and autograd through the chunk maps. Memory kept for the
-    backward: one N x N state per chunk and the maps' intermediates, O(T H N).
+    backward: one N x N state per chunk (T / CHUNK of them per head) and the maps'
+    intermediates, a few dozen ``[T, H, N]``-sized arrays.
     """
     check_inputs(r, log_w, k, v, a, b, state)
     return chunked(r, log_w, k, v, a, b, state)

@@ -1,0 +1,95 @@
+"""The chunked WKV7 kernel body (metal/wkv7_chunk.h): the forward's CPU flavour against the
+float64 oracle, the CUDA flavour through nvcc, the Metal source as MLX assembles it."""
+
+import numpy as np
+import pytest
+from helpers.mlx_kernel_emulation import check_cuda_compiles, check_metal_assembly
+from kernel_harness import cpu
+from kernel_harness import wkv7_chunk as harness
+from oracle.wkv7 import random_wkv7_inputs
+
+MIXED = (1e-4, 0.9999)
+NEAR_ONE = (0.9999, 0.9999)
+TINY = (1e-4, 1e-4)
+DEFAULT = (0.5, 0.999)
+HEAD_SIZES = (16, 32, 64, 128)
+
+
+@pytest.fixture(scope="session")
+def launch(request, tmp_path_factory):
+    return cpu.fixture_launch(request, tmp_path_factory, harness.ENTRIES, HEAD_SIZES)
+
+
+# (B, T, H, N, decays, with_state): T shorter than a chunk, at and across chunk edges, ragged
+FLOAT32_CASES = [
+    (2, 1, 2, 16, MIXED, True),
+    (2, 15, 2, 16, DEFAULT, True),
+    (2, 16, 2, 16, DEFAULT, False),
+    (2, 17, 3, 32, MIXED, True),
+    (1, 40, 2, 64, MIXED, True),
+    (2, 63, 2, 64, DEFAULT, True),
+    (1, 50, 2, 16, TINY, True),
+    (1, 37, 1, 128, MIXED, True),
+    (2, 100, 2, 16, NEAR_ONE, True),
+    # the case the sequential kernel's hi + lo split exists for (tests/ops/test_kernels_wkv7.py):
+    # w = 0.9999 over 1000 steps; the chunks carry e^{c_L} - 1 once per chunk
+    (1, 1000, 1, 64, NEAR_ONE, True),
+]
+
+
+@pytest.mark.parametrize("B, T, H, N, decays, with_state", FLOAT32_CASES)
+def test_cpu_flavour_forward_float32_matches_oracle(launch, B, T, H, N, decays, with_state):
+    rng = np.random.default_rng(T * 131 + N)
+    inputs = random_wkv7_inputs(rng, B, T, H, N, decay_range=decays)
+    if not with_state:
+        inputs["state"] = np.zeros_like(inputs["state"])
+    harness.compare_forward(launch, inputs, "float32")
+
+
+def test_any_decay_is_safe(launch):
+    # decays down to 1e-35 a step: every factor is an exponential of a difference <= 0
+    rng = np.random.default_rng(11)
+    inputs = random_wkv7_inputs(rng, 1, 70, 2, 16)
+    inputs["log_w"] = rng.uniform(-80.0, 0.0, inputs["log_w"].shape)
+    harness.compare_forward(launch, inputs, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cpu_flavour_forward_low_precision(launch, dtype):
+    inputs = random_wkv7_inputs(np.random.default_rng(5), 2, 33, 2, 32)
+    harness.compare_forward(launch, inputs, dtype)
+
+
+def test_checkpoints_are_the_states_entering_each_chunk(launch):
+    # what the backward will start from: checkpoint c equals the state after c chunks
+    rng = np.random.default_rng(3)
+    inputs = random_wkv7_inputs(rng, 1, 40, 1, 16)
+    got = harness.forward(launch, inputs, "float32")
+    L = harness.chunk_length(16)
+    for c in range(got["ckpt"].shape[2]):
+        if c == 0:
+            want = inputs["state"][:, :, :, :]
+        else:
+            part = {name: x[:, : c * L] for name, x in inputs.items() if name != "state"}
+            _, want = harness.wkv7_np(*(part[n] for n in harness.WKV7_INPUTS), inputs["state"])
+        assert np.abs(got["ckpt"][:, :, c] - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_metal_assembly_names_its_thread_ids_and_compiles_as_cpp(tmp_path):
+    instances = [("float32", 64), ("bfloat16", 16), ("float16", 128)]
+    check_metal_assembly(tmp_path, "wkv7_chunk", harness.ENTRIES, instances, small=("dims",))
+
+
+def test_cuda_flavour_compiles_with_nvcc(tmp_path):
+    instances = [("float32", 16), ("float32", 64), ("float32", 128), ("bfloat16", 64)]
+    check_cuda_compiles(
+        tmp_path, "wkv7_chunk", harness.ENTRIES, instances, as_mlx=[("float16", 32)]
+    )
+
+
+def test_threadgroup_memory_fits_metal_and_cuda():
+    # WKV7C_MAPS_SHARED / WKV7C_SCAN_SHARED floats against Metal's 32 KiB (CUDA gives 48 KiB)
+    for N in HEAD_SIZES:
+        L = harness.chunk_length(N)
+        maps, scan = (5 * L + 1) * N + 4 * L * L, (4 * L + 1) * N
+        assert 4 * max(maps, scan) <= 32 * 1024, (N, L, maps, scan)

@@ -1,22 +1,33 @@
-"""The chunked WKV7 kernel (metal/wkv7_chunk.h) outside MLX: its forward through a *launch* (see
-kernel_harness.common) and the comparison with the float64 oracle. Never imports mlx."""
+"""The chunked WKV7 kernel (metal/wkv7_chunk.h) outside MLX: its forward and backward through a
+*launch* (see kernel_harness.common) and the comparison with the float64 oracle. Never imports
+mlx."""
 
 from __future__ import annotations
 
 import re
 
 from kernel_harness import sources as standalone
-from kernel_harness.common import TOL, check_errors, entry_arrays, from_storage, host
+from kernel_harness.common import (
+    TOL,
+    check_errors,
+    entry_arrays,
+    from_storage,
+    host,
+    to_storage,
+)
 from kernel_harness.wkv7 import rounded
 from mlx_rwkvx.metal import sources
 
 import numpy as np
 from oracle.common import rel_err
-from oracle.wkv7 import WKV7_INPUTS, wkv7_np
+from oracle.wkv7 import WKV7_INPUTS, wkv7_bwd_np, wkv7_np
 
 MAPS = sources.entry("wkv7c_fwd_maps.h")
 SCAN = sources.entry("wkv7c_fwd_scan.h")
-ENTRIES = (MAPS, SCAN)
+BWD_SCAN = sources.entry("wkv7c_bwd_scan.h")
+BWD_MAPS = sources.entry("wkv7c_bwd_maps.h")
+ENTRIES = (MAPS, SCAN, BWD_SCAN, BWD_MAPS)
+GRAD_NAMES = (*WKV7_INPUTS, "state")
 _SIZES = re.search(
     r"#define WKV7C_L\(n\) \(\(n\) > (\d+) \? (\d+) : (\d+)\)",
     sources.kernel_source("wkv7_chunk.h"),
@@ -44,6 +55,7 @@ def forward(launch, inputs: dict, dtype: str, xp=np) -> dict:
     maps = dict(zip(MAPS.output_names, maps_arrays[len(MAPS.inputs) :], strict=True))
 
     shapes = {"y": (B, T, H, N), "state_out": (B, H, N, N), "ckpt": (B, H, n_chunks, N, N)}
+    shapes["Z"] = maps_shape
     scan_arrays = entry_arrays(SCAN, dtype, {**inputs, "dims": dims}, shapes, xp, ready=maps)
     launch(standalone.instance_name(SCAN, dtype, N), B * H, N, scan_arrays)
     out = dict(zip(SCAN.output_names, scan_arrays[len(SCAN.inputs) :], strict=True))
@@ -51,7 +63,57 @@ def forward(launch, inputs: dict, dtype: str, xp=np) -> dict:
         "y": from_storage(host(out["y"]), dtype),
         "state_out": host(out["state_out"]).astype(np.float64),
         "ckpt": host(out["ckpt"]).astype(np.float64),
+        "saved": {**maps, "ckpt": out["ckpt"], "Z": out["Z"]},  # as they came out
     }
+
+
+def backward(launch, inputs: dict, dy, dstate, dtype: str, xp=np) -> dict:
+    """The forward, then both backward entries. Returns the forward's outputs and float64
+    gradients ``d<name>`` of every input (``dstate``: the initial state's)."""
+    B, T, H, N = inputs["r"].shape
+    L = chunk_length(N)
+    n_chunks = -(-T // L)
+    got = forward(launch, inputs, dtype, xp)
+    saved = got.pop("saved")
+    dims = np.array([T, H], dtype=np.int32)
+    maps_shape = (B, H, n_chunks, L, N)
+    names = ("dW", "dQm", "dZ", "dKL", "dBL", "dv0")
+    shapes = {name: maps_shape for name in names}
+    shapes |= {"ddlo": (B, H, n_chunks, N), "dstate0": (B, H, N, N)}
+    values = {**inputs, "dy": dy, "dstate": dstate, "dims": dims}
+    arrays = entry_arrays(BWD_SCAN, dtype, values, shapes, xp, ready=saved)
+    launch(standalone.instance_name(BWD_SCAN, dtype, N), B * H, N, arrays)
+    scan = dict(zip(BWD_SCAN.output_names, arrays[len(BWD_SCAN.inputs) :], strict=True))
+
+    shapes = {name: (B, T, H, N) for name in ("dr", "dlog_w", "dk", "dv", "da", "db")}
+    arrays = entry_arrays(BWD_MAPS, dtype, values, shapes, xp, ready={**saved, **scan})
+    launch(standalone.instance_name(BWD_MAPS, dtype, N), B * H * n_chunks, N, arrays)
+    grads = dict(zip(BWD_MAPS.output_names, arrays[len(BWD_MAPS.inputs) :], strict=True))
+    for name, ptype in BWD_MAPS.outputs:
+        raw = host(grads[name])
+        got[name] = from_storage(raw, dtype) if ptype == "InT" else raw.astype(np.float64)
+    got["dstate"] = host(scan["dstate0"]).astype(np.float64)
+    return got
+
+
+def compare(launch, inputs: dict, dtype: str, seed: int = 0, xp=np) -> dict[str, float]:
+    """Forward and backward against the oracle (on the rounded inputs and cotangents): the
+    norm-wise relative error per named tensor, asserted within DESIGN.md's bounds."""
+    rng = np.random.default_rng(seed)
+    B, T, H, N = inputs["r"].shape
+    dy = from_storage(to_storage(rng.standard_normal((B, T, H, N)), dtype), dtype)
+    dstate = rng.standard_normal((B, H, N, N)).astype(np.float32).astype(np.float64)
+    x = rounded(inputs, dtype)
+    got = backward(launch, x, dy, dstate, dtype, xp)
+    args = [x[name] for name in WKV7_INPUTS]
+    y, state_out = wkv7_np(*args, x["state"])
+    grads = wkv7_bwd_np(*args, x["state"], dy, dstate)
+    errors = {"y": rel_err(got["y"], y), "state_out": rel_err(got["state_out"], state_out)}
+    errors |= {f"d{name}": rel_err(got[f"d{name}"], grads[name]) for name in GRAD_NAMES}
+    what = f"chunked WKV7 kernel ({dtype}, B={B} T={T} H={H} N={N})"
+    d_names = [f"d{name}" for name in GRAD_NAMES]
+    check_errors(what, TOL[dtype], errors, ("y", "state_out"), got, d_names)
+    return errors
 
 
 def compare_forward(launch, inputs: dict, dtype: str, xp=np) -> dict[str, float]:

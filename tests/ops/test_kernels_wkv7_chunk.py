@@ -1,13 +1,24 @@
 """The chunked WKV7 kernel body (metal/wkv7_chunk.h): its CPU flavour against the float64 oracle
 (outputs and all seven gradients), the CUDA flavour through nvcc, the Metal source as MLX
-assembles it."""
+assembles it, and the MLX wrapper (wkv7_chunked_kernel and its VJP) driven through the CPU
+flavour."""
 
+from mlx_rwkvx.ops import mlx_kernels
+from mlx_rwkvx.ops.wkv7 import kernel as WK
+
+import mlx.core as mx
 import numpy as np
 import pytest
-from helpers.mlx_kernel_emulation import check_cuda_compiles, check_metal_assembly
+from helpers.mlx_kernel_emulation import (
+    MX_DTYPES,
+    check_cuda_compiles,
+    check_metal_assembly,
+    fake_kernel_maker,
+)
 from kernel_harness import cpu
 from kernel_harness import wkv7_chunk as harness
-from oracle.wkv7 import random_wkv7_inputs
+from oracle.common import rel_err
+from oracle.wkv7 import WKV7_INPUTS, random_wkv7_inputs, wkv7_bwd_np, wkv7_np
 
 MIXED = (1e-4, 0.9999)
 NEAR_ONE = (0.9999, 0.9999)
@@ -110,3 +121,61 @@ def test_threadgroup_memory_fits_metal_and_cuda():
         maps, scan = (5 * L + 1) * N + 4 * L * L, (4 * L + 1) * N
         bwd_maps = maps + 4 * L * L
         assert 4 * max(maps, scan, bwd_maps) <= 32 * 1024, (N, L, maps, scan, bwd_maps)
+
+
+def test_chunk_length_matches_the_body():
+    for N in HEAD_SIZES:
+        assert WK.chunk_length(N) == harness.chunk_length(N)
+
+
+def test_without_a_backend_the_wrapper_says_so():
+    if WK.kernel_backend() is not None:
+        pytest.skip("this MLX has a GPU backend")
+    args = _mx_args(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 1, 16), "float32")
+    with pytest.raises(RuntimeError, match="wkv7_chunked_kernel needs MLX with a Metal or CUDA"):
+        WK.wkv7_chunked_kernel(*args)
+
+
+def _mx_args(inputs: dict, dtype: str) -> list:
+    out = []
+    for name in (*WKV7_INPUTS, "state"):
+        kind = MX_DTYPES[dtype] if name not in ("log_w", "state") else mx.float32
+        out.append(mx.array(inputs[name], dtype=mx.float32).astype(kind))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["metal", "cuda"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mlx_wrapper_and_vjp_through_cpu_flavour(launch, monkeypatch, backend, dtype):
+    # every output buffer starts as NaN (fake_kernel_maker): an element no kernel writes shows
+    calls = []
+    maker = "metal_kernel" if backend == "metal" else "cuda_kernel"
+    fake = fake_kernel_maker(backend, harness.ENTRIES, launch, calls)
+    monkeypatch.setattr(mx.fast, maker, fake, raising=False)
+    monkeypatch.setattr(WK, "kernel_backend", lambda: backend)
+    mlx_kernels.make_kernels.cache_clear()
+    try:
+        B, T, H, N = 2, 37, 2, 32
+        inputs = random_wkv7_inputs(np.random.default_rng(5), B, T, H, N, decay_range=MIXED)
+        args = _mx_args(inputs, dtype)
+        rng = np.random.default_rng(6)
+        dy = mx.array(rng.standard_normal((B, T, H, N)), dtype=mx.float32).astype(args[0].dtype)
+        dstate = mx.array(rng.standard_normal((B, H, N, N)), dtype=mx.float32)
+        (y, state_out), grads = mx.vjp(WK.wkv7_chunked_kernel, args, [dy, dstate])
+        mx.eval(y, state_out, grads)
+    finally:
+        mlx_kernels.make_kernels.cache_clear()
+    names = ["wkv7c_fwd_maps", "wkv7c_fwd_scan", "wkv7c_bwd_scan", "wkv7c_bwd_maps"]
+    assert [name for name, _ in calls] == names
+    assert y.dtype == args[0].dtype and state_out.dtype == mx.float32
+    assert [g.dtype for g in grads] == [x.dtype for x in args]
+
+    x = [np.array(a.astype(mx.float32), dtype=np.float64) for a in args]
+    dy64 = np.array(dy.astype(mx.float32), dtype=np.float64)
+    y_ref, s_ref = wkv7_np(*x[:6], x[6])
+    g_ref = wkv7_bwd_np(*x[:6], x[6], dy64, np.array(dstate, dtype=np.float64))
+    tol = harness.TOL[dtype]
+    assert rel_err(np.array(y.astype(mx.float32)), y_ref) <= tol["out"]
+    assert rel_err(np.array(state_out), s_ref) <= tol["out"]
+    for name, g in zip((*WKV7_INPUTS, "state"), grads, strict=True):
+        assert rel_err(np.array(g.astype(mx.float32)), g_ref[name]) <= tol["grad"], name

@@ -1,10 +1,12 @@
-"""WKV7 as two GPU kernels, forward and backward, from ``metal/wkv7.h`` (Metal or CUDA).
+"""WKV7 as GPU kernels (Metal or CUDA): the sequential pair from ``metal/wkv7.h`` and the chunked
+four from ``metal/wkv7_chunk.h``.
 
-The forward runs one threadgroup of N threads per (batch, head), thread i holding row i of the
-state; besides y and the final state it saves a state checkpoint every ``SEG`` steps and
-``sa_t = S_{t-1} a_t``. The backward recomputes each segment's states from its checkpoint and
-runs the reverse steps, thread j holding column j. The CPU flavour of the same body runs in the
-tests (tests/ops/test_kernels_wkv7.py); see ``mlx_rwkvx/metal/wkv7.h`` for the layouts.
+Sequential: the forward runs one threadgroup of N threads per (batch, head), thread i holding
+row i of the state; besides y and the final state it saves a state checkpoint every ``SEG``
+steps and ``sa_t = S_{t-1} a_t``. The backward recomputes each segment's states from its
+checkpoint and runs the reverse steps, thread j holding column j. Chunked: every chunk's maps
+at once, then the state through the chunks (``wkv7_chunked_kernel``). The CPU flavour of the
+same bodies runs in the tests (tests/ops/test_kernels_wkv7.py, test_kernels_wkv7_chunk.py).
 """
 
 from __future__ import annotations
@@ -87,6 +89,115 @@ def wkv7_kernel(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
     """
     check_inputs(r, log_w, k, v, a, b, state)
     return kernel(r, log_w, k, v, a, b, state)
+
+
+CHUNKED_ENTRIES = ("wkv7c_fwd_maps.h", "wkv7c_fwd_scan.h", "wkv7c_bwd_scan.h", "wkv7c_bwd_maps.h")
+
+
+def chunk_length(N: int) -> int:
+    """Steps per chunk of the chunked kernel, WKV7C_L in metal/wkv7_chunk.h."""
+    return 8 if N > 64 else 16
+
+
+def _chunked_kernels() -> tuple | None:
+    return make_kernels(CHUNKED_ENTRIES, kernel_backend())
+
+
+def _run(kernel, inputs, T: int, dtype, N: int, groups: int, output_shapes, output_dtypes):
+    H = inputs[0].shape[2]
+    return kernel(
+        inputs=[*inputs, mx.array([T, H], dtype=mx.int32)],
+        template=[("InT", dtype), ("N", N)],
+        grid=(groups * N, 1, 1),  # threads, as MLX counts them: threadgroups of N
+        threadgroup=(N, 1, 1),
+        output_shapes=output_shapes,
+        output_dtypes=output_dtypes,
+    )
+
+
+@mx.custom_function
+def _chunked_core(r, log_w, k, v, a, b, state):
+    maps, scan, _, _ = _chunked_kernels()
+    B, T, H, N = r.shape
+    n_chunks = -(-T // chunk_length(N))
+    chunked = (B, H, n_chunks, chunk_length(N), N)
+    f32 = mx.float32
+    W, U0, Qm, Y0, KL, BL, dlo = _run(
+        maps,
+        [r, log_w, k, v, a, b],
+        T,
+        r.dtype,
+        N,
+        B * H * n_chunks,
+        [chunked] * 6 + [(B, H, n_chunks, N)],
+        [f32] * 7,
+    )
+    y, state_out, ckpt, Z = _run(
+        scan,
+        [v, state, W, U0, Qm, Y0, KL, BL, dlo],
+        T,
+        r.dtype,
+        N,
+        B * H,
+        [(B, T, H, N), (B, H, N, N), (B, H, n_chunks, N, N), chunked],
+        [r.dtype, f32, f32, f32],
+    )
+    # what the backward starts from rides along as outputs
+    return y, state_out, ckpt, Z, W, U0, Qm, KL, BL, dlo
+
+
+@_chunked_core.vjp
+def _chunked_vjp(primals, cotangents, outputs):
+    r, log_w, k, v, a, b, _ = primals
+    dy, d_state_out = cotangents[:2]
+    _, _, ckpt, Z, W, U0, Qm, KL, BL, dlo = outputs
+    _, _, back_scan, back_maps = _chunked_kernels()
+    B, T, H, N = r.shape
+    n_chunks = ckpt.shape[2]
+    chunked = W.shape
+    f32, dt = mx.float32, r.dtype
+    dy = mx.zeros(r.shape, dtype=dt) if dy is None else dy.astype(dt)
+    if d_state_out is None:
+        d_state_out = mx.zeros((B, H, N, N), dtype=f32)
+    dW, dQm, dZ, dKL, dBL, ddlo, dv0, d_state = _run(
+        back_scan,
+        [dy, v, d_state_out.astype(f32), ckpt, Z, W, Qm, KL, BL, dlo],
+        T,
+        dt,
+        N,
+        B * H,
+        [chunked] * 5 + [(B, H, n_chunks, N), chunked, (B, H, N, N)],
+        [f32] * 8,
+    )
+    grads = _run(
+        back_maps,
+        [r, log_w, k, v, a, b, dy, W, U0, dW, dQm, dZ, dKL, dBL, ddlo, dv0],
+        T,
+        dt,
+        N,
+        B * H * n_chunks,
+        [r.shape] * 6,
+        [dt, f32, dt, dt, dt, dt],
+    )
+    return (*grads, d_state)
+
+
+def wkv7_chunked_kernel(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
+    """WKV7 by the chunked GPU kernels (Metal or CUDA); same contract as ``wkv7_ref``.
+
+    Every chunk's maps in parallel, then the state through the chunks, one threadgroup per
+    (batch, head); the VJP is the reverse scan and the maps' backward, as kernels too
+    (``metal/wkv7_chunk.h``). Raises RuntimeError where MLX has no Metal or CUDA backend.
+    """
+    check_inputs(r, log_w, k, v, a, b, state)
+    if _chunked_kernels() is None:
+        raise RuntimeError(
+            "wkv7_chunked_kernel needs MLX with a Metal or CUDA device; use wkv7_chunked or "
+            "wkv7 here"
+        )
+    state = zero_state(r) if state is None else state
+    y, state_out, *_ = _chunked_core(r, log_w, k, v, a, b, state)
+    return y, state_out
 
 
 def available(key=None) -> bool:

@@ -12,6 +12,7 @@ import pytest
 from helpers.mlx_kernel_emulation import (
     MX_DTYPES,
     check_cuda_compiles,
+    check_imports_without_mlx,
     check_metal_assembly,
     fake_kernel_maker,
 )
@@ -179,3 +180,7 @@ def test_mlx_wrapper_and_vjp_through_cpu_flavour(launch, monkeypatch, backend, d
     assert rel_err(np.array(state_out), s_ref) <= tol["out"]
     for name, g in zip((*WKV7_INPUTS, "state"), grads, strict=True):
         assert rel_err(np.array(g.astype(mx.float32)), g_ref[name]) <= tol["grad"], name
+
+
+def test_gpu_harness_imports_without_mlx():
+    check_imports_without_mlx("test_wkv7_chunk_cuda")

@@ -1,7 +1,8 @@
-// WKV7 by chunks, forward and backward: the recurrence of wkv7.h cut into chunks of L steps.
+// WKV7 by chunks, forward and backward: wkv7.h's recurrence cut into chunks of L steps.
 // Written once over the vocabulary of prelude_{metal,cuda,cpu}.h; the entries wkv7c_fwd_maps.h,
-// wkv7c_fwd_scan.h, wkv7c_bwd_scan.h and wkv7c_bwd_maps.h call these functions. The derivation is ops/wkv7/README.md's (the chunked MLX
-// path's): a chunk entering with state S_c gives
+// wkv7c_fwd_scan.h, wkv7c_bwd_scan.h and wkv7c_bwd_maps.h call these functions. The derivation
+// is in ops/wkv7/README.md (the chunked MLX path's, and this kernel's): a chunk entering with
+// state S_c gives
 //     Z = W S_c^T + U0,  Y = Qm S_c^T + Y0,  S_{c+1} = S_c diag(e^{c_L}) + V^T K_L + Z^T B_L
 // where c_t is the chunk's cumulative log-decay and W, U0, Qm, Y0, K_L, B_L (L x N) depend on the
 // chunk's inputs alone. The first entry computes them for every chunk at once; the second runs
@@ -9,15 +10,18 @@
 //
 // Exactness: every factor is one exponential of a difference of cumulative log-decays, <= 0
 // where it is used, so none overflows and one that underflows is a term below float32
-// resolution. The cumulative sums start at each chunk (|c| <= 16 L with log_w clamped at
-// WKV7C_LOG_W_MIN, as the MLX path does: decays below 1.1e-7 a step change nothing float32 can
-// see). The state keeps itself as S + S * (e^{c_L} - 1), e^x - 1 taken without cancellation near
-// 0: decays near 1, where long memory lives, are carried to the precision of log_w itself once
-// per chunk, not rounded to float32 once per step (the sequential kernel's hi + lo split).
+// resolution. The cumulative sums start at each chunk, with log_w clamped at WKV7C_LOG_W_MIN
+// as the MLX path does (decays below 1.1e-7 a step change nothing float32 can see; their log_w
+// gets no gradient). The state keeps itself as S hi + S lo, e^{c_L} split as wkv7.h splits a
+// step's decay: a chunk decay near 1 is carried to the precision of log_w, a small one to full
+// relative precision. Known limit: after a large drop inside a chunk (log_w of -9 or below at
+// one step), the later prefix sums carry float32 rounding of that magnitude into the
+// differences: up to ~1e-5 relative in y; within RWKV-7's decays (log_w >= -0.61) it stays at
+// the float32 level.
 //
 // Layouts: inputs and y [B, T, H, N] (log_w float32), states [B, H, N, N] float32 row-major
 // S[i, j] (i = value index, j = key index); the chunk maps W, U0, Qm, Y0, K_L, B_L
-// [B, H, n_chunks, L, N] float32 and dlo [B, H, n_chunks, N] (e^{c_L} - 1); checkpoints
+// [B, H, n_chunks, L, N] float32 and cL [B, H, n_chunks, N] (each chunk's c_L); checkpoints
 // [B, H, n_chunks, N, N], the state entering each chunk. dims = [T, H].
 #ifndef MLX_RWKVX_WKV7_CHUNK_H
 #define MLX_RWKVX_WKV7_CHUNK_H
@@ -27,17 +31,23 @@
 // Metal gives 32 KiB, CUDA 48 KiB by default.
 #define WKV7C_L(n) ((n) > 64 ? 8 : 16)
 #define WKV7C_MAPS_SHARED(n) ((5 * WKV7C_L(n) + 1) * (n) + 4 * WKV7C_L(n) * WKV7C_L(n))
-#define WKV7C_SCAN_SHARED(n) ((4 * WKV7C_L(n) + 1) * (n))
+#define WKV7C_SCAN_SHARED(n) ((4 * WKV7C_L(n) + 2) * (n))
 #define WKV7C_BWD_MAPS_SHARED(n) (WKV7C_MAPS_SHARED(n) + 4 * WKV7C_L(n) * WKV7C_L(n))
 #define WKV7C_LOG_W_MIN (-16.0f)
 
-// e^x - 1 for x <= 0 with no cancellation near 0 (Taylor there: remainder < 3e-10 relative).
-KFN float wkv7c_expm1(float x) {
+// e^x = hi + lo for x <= 0, split as wkv7.h splits a step's decay: hi is 1 above 1/2, with
+// lo = e^x - 1 (by Taylor near 0: remainder < 3e-10 relative), else 0, with lo = e^x. A state
+// kept as S hi + S lo + ... keeps a decay near 1 to the precision of x, and a small one to full
+// relative precision.
+#define WKV7C_LN_HALF (-0.69314718f)
+KFN float wkv7c_decay_hi(float x) { return x > WKV7C_LN_HALF ? 1.0f : 0.0f; }
+
+KFN float wkv7c_decay_lo(float x) {
     if (x > -0.1f) {
         const float p = 1.0f / 6 + x * (1.0f / 24 + x * (1.0f / 120 + x * (1.0f / 720 + x / 5040)));
         return x + x * x * (0.5f + x * p);
     }
-    return FEXP(x) - 1.0f;
+    return x > WKV7C_LN_HALF ? FEXP(x) - 1.0f : FEXP(x);  // e^x - 1 is exact in [1/2, 1)
 }
 
 // The maps of one chunk (group g = (b * H + h) * n_chunks + chunk), thread n = channel n. Shared:
@@ -59,7 +69,7 @@ KFN void wkv7c_maps(
     GMEM float* Y0,
     GMEM float* KL,
     GMEM float* BL,
-    GMEM float* dlo,
+    GMEM float* cLs,
     int n,
     int g,
     SMEM float* smem) {
@@ -87,7 +97,7 @@ KFN void wkv7c_maps(
             x[2] = TO_F32(k[at]);
             x[3] = TO_F32(b[at]);
             x[4] = TO_F32(v[at]);
-            x[5] = log_w[at] > WKV7C_LOG_W_MIN ? log_w[at] : WKV7C_LOG_W_MIN;
+            x[5] = log_w[at] < WKV7C_LOG_W_MIN ? WKV7C_LOG_W_MIN : log_w[at];  // NaN stays
         }
         sr[t * N + n] = x[0];
         sa[t * N + n] = x[1];
@@ -157,12 +167,13 @@ KFN void wkv7c_maps(
         KL[at] = sk[t * N + n] * to_end;
         BL[at] = sb[t * N + n] * to_end;
     }
-    dlo[static_cast<size_t>(g) * N + n] = wkv7c_expm1(cL);
+    cLs[static_cast<size_t>(g) * N + n] = cL;
 }
 
 // The state through the chunks (group g = b * H + h), thread i = row i of S in registers: per
 // chunk z_t[i] and y_t[i] from the maps, then the row's update. No barrier inside a chunk: the
-// chunk's W, Qm, K_L, B_L and dlo (indexed by the key j) come through threadgroup memory.
+// chunk's W, Qm, K_L, B_L and the decay's hi, lo (indexed by the key j) come through
+// threadgroup memory.
 template <typename InT, int N>
 KFN void wkv7c_scan(
     GMEM const InT* v,
@@ -173,7 +184,7 @@ KFN void wkv7c_scan(
     GMEM const float* Y0,
     GMEM const float* KL,
     GMEM const float* BL,
-    GMEM const float* dlo,
+    GMEM const float* cLs,
     int T,
     int H,
     GMEM InT* y,
@@ -204,7 +215,9 @@ KFN void wkv7c_scan(
             sK[t * N + i] = KL[at];
             sB[t * N + i] = BL[at];
         }
-        sd[i] = dlo[(static_cast<size_t>(g) * n_chunks + chunk) * N + i];
+        const float chunk_decay = cLs[(static_cast<size_t>(g) * n_chunks + chunk) * N + i];
+        sd[i] = wkv7c_decay_hi(chunk_decay);
+        sd[N + i] = wkv7c_decay_lo(chunk_decay);
         GMEM float* c = ckpt + (static_cast<size_t>(g) * n_chunks + chunk) * N * N;
         for (int j = 0; j < N; ++j) c[static_cast<size_t>(i) * N + j] = S[j];
         BARRIER();
@@ -232,7 +245,7 @@ KFN void wkv7c_scan(
             for (int t = 0; t < L; ++t) {
                 update = FMA(z[t], sB[t * N + j], FMA(vi[t], sK[t * N + j], update));
             }
-            S[j] = S[j] + FMA(S[j], sd[j], update);  // S e^{c_L} + ..., near 1 kept exact
+            S[j] = FMA(S[j], sd[j], FMA(S[j], sd[N + j], update));  // S e^{c_L} as S hi + S lo
         }
         BARRIER();  // the next chunk's maps overwrite threadgroup memory
     }
@@ -243,13 +256,13 @@ KFN void wkv7c_scan(
 // holds row k and column k of dS (the cotangent of the state leaving the chunk at hand) and
 // reads row k and column k of the chunk's entering state from its checkpoint: every sum over
 // the value index (column sums) and over the key index (row sums) is then thread-local, with
-// the chunk's vectors through threadgroup memory. From S' = S diag(1 + dlo) + V^T K_L + Z^T B_L,
+// the chunk's vectors through threadgroup memory. From S' = S diag(g) + V^T K_L + Z^T B_L,
 // z_t = U0_t + S W_t, y_t = Y0_t + S Qm_t:
 //     dz_t = dS' B_L,t   dv_t += dS' K_L,t   dB_L,t = dS'^T z_t   dK_L,t = dS'^T v_t
-//     d dlo = colsum(dS' * S)   dQm_t = S^T dy_t   dW_t = S^T dz_t
-//     dS = dS' diag(1 + dlo) + sum_t dy_t Qm_t^T + dz_t W_t^T
+//     dg = colsum(dS' * S)   dQm_t = S^T dy_t   dW_t = S^T dz_t        (g = e^{c_L})
+//     dS = dS' diag(g) + sum_t dy_t Qm_t^T + dz_t W_t^T
 // Outputs [B, H, n_chunks, L, N]: dW, dQm, dZ (= dU0), dKL, dBL, dv0 (the direct share of dv);
-// ddlo [B, H, n_chunks, N]; dstate0, the initial state's cotangent.
+// ddecay (dg) [B, H, n_chunks, N]; dstate0, the initial state's cotangent.
 template <typename InT, int N>
 KFN void wkv7c_bwd_scan(
     GMEM const InT* dy,
@@ -261,7 +274,7 @@ KFN void wkv7c_bwd_scan(
     GMEM const float* Qm,
     GMEM const float* KL,
     GMEM const float* BL,
-    GMEM const float* dlo,
+    GMEM const float* cLs,
     int T,
     int H,
     GMEM float* dW,
@@ -269,7 +282,7 @@ KFN void wkv7c_bwd_scan(
     GMEM float* dZ,
     GMEM float* dKL,
     GMEM float* dBL,
-    GMEM float* ddlo,
+    GMEM float* ddecay,
     GMEM float* dv0,
     GMEM float* dstate0,
     int k,
@@ -311,11 +324,13 @@ KFN void wkv7c_bwd_scan(
             s3[t * N + k] = Z[at];
             s4[t * N + k] = vk[t];
         }
-        sd[k] = dlo[(static_cast<size_t>(g) * n_chunks + chunk) * N + k];
+        const float chunk_decay = cLs[(static_cast<size_t>(g) * n_chunks + chunk) * N + k];
+        sd[k] = wkv7c_decay_hi(chunk_decay);
+        sd[N + k] = wkv7c_decay_lo(chunk_decay);
         BARRIER();
         float dd = 0.0f;
         for (int i = 0; i < N; ++i) dd = FMA(dSc[i], Sc[i], dd);
-        ddlo[(static_cast<size_t>(g) * n_chunks + chunk) * N + k] = dd;
+        ddecay[(static_cast<size_t>(g) * n_chunks + chunk) * N + k] = dd;
         for (int t = 0; t < L; ++t) {
             const size_t at = maps + static_cast<size_t>(t) * N + k;
             float dzt = 0.0f, dvt = 0.0f, dbt = 0.0f, dkt = 0.0f;
@@ -355,14 +370,14 @@ KFN void wkv7c_bwd_scan(
             for (int t = 0; t < L; ++t) {
                 acc = FMA(dyk[t], s1[t * N + j], FMA(dz[t], s2[t * N + j], acc));
             }
-            dSr[j] = dSr[j] + FMA(dSr[j], sd[j], acc);
+            dSr[j] = FMA(dSr[j], sd[j], FMA(dSr[j], sd[N + j], acc));
         }
         for (int i = 0; i < N; ++i) {  // column k
             float acc = 0.0f;
             for (int t = 0; t < L; ++t) {
                 acc = FMA(s3[t * N + i], s1[t * N + k], FMA(s4[t * N + i], s2[t * N + k], acc));
             }
-            dSc[i] = dSc[i] + FMA(dSc[i], sd[k], acc);
+            dSc[i] = FMA(dSc[i], sd[k], FMA(dSc[i], sd[N + k], acc));
         }
         BARRIER();  // the next chunk overwrites threadgroup memory
     }
@@ -374,8 +389,8 @@ KFN void wkv7c_bwd_scan(
 // Y0 and Qm give dA_rk, dA_rb and add A_rb^T dy, A_rb^T dQm to the cotangents of U0 and W;
 // U0 = M A_ak V and W = M A0 (M = (I - A_ab)^-1) give lambda = M^T dU0, mu = M^T dW by back
 // substitution, then dA_ak, dA_ab and dv; the four A's give dr, dk, da, db and, through their
-// exponentials, the cotangents of the cumulative log-decays c, as do R0, A0, K_L, B_L and dlo;
-// dlog_w is their reverse cumulative sum (zero where log_w was clamped).
+// exponentials, d log_w: each factor e^{c_e - c_s} gives its share to the steps of its range
+// (zero where log_w was clamped).
 template <typename InT, int N>
 KFN void wkv7c_bwd_maps(
     GMEM const InT* r,
@@ -392,7 +407,7 @@ KFN void wkv7c_bwd_maps(
     GMEM const float* dZ,
     GMEM const float* dKL,
     GMEM const float* dBL,
-    GMEM const float* ddlo,
+    GMEM const float* ddecay,
     GMEM const float* dv0,
     int T,
     int H,
@@ -444,7 +459,7 @@ KFN void wkv7c_bwd_maps(
         vc[t] = x[4];
         lw_raw[t] = x[5];
         gY[t] = x[6];
-        cc[t + 1] = cc[t] + (x[5] > WKV7C_LOG_W_MIN ? x[5] : WKV7C_LOG_W_MIN);
+        cc[t + 1] = cc[t] + (x[5] < WKV7C_LOG_W_MIN ? WKV7C_LOG_W_MIN : x[5]);
         sr[t * N + n] = rc[t];
         sa[t * N + n] = ac[t];
         sk[t * N + n] = kc[t];
@@ -598,7 +613,7 @@ KFN void wkv7c_bwd_maps(
         const float ends = (gK[t] * kc[t] + gB[t] * bc[t]) * FEXP(cc[L] - cc[t + 1]);
         prefix_ends[t + 1] = prefix_ends[t] + ends;
     }
-    const float decay_term = ddlo[static_cast<size_t>(g) * N + n] * FEXP(cc[L]);
+    const float decay_term = ddecay[static_cast<size_t>(g) * N + n] * FEXP(cc[L]);
     for (int u = L - 1; u >= 0; --u) {
         suffix_r0 = FMA(gQ[u] * rc[u], FEXP(cc[u + 1]), suffix_r0);  // R0_t, t >= u
         if (u + 1 < L) suffix_a0 = FMA(mu[u + 1] * ac[u + 1], FEXP(cc[u + 1]), suffix_a0);
@@ -620,7 +635,7 @@ KFN void wkv7c_bwd_maps(
         if (step < T) {
             const size_t seq = ((batch * T + step) * H + head) * N + n;
             dr[seq] = FROM_F32(InT, drc[u]);
-            dlog_w[seq] = lw_raw[u] > WKV7C_LOG_W_MIN ? dlw : 0.0f;
+            dlog_w[seq] = lw_raw[u] < WKV7C_LOG_W_MIN ? 0.0f : dlw;
             dk[seq] = FROM_F32(InT, dkc[u]);
             dv[seq] = FROM_F32(InT, dvc[u]);
             da[seq] = FROM_F32(InT, dac[u]);

@@ -1,6 +1,6 @@
 // kernel: wkv7c_fwd_scan
 // body: wkv7_chunk.h
-// inputs: v:InT state:float W:float U0:float Qm:float Y0:float KL:float BL:float dlo:float
+// inputs: v:InT state:float W:float U0:float Qm:float Y0:float KL:float BL:float cL:float
 // inputs: dims:int
 // outputs: y:InT state_out:float ckpt:float Z:float
 // Entry of the chunked WKV7 forward, its second part: the state through the chunks, from the
@@ -8,5 +8,5 @@
 // the backward. dims = [T, H] int32; grid (B * H * N, 1, 1), threadgroup (N, 1, 1).
 SHARED_ARRAY(float, wkv7c_smem, WKV7C_SCAN_SHARED(N));
 wkv7c_scan<InT, N>(
-    v, state, W, U0, Qm, Y0, KL, BL, dlo, dims[0], dims[1], y, state_out, ckpt, Z, TID_X, GID_X,
+    v, state, W, U0, Qm, Y0, KL, BL, cL, dims[0], dims[1], y, state_out, ckpt, Z, TID_X, GID_X,
     wkv7c_smem);

@@ -53,14 +53,14 @@ def _chunked_runs(cp, launch, values: dict, dtype: str):
     L = harness.chunk_length(N)
     n_chunks = -(-T // L)
     mapped = (B, H, n_chunks, L, N)
-    shapes = {name: mapped for name in harness.MAPS_NAMES} | {"dlo": (B, H, n_chunks, N)}
+    shapes = {name: mapped for name in harness.MAPS_NAMES} | {"cL": (B, H, n_chunks, N)}
     maps = entry_arrays(harness.MAPS, dtype, values, shapes, cp)
     saved = _outputs(harness.MAPS, maps)
     shapes = {"y": values["r"].shape, "state_out": (B, H, N, N), "ckpt": (B, H, n_chunks, N, N)}
     scan = entry_arrays(harness.SCAN, dtype, values, shapes | {"Z": mapped}, cp, ready=saved)
     saved |= _outputs(harness.SCAN, scan)
     shapes = {name: mapped for name in ("dW", "dQm", "dZ", "dKL", "dBL", "dv0")}
-    shapes |= {"ddlo": (B, H, n_chunks, N), "dstate0": (B, H, N, N)}
+    shapes |= {"ddecay": (B, H, n_chunks, N), "dstate0": (B, H, N, N)}
     back_scan = entry_arrays(harness.BWD_SCAN, dtype, values, shapes, cp, ready=saved)
     saved |= _outputs(harness.BWD_SCAN, back_scan)
     shapes = {name: values["r"].shape for name in ("dr", "dlog_w", "dk", "dv", "da", "db")}

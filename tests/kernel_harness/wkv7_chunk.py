@@ -49,7 +49,7 @@ def forward(launch, inputs: dict, dtype: str, xp=np) -> dict:
     n_chunks = -(-T // L)
     dims = np.array([T, H], dtype=np.int32)
     maps_shape = (B, H, n_chunks, L, N)
-    shapes = {name: maps_shape for name in MAPS_NAMES} | {"dlo": (B, H, n_chunks, N)}
+    shapes = {name: maps_shape for name in MAPS_NAMES} | {"cL": (B, H, n_chunks, N)}
     maps_arrays = entry_arrays(MAPS, dtype, {**inputs, "dims": dims}, shapes, xp)
     launch(standalone.instance_name(MAPS, dtype, N), B * H * n_chunks, N, maps_arrays)
     maps = dict(zip(MAPS.output_names, maps_arrays[len(MAPS.inputs) :], strict=True))
@@ -79,7 +79,7 @@ def backward(launch, inputs: dict, dy, dstate, dtype: str, xp=np) -> dict:
     maps_shape = (B, H, n_chunks, L, N)
     names = ("dW", "dQm", "dZ", "dKL", "dBL", "dv0")
     shapes = {name: maps_shape for name in names}
-    shapes |= {"ddlo": (B, H, n_chunks, N), "dstate0": (B, H, N, N)}
+    shapes |= {"ddecay": (B, H, n_chunks, N), "dstate0": (B, H, N, N)}
     values = {**inputs, "dy": dy, "dstate": dstate, "dims": dims}
     arrays = entry_arrays(BWD_SCAN, dtype, values, shapes, xp, ready=saved)
     launch(standalone.instance_name(BWD_SCAN, dtype, N), B * H, N, arrays)

@@ -184,3 +184,25 @@ def test_mlx_wrapper_and_vjp_through_cpu_flavour(launch, monkeypatch, backend, d
 
 def test_gpu_harness_imports_without_mlx():
     check_imports_without_mlx("test_wkv7_chunk_cuda")
+
+
+def test_a_small_chunk_decay_keeps_the_state_to_relative_precision(launch):
+    # w = e^-0.6 every step: each chunk keeps e^-9.6 of its state. Kept as S + S (g - 1), the
+    # state would lose g's relative precision (1e-3 off here); as S hi + S lo it keeps it
+    rng = np.random.default_rng(64)
+    inputs = random_wkv7_inputs(rng, 1, 64, 2, 16)
+    inputs["log_w"] = np.full_like(inputs["log_w"], -0.6)
+    inputs["v"][:, 8:] = 0.0
+    inputs["a"] *= 1e-3  # the state then mostly decays: its relative precision is what is seen
+    inputs["b"] *= 1e-3
+    errors = harness.compare(launch, inputs, "float32", seed=65)
+    assert errors["state_out"] <= 1e-6, errors
+
+
+def test_nan_in_log_w_reaches_the_outputs(launch):
+    # the clamp at WKV7C_LOG_W_MIN must not turn NaN into a decay (the MLX paths propagate it)
+    inputs = random_wkv7_inputs(np.random.default_rng(8), 1, 20, 1, 16)
+    inputs["log_w"][0, 5, 0, 3] = np.nan
+    got = harness.forward(launch, inputs, "float32")
+    assert np.isnan(got["state_out"]).any() and np.isnan(got["y"][0, 5:]).any()
+    assert np.isfinite(got["y"][0, :5]).all()

@@ -122,7 +122,7 @@ def _chunked_core(r, log_w, k, v, a, b, state):
     n_chunks = -(-T // chunk_length(N))
     chunked = (B, H, n_chunks, chunk_length(N), N)
     f32 = mx.float32
-    W, U0, Qm, Y0, KL, BL, dlo = _run(
+    W, U0, Qm, Y0, KL, BL, c_L = _run(
         maps,
         [r, log_w, k, v, a, b],
         T,
@@ -134,7 +134,7 @@ def _chunked_core(r, log_w, k, v, a, b, state):
     )
     y, state_out, ckpt, Z = _run(
         scan,
-        [v, state, W, U0, Qm, Y0, KL, BL, dlo],
+        [v, state, W, U0, Qm, Y0, KL, BL, c_L],
         T,
         r.dtype,
         N,
@@ -143,14 +143,14 @@ def _chunked_core(r, log_w, k, v, a, b, state):
         [r.dtype, f32, f32, f32],
     )
     # what the backward starts from rides along as outputs
-    return y, state_out, ckpt, Z, W, U0, Qm, KL, BL, dlo
+    return y, state_out, ckpt, Z, W, U0, Qm, KL, BL, c_L
 
 
 @_chunked_core.vjp
 def _chunked_vjp(primals, cotangents, outputs):
     r, log_w, k, v, a, b, _ = primals
     dy, d_state_out = cotangents[:2]
-    _, _, ckpt, Z, W, U0, Qm, KL, BL, dlo = outputs
+    _, _, ckpt, Z, W, U0, Qm, KL, BL, c_L = outputs
     _, _, back_scan, back_maps = _chunked_kernels()
     B, T, H, N = r.shape
     n_chunks = ckpt.shape[2]
@@ -159,9 +159,9 @@ def _chunked_vjp(primals, cotangents, outputs):
     dy = mx.zeros(r.shape, dtype=dt) if dy is None else dy.astype(dt)
     if d_state_out is None:
         d_state_out = mx.zeros((B, H, N, N), dtype=f32)
-    dW, dQm, dZ, dKL, dBL, ddlo, dv0, d_state = _run(
+    dW, dQm, dZ, dKL, dBL, d_decay, dv0, d_state = _run(
         back_scan,
-        [dy, v, d_state_out.astype(f32), ckpt, Z, W, Qm, KL, BL, dlo],
+        [dy, v, d_state_out.astype(f32), ckpt, Z, W, Qm, KL, BL, c_L],
         T,
         dt,
         N,
@@ -171,7 +171,7 @@ def _chunked_vjp(primals, cotangents, outputs):
     )
     grads = _run(
         back_maps,
-        [r, log_w, k, v, a, b, dy, W, U0, dW, dQm, dZ, dKL, dBL, ddlo, dv0],
+        [r, log_w, k, v, a, b, dy, W, U0, dW, dQm, dZ, dKL, dBL, d_decay, dv0],
         T,
         dt,
         N,
@@ -183,7 +183,9 @@ def _chunked_vjp(primals, cotangents, outputs):
 
 
 def wkv7_chunked_kernel(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
-    """WKV7 by the chunked GPU kernels (Metal or CUDA); same contract as ``wkv7_ref``.
+    """WKV7 by the chunked GPU kernels (Metal or CUDA); the contract of ``wkv7_ref``, with
+    decays below exp(-16) a step taken as exp(-16) (their log_w gets no gradient), as
+    ``wkv7_chunked`` does.
 
     Every chunk's maps in parallel, then the state through the chunks, one threadgroup per
     (batch, head); the VJP is the reverse scan and the maps' backward, as kernels too

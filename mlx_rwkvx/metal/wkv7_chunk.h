@@ -50,6 +50,44 @@ KFN float wkv7c_decay_lo(float x) {
     return x > WKV7C_LN_HALF ? FEXP(x) - 1.0f : FEXP(x);  // e^x - 1 is exact in [1/2, 1)
 }
 
+// The four L x L matrices of a chunk from its r, a, k, b and cumulative log-decays c
+// (threadgroup memory), one thread per entry:
+//     A_xy[t, s] = sum_m x[t, m] e^{X_t[m] - c_s[m]} y[s, m],
+// X = c_t for r (s <= t), c_{t-1} for a (s < t): exponents <= 0. Zero above the diagonal.
+template <int N>
+KFN void wkv7c_products(
+    SMEM const float* sr,
+    SMEM const float* sa,
+    SMEM const float* sk,
+    SMEM const float* sb,
+    SMEM const float* sc,
+    SMEM float* sA,
+    int n) {
+    constexpr int L = WKV7C_L(N);
+    for (int p = n; p < L * L; p += N) {
+        const int t = p / L;
+        const int s = p % L;
+        float rk = 0.0f, rb = 0.0f, ak = 0.0f, ab = 0.0f;
+        if (s <= t) {
+            for (int m = 0; m < N; ++m) {
+                const float cs = sc[(s + 1) * N + m];
+                const float rf = sr[t * N + m] * FEXP(sc[(t + 1) * N + m] - cs);
+                rk = FMA(rf, sk[s * N + m], rk);
+                rb = FMA(rf, sb[s * N + m], rb);
+                if (s < t) {
+                    const float af = sa[t * N + m] * FEXP(sc[t * N + m] - cs);
+                    ak = FMA(af, sk[s * N + m], ak);
+                    ab = FMA(af, sb[s * N + m], ab);
+                }
+            }
+        }
+        sA[p] = rk;
+        sA[L * L + p] = rb;
+        sA[2 * L * L + p] = ak;
+        sA[3 * L * L + p] = ab;
+    }
+}
+
 // The maps of one chunk (group g = (b * H + h) * n_chunks + chunk), thread n = channel n. Shared:
 // r, a, k, b of the chunk, its cumulative log-decays c[u] (the sum of its first u steps, u = 0..L)
 // and the four L x L matrices A_rk, A_rb, A_ak, A_ab (ops/wkv7/README.md).
@@ -108,30 +146,7 @@ KFN void wkv7c_maps(
         sc[(t + 1) * N + n] = c;
     }
     BARRIER();
-    // A_xy[t, s] = sum_m x[t, m] e^{X_t[m] - c_s[m]} y[s, m]; X = c_t for r (s <= t), c_{t-1}
-    // for a (s < t): exponents <= 0. Zero above the diagonal.
-    for (int p = n; p < L * L; p += N) {
-        const int t = p / L;
-        const int s = p % L;
-        float rk = 0.0f, rb = 0.0f, ak = 0.0f, ab = 0.0f;
-        if (s <= t) {
-            for (int m = 0; m < N; ++m) {
-                const float cs = sc[(s + 1) * N + m];
-                const float rf = sr[t * N + m] * FEXP(sc[(t + 1) * N + m] - cs);
-                rk = FMA(rf, sk[s * N + m], rk);
-                rb = FMA(rf, sb[s * N + m], rb);
-                if (s < t) {
-                    const float af = sa[t * N + m] * FEXP(sc[t * N + m] - cs);
-                    ak = FMA(af, sk[s * N + m], ak);
-                    ab = FMA(af, sb[s * N + m], ab);
-                }
-            }
-        }
-        sA[p] = rk;
-        sA[L * L + p] = rb;
-        sA[2 * L * L + p] = ak;
-        sA[3 * L * L + p] = ab;
-    }
+    wkv7c_products<N>(sr, sa, sk, sb, sc, sA, n);
     BARRIER();
     SMEM const float* A_rk = sA;
     SMEM const float* A_rb = sA + L * L;
@@ -475,28 +490,7 @@ KFN void wkv7c_bwd_maps(
         dvc[t] = dv0[at];
     }
     BARRIER();
-    for (int p = n; p < L * L; p += N) {  // the A's again, as the forward made them
-        const int t = p / L;
-        const int s = p % L;
-        float rk = 0.0f, rb = 0.0f, ak = 0.0f, ab = 0.0f;
-        if (s <= t) {
-            for (int m = 0; m < N; ++m) {
-                const float cs = sc[(s + 1) * N + m];
-                const float rf = sr[t * N + m] * FEXP(sc[(t + 1) * N + m] - cs);
-                rk = FMA(rf, sk[s * N + m], rk);
-                rb = FMA(rf, sb[s * N + m], rb);
-                if (s < t) {
-                    const float af = sa[t * N + m] * FEXP(sc[t * N + m] - cs);
-                    ak = FMA(af, sk[s * N + m], ak);
-                    ab = FMA(af, sb[s * N + m], ab);
-                }
-            }
-        }
-        sA[p] = rk;
-        sA[L * L + p] = rb;
-        sA[2 * L * L + p] = ak;
-        sA[3 * L * L + p] = ab;
-    }
+    wkv7c_products<N>(sr, sa, sk, sb, sc, sA, n);  // the A's again, as the forward made them
     BARRIER();
     SMEM const float* A_rk = sA;
     SMEM const float* A_rb = sA + L * L;

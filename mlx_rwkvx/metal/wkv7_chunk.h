@@ -8,16 +8,14 @@
 // chunk's inputs alone. The first entry computes them for every chunk at once; the second runs
 // the state through the chunks, one threadgroup per (batch, head).
 //
-// Exactness: every factor is one exponential of a difference of cumulative log-decays, <= 0
-// where it is used, so none overflows and one that underflows is a term below float32
-// resolution. The cumulative sums start at each chunk, with log_w clamped at WKV7C_LOG_W_MIN
-// as the MLX path does (decays below 1.1e-7 a step change nothing float32 can see; their log_w
-// gets no gradient). The state keeps itself as S hi + S lo, e^{c_L} split as wkv7.h splits a
-// step's decay: a chunk decay near 1 is carried to the precision of log_w, a small one to full
-// relative precision. Known limit: after a large drop inside a chunk (log_w of -9 or below at
-// one step), the later prefix sums carry float32 rounding of that magnitude into the
-// differences: up to ~1e-5 relative in y; within RWKV-7's decays (log_w >= -0.61) it stays at
-// the float32 level.
+// Exactness: every factor is one exponential of a sum of log-decays over its own range of
+// steps, <= 0 where it is used: none overflows, one that underflows is a term below float32
+// resolution, and a large drop earlier in the chunk leaves later ranges untouched (a difference
+// of prefix sums would carry its rounding). log_w is clamped at WKV7C_LOG_W_MIN as the MLX path
+// does (decays below 1.1e-7 a step change nothing float32 can see; their log_w gets no
+// gradient; NaN passes). The state keeps itself as S hi + S lo, e^{c_L} split as wkv7.h splits
+// a step's decay: a chunk decay near 1 is carried to the precision of log_w, a small one to
+// full relative precision.
 //
 // Layouts: inputs and y [B, T, H, N] (log_w float32), states [B, H, N, N] float32 row-major
 // S[i, j] (i = value index, j = key index); the chunk maps W, U0, Qm, Y0, K_L, B_L
@@ -26,11 +24,11 @@
 #ifndef MLX_RWKVX_WKV7_CHUNK_H
 #define MLX_RWKVX_WKV7_CHUNK_H
 
-// Steps per chunk: threadgroup memory of the maps holds (5 L + 1) N + 4 L^2 floats (their
-// backward 4 L^2 more), 24.3 KiB (28.3) at N = 64, L = 16 and 21.5 KiB (22.5) at N = 128, L = 8;
-// Metal gives 32 KiB, CUDA 48 KiB by default.
+// Steps per chunk: threadgroup memory of the maps holds 5 L N + 4 L^2 floats (their backward
+// 4 L^2 more), 24 KiB (28) at N = 64, L = 16 and 21 KiB (22) at N = 128, L = 8; Metal gives
+// 32 KiB, CUDA 48 KiB by default.
 #define WKV7C_L(n) ((n) > 64 ? 8 : 16)
-#define WKV7C_MAPS_SHARED(n) ((5 * WKV7C_L(n) + 1) * (n) + 4 * WKV7C_L(n) * WKV7C_L(n))
+#define WKV7C_MAPS_SHARED(n) (5 * WKV7C_L(n) * (n) + 4 * WKV7C_L(n) * WKV7C_L(n))
 #define WKV7C_SCAN_SHARED(n) ((4 * WKV7C_L(n) + 2) * (n))
 #define WKV7C_BWD_MAPS_SHARED(n) (WKV7C_MAPS_SHARED(n) + 4 * WKV7C_L(n) * WKV7C_L(n))
 #define WKV7C_LOG_W_MIN (-16.0f)
@@ -50,17 +48,19 @@ KFN float wkv7c_decay_lo(float x) {
     return x > WKV7C_LN_HALF ? FEXP(x) - 1.0f : FEXP(x);  // e^x - 1 is exact in [1/2, 1)
 }
 
-// The four L x L matrices of a chunk from its r, a, k, b and cumulative log-decays c
-// (threadgroup memory), one thread per entry:
+// The four L x L matrices of a chunk from its r, a, k, b and clamped log-decays (threadgroup
+// memory), one thread per entry:
 //     A_xy[t, s] = sum_m x[t, m] e^{X_t[m] - c_s[m]} y[s, m],
-// X = c_t for r (s <= t), c_{t-1} for a (s < t): exponents <= 0. Zero above the diagonal.
+// X = c_t for r (s <= t), c_{t-1} for a (s < t): exponents <= 0, each taken as the sum over its
+// own range of steps (a difference of prefix sums would carry the rounding of a large earlier
+// drop). Zero above the diagonal.
 template <int N>
 KFN void wkv7c_products(
     SMEM const float* sr,
     SMEM const float* sa,
     SMEM const float* sk,
     SMEM const float* sb,
-    SMEM const float* sc,
+    SMEM const float* sl,
     SMEM float* sA,
     int n) {
     constexpr int L = WKV7C_L(N);
@@ -70,12 +70,13 @@ KFN void wkv7c_products(
         float rk = 0.0f, rb = 0.0f, ak = 0.0f, ab = 0.0f;
         if (s <= t) {
             for (int m = 0; m < N; ++m) {
-                const float cs = sc[(s + 1) * N + m];
-                const float rf = sr[t * N + m] * FEXP(sc[(t + 1) * N + m] - cs);
+                float gap = 0.0f;  // log-decays of the steps s < u < t, summed over that range
+                for (int u = s + 1; u < t; ++u) gap += sl[u * N + m];
+                const float rf = sr[t * N + m] * FEXP(s < t ? gap + sl[t * N + m] : 0.0f);
                 rk = FMA(rf, sk[s * N + m], rk);
                 rb = FMA(rf, sb[s * N + m], rb);
                 if (s < t) {
-                    const float af = sa[t * N + m] * FEXP(sc[t * N + m] - cs);
+                    const float af = sa[t * N + m] * FEXP(gap);
                     ak = FMA(af, sk[s * N + m], ak);
                     ab = FMA(af, sb[s * N + m], ab);
                 }
@@ -120,11 +121,11 @@ KFN void wkv7c_maps(
     SMEM float* sa = sr + L * N;
     SMEM float* sk = sa + L * N;
     SMEM float* sb = sk + L * N;
-    SMEM float* sc = sb + L * N;  // (L + 1) x N
-    SMEM float* sA = sc + (L + 1) * N;  // A_rk, A_rb, A_ak, A_ab, each L x L
+    SMEM float* sl = sb + L * N;  // the clamped log-decays
+    SMEM float* sA = sl + L * N;  // A_rk, A_rb, A_ak, A_ab, each L x L
     float vn[L];  // v[., n]: only this thread's column is used
-    float c = 0.0f;
-    sc[n] = 0.0f;
+    float c[L + 1];  // this channel's prefix sums from the chunk start: c[u], the first u steps
+    c[0] = 0.0f;
     for (int t = 0; t < L; ++t) {
         const int step = chunk * L + t;
         float x[6] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // past T: zeros, decay 1
@@ -142,11 +143,11 @@ KFN void wkv7c_maps(
         sk[t * N + n] = x[2];
         sb[t * N + n] = x[3];
         vn[t] = x[4];
-        c += x[5];
-        sc[(t + 1) * N + n] = c;
+        sl[t * N + n] = x[5];
+        c[t + 1] = c[t] + x[5];
     }
     BARRIER();
-    wkv7c_products<N>(sr, sa, sk, sb, sc, sA, n);
+    wkv7c_products<N>(sr, sa, sk, sb, sl, sA, n);
     BARRIER();
     SMEM const float* A_rk = sA;
     SMEM const float* A_rb = sA + L * L;
@@ -154,11 +155,15 @@ KFN void wkv7c_maps(
     SMEM const float* A_ab = sA + 3 * L * L;
     // Column n of each map: z_t = S_{t-1} a_t solves (I - A_ab) Z = A0 S^T + A_ak V, split by
     // linearity in S (Z = W S^T + U0) and solved by forward substitution, row by row.
-    const float cL = sc[L * N + n];
     const size_t out = static_cast<size_t>(g) * L * N + n;  // chunk g of all (b, h, chunk)
-    float zs[L], z0[L];
+    float zs[L], z0[L], to_end[L];  // to_end[t] = e^{c_L - c_t}, summed over steps t + 1 ..
+    float after = 0.0f;
+    for (int t = L - 1; t >= 0; --t) {
+        to_end[t] = FEXP(after);
+        after += sl[t * N + n];
+    }
     for (int t = 0; t < L; ++t) {
-        float w_t = sa[t * N + n] * FEXP(sc[t * N + n]);  // A0 = a_t e^{c_{t-1}}
+        float w_t = sa[t * N + n] * FEXP(c[t]);  // A0 = a_t e^{c_{t-1}}
         float u_t = 0.0f;
         for (int s = 0; s < t; ++s) u_t = FMA(A_ak[t * L + s], vn[s], u_t);
         for (int s = 0; s < t; ++s) {
@@ -167,22 +172,21 @@ KFN void wkv7c_maps(
         }
         zs[t] = w_t;
         z0[t] = u_t;
-        float q_t = sr[t * N + n] * FEXP(sc[(t + 1) * N + n]);  // R0 = r_t e^{c_t}
+        float q_t = sr[t * N + n] * FEXP(c[t + 1]);  // R0 = r_t e^{c_t}
         float y_t = 0.0f;
         for (int s = 0; s <= t; ++s) {
             q_t = FMA(A_rb[t * L + s], zs[s], q_t);
             y_t = FMA(A_rk[t * L + s], vn[s], FMA(A_rb[t * L + s], z0[s], y_t));
         }
-        const float to_end = FEXP(cL - sc[(t + 1) * N + n]);  // e^{c_L - c_t} <= 1
         const size_t at = out + static_cast<size_t>(t) * N;
         W[at] = w_t;
         U0[at] = u_t;
         Qm[at] = q_t;
         Y0[at] = y_t;
-        KL[at] = sk[t * N + n] * to_end;
-        BL[at] = sb[t * N + n] * to_end;
+        KL[at] = sk[t * N + n] * to_end[t];
+        BL[at] = sb[t * N + n] * to_end[t];
     }
-    cLs[static_cast<size_t>(g) * N + n] = cL;
+    cLs[static_cast<size_t>(g) * N + n] = c[L];
 }
 
 // The state through the chunks (group g = b * H + h), thread i = row i of S in registers: per
@@ -445,14 +449,13 @@ KFN void wkv7c_bwd_maps(
     SMEM float* sa = sr + L * N;
     SMEM float* sk = sa + L * N;
     SMEM float* sb = sk + L * N;
-    SMEM float* sc = sb + L * N;
-    SMEM float* sA = sc + (L + 1) * N;  // A_rk, A_rb, A_ak, A_ab
+    SMEM float* sl = sb + L * N;  // the clamped log-decays
+    SMEM float* sA = sl + L * N;  // A_rk, A_rb, A_ak, A_ab
     SMEM float* sG = sA + 4 * L * L;  // their cotangents
     // This thread's column of everything (channel n).
-    float rc[L], ac[L], kc[L], bc[L], vc[L], cc[L + 1], lw_raw[L];
+    float rc[L], ac[L], kc[L], bc[L], vc[L], lw[L], cc[L + 1], lw_raw[L];
     float gY[L], gQ[L], gW[L], gU[L], gK[L], gB[L], Wc[L], Uc[L], dvc[L];
     cc[0] = 0.0f;
-    sc[n] = 0.0f;
     for (int t = 0; t < L; ++t) {
         const int step = chunk * L + t;
         const size_t at = col + static_cast<size_t>(t) * N;
@@ -474,12 +477,13 @@ KFN void wkv7c_bwd_maps(
         vc[t] = x[4];
         lw_raw[t] = x[5];
         gY[t] = x[6];
-        cc[t + 1] = cc[t] + (x[5] < WKV7C_LOG_W_MIN ? WKV7C_LOG_W_MIN : x[5]);
+        lw[t] = x[5] < WKV7C_LOG_W_MIN ? WKV7C_LOG_W_MIN : x[5];
+        cc[t + 1] = cc[t] + lw[t];
         sr[t * N + n] = rc[t];
         sa[t * N + n] = ac[t];
         sk[t * N + n] = kc[t];
         sb[t * N + n] = bc[t];
-        sc[(t + 1) * N + n] = cc[t + 1];
+        sl[t * N + n] = lw[t];
         gQ[t] = dQm[at];
         gW[t] = dW[at];
         gU[t] = dZ[at];
@@ -490,7 +494,7 @@ KFN void wkv7c_bwd_maps(
         dvc[t] = dv0[at];
     }
     BARRIER();
-    wkv7c_products<N>(sr, sa, sk, sb, sc, sA, n);  // the A's again, as the forward made them
+    wkv7c_products<N>(sr, sa, sk, sb, sl, sA, n);  // the A's again, as the forward made them
     BARRIER();
     SMEM const float* A_rk = sA;
     SMEM const float* A_rb = sA + L * L;
@@ -572,29 +576,36 @@ KFN void wkv7c_bwd_maps(
         dkc[t] = 0.0f;
         dbc[t] = 0.0f;
     }
-    for (int t = 0; t < L; ++t) {
-        for (int s = 0; s <= t; ++s) {
-            const float fr = FEXP(cc[t + 1] - cc[s + 1]);
+    for (int s = 0; s < L; ++s) {
+        float gap = 0.0f;  // log-decays of the steps s < u < t, summed over that range
+        for (int t = s; t < L; ++t) {
+            const float fr = FEXP(t > s ? gap + lw[t] : 0.0f);
             const float gr = G_rk[t * L + s] * kc[s] + G_rb[t * L + s] * bc[s];
             drc[t] = FMA(gr, fr, drc[t]);
             dkc[s] = FMA(G_rk[t * L + s] * rc[t], fr, dkc[s]);
             dbc[s] = FMA(G_rb[t * L + s] * rc[t], fr, dbc[s]);
             if (s < t) {
-                const float fa = FEXP(cc[t] - cc[s + 1]);
+                const float fa = FEXP(gap);
                 const float ga = G_ak[t * L + s] * kc[s] + G_ab[t * L + s] * bc[s];
                 dac[t] = FMA(ga, fa, dac[t]);
                 dkc[s] = FMA(G_ak[t * L + s] * ac[t], fa, dkc[s]);
                 dbc[s] = FMA(G_ab[t * L + s] * ac[t], fa, dbc[s]);
+                gap += lw[t];
             }
         }
+    }
+    float to_end[L];  // e^{c_L - c_t}, summed over steps t + 1 .. L - 1
+    float after = 0.0f;
+    for (int t = L - 1; t >= 0; --t) {
+        to_end[t] = FEXP(after);
+        after += lw[t];
     }
     // The direct ones: R0 = r e^{c_t}, A0 = a e^{c_{t-1}}, K_L, B_L = (k, b) e^{c_L - c_t}.
     for (int t = 0; t < L; ++t) {
         drc[t] = FMA(gQ[t], FEXP(cc[t + 1]), drc[t]);
         dac[t] = FMA(mu[t], FEXP(cc[t]), dac[t]);
-        const float to_end = FEXP(cc[L] - cc[t + 1]);
-        dkc[t] = FMA(gK[t], to_end, dkc[t]);
-        dbc[t] = FMA(gB[t], to_end, dbc[t]);
+        dkc[t] = FMA(gK[t], to_end[t], dkc[t]);
+        dbc[t] = FMA(gB[t], to_end[t], dbc[t]);
     }
     // d log_w_u: every factor e^{c_e - c_s} (the sum of log_w over the steps s < u <= e) gives
     // d(factor) * factor to each step of its range. Summed over the factors whose range holds u,
@@ -604,7 +615,7 @@ KFN void wkv7c_bwd_maps(
     float prefix_ends[L + 1];  // K_L, B_L terms of the steps before u
     prefix_ends[0] = 0.0f;
     for (int t = 0; t < L; ++t) {
-        const float ends = (gK[t] * kc[t] + gB[t] * bc[t]) * FEXP(cc[L] - cc[t + 1]);
+        const float ends = (gK[t] * kc[t] + gB[t] * bc[t]) * to_end[t];
         prefix_ends[t + 1] = prefix_ends[t] + ends;
     }
     const float decay_term = ddecay[static_cast<size_t>(g) * N + n] * FEXP(cc[L]);
@@ -613,13 +624,17 @@ KFN void wkv7c_bwd_maps(
         if (u + 1 < L) suffix_a0 = FMA(mu[u + 1] * ac[u + 1], FEXP(cc[u + 1]), suffix_a0);
         float pairs = 0.0f;  // r-kind: ranges (s, t]; a-kind: (s, t - 1]
         for (int s = 0; s < u; ++s) {
-            const float ks = kc[s], bs = bc[s], cs = cc[s + 1];
+            const float ks = kc[s], bs = bc[s];
+            float range = 0.0f;  // log-decays of the steps s < v <= t, t from u on
+            for (int v = s + 1; v < u; ++v) range += lw[v];
             for (int t = u; t < L; ++t) {
+                range += lw[t];
+                const float f = FEXP(range);
                 const float gr = G_rk[t * L + s] * ks + G_rb[t * L + s] * bs;
-                pairs = FMA(gr * rc[t], FEXP(cc[t + 1] - cs), pairs);
+                pairs = FMA(gr * rc[t], f, pairs);
                 if (t + 1 < L) {
                     const float ga = G_ak[(t + 1) * L + s] * ks + G_ab[(t + 1) * L + s] * bs;
-                    pairs = FMA(ga * ac[t + 1], FEXP(cc[t + 1] - cs), pairs);
+                    pairs = FMA(ga * ac[t + 1], f, pairs);
                 }
             }
         }

@@ -35,6 +35,15 @@ _SIZES = re.search(
 MAPS_NAMES = ("W", "U0", "Qm", "Y0", "KL", "BL")
 
 
+def _arrays(entry, dtype: str, values: dict, out_shapes: dict, xp, ready=None) -> list:
+    """``entry_arrays`` with every output buffer filled with NaN (all ones bits in bf16/fp16,
+    NaN there too), as MLX leaves outputs uninitialised: an element no kernel writes shows."""
+    arrays = entry_arrays(entry, dtype, values, out_shapes, xp, ready=ready)
+    for out in arrays[len(entry.inputs) :]:
+        out.fill(np.nan if out.dtype == np.float32 else 0xFFFF)
+    return arrays
+
+
 def chunk_length(N: int) -> int:
     """WKV7C_L(N) of metal/wkv7_chunk.h."""
     limit, large, small = (int(x) for x in _SIZES.groups())
@@ -50,13 +59,13 @@ def forward(launch, inputs: dict, dtype: str, xp=np) -> dict:
     dims = np.array([T, H], dtype=np.int32)
     maps_shape = (B, H, n_chunks, L, N)
     shapes = {name: maps_shape for name in MAPS_NAMES} | {"cL": (B, H, n_chunks, N)}
-    maps_arrays = entry_arrays(MAPS, dtype, {**inputs, "dims": dims}, shapes, xp)
+    maps_arrays = _arrays(MAPS, dtype, {**inputs, "dims": dims}, shapes, xp)
     launch(standalone.instance_name(MAPS, dtype, N), B * H * n_chunks, N, maps_arrays)
     maps = dict(zip(MAPS.output_names, maps_arrays[len(MAPS.inputs) :], strict=True))
 
     shapes = {"y": (B, T, H, N), "state_out": (B, H, N, N), "ckpt": (B, H, n_chunks, N, N)}
     shapes["Z"] = maps_shape
-    scan_arrays = entry_arrays(SCAN, dtype, {**inputs, "dims": dims}, shapes, xp, ready=maps)
+    scan_arrays = _arrays(SCAN, dtype, {**inputs, "dims": dims}, shapes, xp, ready=maps)
     launch(standalone.instance_name(SCAN, dtype, N), B * H, N, scan_arrays)
     out = dict(zip(SCAN.output_names, scan_arrays[len(SCAN.inputs) :], strict=True))
     return {
@@ -81,12 +90,12 @@ def backward(launch, inputs: dict, dy, dstate, dtype: str, xp=np) -> dict:
     shapes = {name: maps_shape for name in names}
     shapes |= {"ddecay": (B, H, n_chunks, N), "dstate0": (B, H, N, N)}
     values = {**inputs, "dy": dy, "dstate": dstate, "dims": dims}
-    arrays = entry_arrays(BWD_SCAN, dtype, values, shapes, xp, ready=saved)
+    arrays = _arrays(BWD_SCAN, dtype, values, shapes, xp, ready=saved)
     launch(standalone.instance_name(BWD_SCAN, dtype, N), B * H, N, arrays)
     scan = dict(zip(BWD_SCAN.output_names, arrays[len(BWD_SCAN.inputs) :], strict=True))
 
     shapes = {name: (B, T, H, N) for name in ("dr", "dlog_w", "dk", "dv", "da", "db")}
-    arrays = entry_arrays(BWD_MAPS, dtype, values, shapes, xp, ready={**saved, **scan})
+    arrays = _arrays(BWD_MAPS, dtype, values, shapes, xp, ready={**saved, **scan})
     launch(standalone.instance_name(BWD_MAPS, dtype, N), B * H * n_chunks, N, arrays)
     grads = dict(zip(BWD_MAPS.output_names, arrays[len(BWD_MAPS.inputs) :], strict=True))
     for name, ptype in BWD_MAPS.outputs:

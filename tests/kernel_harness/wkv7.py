@@ -64,21 +64,24 @@ def rounded(inputs: dict, dtype: str) -> dict:
     return out
 
 
-def compare(launch, inputs: dict, dtype: str, seed: int = 0, xp=np) -> dict[str, float]:
-    """Run the kernels and the oracle (on the rounded inputs and cotangents); return the
+def compare(
+    launch, inputs: dict, dtype: str, seed: int = 0, xp=np, kernels=run, name="WKV7 kernel"
+) -> dict[str, float]:
+    """Run the kernels (``kernels``: ``run``, or another harness's function of the same
+    arguments and results) and the oracle (on the rounded inputs and cotangents); return the
     norm-wise relative error per named tensor, and assert each is within DESIGN.md's bounds."""
     rng = np.random.default_rng(seed)
     B, T, H, N = inputs["r"].shape
     dy = from_storage(to_storage(rng.standard_normal((B, T, H, N)), dtype), dtype)
     dstate = from_storage(to_storage(rng.standard_normal((B, H, N, N)), "float32"), "float32")
     x = rounded(inputs, dtype)
-    got = run(launch, x, dy, dstate, dtype, xp)
+    got = kernels(launch, x, dy, dstate, dtype, xp)
     args = [x[name] for name in WKV7_INPUTS]
     y, state_out = wkv7_np(*args, x["state"])
     grads = wkv7_bwd_np(*args, x["state"], dy, dstate)
     errors = {"y": rel_err(got["y"], y), "state_out": rel_err(got["state_out"], state_out)}
     errors |= {f"d{name}": rel_err(got[f"d{name}"], grads[name]) for name in GRAD_NAMES}
-    what = f"WKV7 kernel ({dtype}, B={B} T={T} H={H} N={N})"
+    what = f"{name} ({dtype}, B={B} T={T} H={H} N={N})"
     d_names = [f"d{name}" for name in GRAD_NAMES]
     check_errors(what, TOL[dtype], errors, ("y", "state_out"), got, d_names)
     return errors

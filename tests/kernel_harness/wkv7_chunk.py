@@ -7,27 +7,21 @@ from __future__ import annotations
 import re
 
 from kernel_harness import sources as standalone
+from kernel_harness import wkv7 as sequential
 from kernel_harness.common import (
-    TOL,
-    check_errors,
     entry_arrays,
     from_storage,
     host,
-    to_storage,
 )
-from kernel_harness.wkv7 import rounded
 from mlx_rwkvx.metal import sources
 
 import numpy as np
-from oracle.common import rel_err
-from oracle.wkv7 import WKV7_INPUTS, wkv7_bwd_np, wkv7_np
 
 MAPS = sources.entry("wkv7c_fwd_maps.h")
 SCAN = sources.entry("wkv7c_fwd_scan.h")
 BWD_SCAN = sources.entry("wkv7c_bwd_scan.h")
 BWD_MAPS = sources.entry("wkv7c_bwd_maps.h")
 ENTRIES = (MAPS, SCAN, BWD_SCAN, BWD_MAPS)
-GRAD_NAMES = (*WKV7_INPUTS, "state")
 _SIZES = re.search(
     r"#define WKV7C_L\(n\) \(\(n\) > (\d+) \? (\d+) : (\d+)\)",
     sources.kernel_source("wkv7_chunk.h"),
@@ -106,33 +100,6 @@ def backward(launch, inputs: dict, dy, dstate, dtype: str, xp=np) -> dict:
 
 
 def compare(launch, inputs: dict, dtype: str, seed: int = 0, xp=np) -> dict[str, float]:
-    """Forward and backward against the oracle (on the rounded inputs and cotangents): the
-    norm-wise relative error per named tensor, asserted within DESIGN.md's bounds."""
-    rng = np.random.default_rng(seed)
-    B, T, H, N = inputs["r"].shape
-    dy = from_storage(to_storage(rng.standard_normal((B, T, H, N)), dtype), dtype)
-    dstate = rng.standard_normal((B, H, N, N)).astype(np.float32).astype(np.float64)
-    x = rounded(inputs, dtype)
-    got = backward(launch, x, dy, dstate, dtype, xp)
-    args = [x[name] for name in WKV7_INPUTS]
-    y, state_out = wkv7_np(*args, x["state"])
-    grads = wkv7_bwd_np(*args, x["state"], dy, dstate)
-    errors = {"y": rel_err(got["y"], y), "state_out": rel_err(got["state_out"], state_out)}
-    errors |= {f"d{name}": rel_err(got[f"d{name}"], grads[name]) for name in GRAD_NAMES}
-    what = f"chunked WKV7 kernel ({dtype}, B={B} T={T} H={H} N={N})"
-    d_names = [f"d{name}" for name in GRAD_NAMES]
-    check_errors(what, TOL[dtype], errors, ("y", "state_out"), got, d_names)
-    return errors
-
-
-def compare_forward(launch, inputs: dict, dtype: str, xp=np) -> dict[str, float]:
-    """The forward against the oracle on the inputs rounded as the kernel sees them: the
-    norm-wise relative error of y and of the final state, asserted within DESIGN.md's bounds."""
-    x = rounded(inputs, dtype)
-    got = forward(launch, x, dtype, xp)
-    y, state_out = wkv7_np(*(x[name] for name in WKV7_INPUTS), x["state"])
-    errors = {"y": rel_err(got["y"], y), "state_out": rel_err(got["state_out"], state_out)}
-    B, T, H, N = inputs["r"].shape
-    what = f"chunked WKV7 kernel ({dtype}, B={B} T={T} H={H} N={N})"
-    check_errors(what, TOL[dtype], errors, ("y", "state_out"), got, ())
-    return errors
+    """Forward and backward against the oracle, as kernel_harness.wkv7.compare does for the
+    sequential kernel: the norm-wise relative error per named tensor, asserted."""
+    return sequential.compare(launch, inputs, dtype, seed, xp, backward, "chunked WKV7 kernel")

@@ -18,6 +18,7 @@ from helpers.mlx_kernel_emulation import (
 )
 from kernel_harness import cpu
 from kernel_harness import wkv7_chunk as harness
+from kernel_harness.common import TOL
 from oracle.common import rel_err
 from oracle.wkv7 import WKV7_INPUTS, random_wkv7_inputs, wkv7_bwd_np, wkv7_np
 
@@ -99,7 +100,7 @@ def test_checkpoints_are_the_states_entering_each_chunk(launch):
             want = inputs["state"][:, :, :, :]
         else:
             part = {name: x[:, : c * L] for name, x in inputs.items() if name != "state"}
-            _, want = harness.wkv7_np(*(part[n] for n in harness.WKV7_INPUTS), inputs["state"])
+            _, want = wkv7_np(*(part[n] for n in WKV7_INPUTS), inputs["state"])
         assert np.abs(got["ckpt"][:, :, c] - want).max() <= 1e-5 * np.abs(want).max()
 
 
@@ -175,7 +176,7 @@ def test_mlx_wrapper_and_vjp_through_cpu_flavour(launch, monkeypatch, backend, d
     dy64 = np.array(dy.astype(mx.float32), dtype=np.float64)
     y_ref, s_ref = wkv7_np(*x[:6], x[6])
     g_ref = wkv7_bwd_np(*x[:6], x[6], dy64, np.array(dstate, dtype=np.float64))
-    tol = harness.TOL[dtype]
+    tol = TOL[dtype]
     assert rel_err(np.array(y.astype(mx.float32)), y_ref) <= tol["out"]
     assert rel_err(np.array(state_out), s_ref) <= tol["out"]
     for name, g in zip((*WKV7_INPUTS, "state"), grads, strict=True):

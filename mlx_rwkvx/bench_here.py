@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import mlx_rwkvx
@@ -50,10 +50,9 @@ GPU_SHAPES = Shapes(
     repeats=5,
 )
 # On a CPU (a few cores): shorter, so the whole run stays near a minute
-CPU_SHAPES = Shapes(
-    wkv7=((1, 64, 12, 64), (1, 512, 12, 64), (1, 2048, 12, 64)),
+CPU_SHAPES = replace(
+    GPU_SHAPES,
     moba=((1, 1024, 12, 2, 64, 64, 3), (1, 2048, 12, 2, 64, 256, 3)),
-    lora_batch=1,
     lora_length=256,
     lora_steps=3,
     repeats=3,

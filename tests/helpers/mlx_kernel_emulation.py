@@ -9,10 +9,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from helpers import ROOT
 from mlx_rwkvx.metal import sources
+from mlx_rwkvx.ops import mlx_kernels
 
 import mlx.core as mx
 import numpy as np
@@ -120,6 +122,24 @@ def fake_kernel_maker(backend: str, entries, launch, calls: list):
         return _FakeKernel(entry, launch, calls)
 
     return make
+
+
+@contextmanager
+def kernels_through_cpu(monkeypatch, backend: str, module, entries, launch):
+    """MLX's kernel builder for ``backend`` (``metal`` or ``cuda``) replaced by
+    ``fake_kernel_maker`` over the CPU flavour, and ``module.kernel_backend`` (an op's kernel
+    wrapper) reporting that backend; the kernels built meanwhile are forgotten on the way in
+    and out. Yields the list the fake kernels record their calls in."""
+    calls = []
+    maker = "metal_kernel" if backend == "metal" else "cuda_kernel"
+    fake = fake_kernel_maker(backend, entries, launch, calls)
+    monkeypatch.setattr(mx.fast, maker, fake, raising=False)
+    monkeypatch.setattr(module, "kernel_backend", lambda: backend)
+    mlx_kernels.make_kernels.cache_clear()
+    try:
+        yield calls
+    finally:
+        mlx_kernels.make_kernels.cache_clear()
 
 
 def _garbage(shape, dtype) -> np.ndarray:

@@ -5,7 +5,6 @@ assemble them, and the MLX wrapper (moba_kernel_fn and its VJP) driven through t
 import re
 
 from mlx_rwkvx.metal import sources
-from mlx_rwkvx.ops import mlx_kernels
 from mlx_rwkvx.ops import moba as M
 from mlx_rwkvx.ops.moba import blockwise, selection
 from mlx_rwkvx.ops.moba import kernel as MK
@@ -18,7 +17,7 @@ from helpers.mlx_kernel_emulation import (
     check_cuda_compiles,
     check_imports_without_mlx,
     check_metal_assembly,
-    fake_kernel_maker,
+    kernels_through_cpu,
 )
 from kernel_harness import cpu
 from kernel_harness import moba as harness
@@ -189,13 +188,7 @@ def test_pair_index_agrees_with_numpy():
 def _run_wrapper(monkeypatch, launch, backend, x, cs, scale, dtype, out_only=False):
     """moba_kernel_fn through fake MLX kernels: (out, lse, (dq, dk, dv), calls). With
     ``out_only`` the gradients are those of ``sum(out * dout)``, as the dispatcher takes them."""
-    calls = []
-    maker = "metal_kernel" if backend == "metal" else "cuda_kernel"
-    fake = fake_kernel_maker(backend, harness.ENTRIES, launch, calls)
-    monkeypatch.setattr(mx.fast, maker, fake, raising=False)
-    monkeypatch.setattr(MK, "kernel_backend", lambda: backend)
-    mlx_kernels.make_kernels.cache_clear()
-    try:
+    with kernels_through_cpu(monkeypatch, backend, MK, harness.ENTRIES, launch) as calls:
         fn = MK.moba_kernel_fn(cs, scale)
         q, k, v, d_out = (_mx(x[n], dtype) for n in ("q", "k", "v", "dout"))
         D = q.shape[-1]
@@ -211,8 +204,6 @@ def _run_wrapper(monkeypatch, launch, backend, x, cs, scale, dtype, out_only=Fal
 
             grads = mx.grad(loss, argnums=(0, 1, 2))(q, k, v)
         mx.eval(out, lse, grads)
-    finally:
-        mlx_kernels.make_kernels.cache_clear()
     assert out.dtype == q.dtype and lse.dtype == mx.float32 and lse.shape == (q.size // D,)
     assert [g.dtype for g in grads] == [q.dtype] * 3
     return out, lse, grads, calls

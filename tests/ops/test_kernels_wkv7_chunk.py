@@ -3,7 +3,6 @@
 assembles it, and the MLX wrapper (wkv7_chunked_kernel and its VJP) driven through the CPU
 flavour."""
 
-from mlx_rwkvx.ops import mlx_kernels
 from mlx_rwkvx.ops.wkv7 import kernel as WK
 
 import mlx.core as mx
@@ -14,7 +13,7 @@ from helpers.mlx_kernel_emulation import (
     check_cuda_compiles,
     check_imports_without_mlx,
     check_metal_assembly,
-    fake_kernel_maker,
+    kernels_through_cpu,
 )
 from kernel_harness import cpu
 from kernel_harness import wkv7_chunk as harness
@@ -150,13 +149,7 @@ def _mx_args(inputs: dict, dtype: str) -> list:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mlx_wrapper_and_vjp_through_cpu_flavour(launch, monkeypatch, backend, dtype):
     # every output buffer starts as NaN (fake_kernel_maker): an element no kernel writes shows
-    calls = []
-    maker = "metal_kernel" if backend == "metal" else "cuda_kernel"
-    fake = fake_kernel_maker(backend, harness.ENTRIES, launch, calls)
-    monkeypatch.setattr(mx.fast, maker, fake, raising=False)
-    monkeypatch.setattr(WK, "kernel_backend", lambda: backend)
-    mlx_kernels.make_kernels.cache_clear()
-    try:
+    with kernels_through_cpu(monkeypatch, backend, WK, harness.ENTRIES, launch) as calls:
         B, T, H, N = 2, 37, 2, 32
         inputs = random_wkv7_inputs(np.random.default_rng(5), B, T, H, N, decay_range=MIXED)
         args = _mx_args(inputs, dtype)
@@ -165,8 +158,6 @@ def test_mlx_wrapper_and_vjp_through_cpu_flavour(launch, monkeypatch, backend, d
         dstate = mx.array(rng.standard_normal((B, H, N, N)), dtype=mx.float32)
         (y, state_out), grads = mx.vjp(WK.wkv7_chunked_kernel, args, [dy, dstate])
         mx.eval(y, state_out, grads)
-    finally:
-        mlx_kernels.make_kernels.cache_clear()
     names = ["wkv7c_fwd_maps", "wkv7c_fwd_scan", "wkv7c_bwd_scan", "wkv7c_bwd_maps"]
     assert [name for name, _ in calls] == names
     assert y.dtype == args[0].dtype and state_out.dtype == mx.float32

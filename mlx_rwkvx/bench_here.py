@@ -1,6 +1,7 @@
 """``python -m mlx_rwkvx.info --bench``: a short benchmark of this device a user can paste in an
 issue. Each implementation of WKV7 and MoBA available here (the step loop and dense attention
-at short lengths only, a kernel only when it passed its self-check) forward and forward +
+at short lengths only, each kernel -- WKV7's sequential and chunked ones -- only when it passed
+its self-check) forward and forward +
 backward at a few training shapes, and a LoRA step on the rwkv7-0.1b shape: tokens/s and peak
 memory. About a minute; on a CPU the shapes are scaled down (each line names its shape)."""
 
@@ -17,7 +18,6 @@ from functools import partial
 
 import mlx_rwkvx
 from mlx_rwkvx.ops import tuning
-from mlx_rwkvx.ops.dispatch import KERNEL
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -80,17 +80,8 @@ def _fwd_and_fwd_bwd(fn: Callable, args: list[mx.array], repeats: int) -> tuple[
     return median_ms(lambda: fn(*args), repeats), median_ms(both, repeats)
 
 
-def _candidates(dispatcher, key, shape) -> list[str]:
-    """The implementations the tuner would time for this call: the op's exact candidates at
-    ``shape`` (its workload's) and the kernel where it passed its self-check on ``key``."""
-    names = list(dispatcher.workload(key, shape).candidates)
-    if dispatcher.kernel_available(key) and dispatcher.kernel_passes(key):
-        names.append(KERNEL)
-    return names
-
-
 def _line(op: str, shape: str, impl: str, fwd: float, fwd_bwd: float) -> str:
-    return f"{PREFIX}{op:<5} {shape:<34} {impl:<10} fwd {fwd:9.2f} ms   fwd+bwd {fwd_bwd:9.2f} ms"
+    return f"{PREFIX}{op:<5} {shape:<34} {impl:<17} fwd {fwd:9.2f} ms   fwd+bwd {fwd_bwd:9.2f} ms"
 
 
 def _op_module(name: str):
@@ -104,7 +95,7 @@ def wkv7_lines(shapes: Shapes) -> list[str]:
     for B, T, H, N in shapes.wkv7:
         args = W.timing_inputs(B, T, H, N)
         mx.eval(args)
-        for name in _candidates(W.DISPATCH, (N, mx.float32), (B, T, H)):
+        for name in W.DISPATCH.candidates((N, mx.float32), (B, T, H)):
             fwd, both = _fwd_and_fwd_bwd(W.DISPATCH.impls[name], args, shapes.repeats)
             lines.append(_line("wkv7", f"B={B} T={T} H={H} N={N} float32", name, fwd, both))
     return lines
@@ -118,7 +109,7 @@ def moba_lines(shapes: Shapes) -> list[str]:
         mx.eval(qkv)
         shape = f"B={B} T={T} H={Hq}/{Hkv} D={D} c={chunk} k={top_k}"
         call = (B, T, Hq, T, Hkv, chunk, top_k)
-        for name in _candidates(M.DISPATCH, (D, mx.float32), call):
+        for name in M.DISPATCH.candidates((D, mx.float32), call):
             impl = M.DISPATCH.impls[name]
 
             def fn(q, k, v, impl=impl, chunk=chunk, top_k=top_k):

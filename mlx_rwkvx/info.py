@@ -80,14 +80,21 @@ def selfcheck() -> list[str]:
     configure_and_prepare()
     for op, dispatcher in sorted(DISPATCHERS.items()):
         for key in ((size, dtype) for size in HEAD_SIZES for dtype in PREPARED_DTYPES):
-            line = f"kernels    {op} {shape_class(key)}: "
-            if not dispatcher.kernel_available(key):
-                lines.append(line + "not available on this device")
-            elif dispatcher.results.get(key):
-                lines.append(line + "passed")
-            else:
-                reason = dispatcher.reasons.get(key, "unchecked").replace("\n", "\n" + " " * 11)
-                lines.append(line + f"FAILED, the {dispatcher.fallback} path is used: {reason}")
+            here = dispatcher.kernels(key)
+            if not here:
+                lines.append(f"kernels    {op} {shape_class(key)}: not available on this device")
+            for kernel in here:
+                name = "" if len(dispatcher.kernel_names) == 1 else f" {kernel}"
+                line = f"kernels    {op}{name} {shape_class(key)}: "
+                if dispatcher.results.get((kernel, key)):
+                    lines.append(line + "passed")
+                    continue
+                reason = dispatcher.reasons.get((kernel, key), "unchecked")
+                reason = reason.replace("\n", "\n" + " " * 11)
+                if len(here) == 1:
+                    lines.append(line + f"FAILED, the {dispatcher.fallback} path is used: {reason}")
+                else:
+                    lines.append(line + f"FAILED, not used: {reason}")
     return lines + tuning_table()
 
 

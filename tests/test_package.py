@@ -91,7 +91,8 @@ def test_info_selfcheck_reports_the_kernels(capsys, monkeypatch):
     assert "kernels    none on Device(cpu, 0): the ops run their MLX paths" in out
     assert "kernels    wkv7 size 64 bfloat16: not available on this device" in out
     assert out.count(": not available on this device") == 16
-    # as on a GPU whose WKV7 kernel is right and whose MoBA kernel is wrong (stand-ins for them)
+    # as on a GPU whose sequential WKV7 kernel is right and whose chunked one (at one length)
+    # and MoBA kernel are wrong (stand-ins for them)
     import importlib
 
     from mlx_rwkvx.ops import mlx_kernels
@@ -103,18 +104,26 @@ def test_info_selfcheck_reports_the_kernels(capsys, monkeypatch):
     def wrong_moba(q, k, v, chunk_size, top_k, scale=None):
         return M.blockwise.attention(q, k, v, chunk_size, top_k, scale) * 1.2  # off in bf16 too
 
+    def wrong_wkv7(*args):
+        y, state = W.chunk.chunked(*args)
+        return y, state * 0.5
+
     monkeypatch.setattr(mlx_kernels, "kernel_backend", lambda: "metal")
-    for dispatcher, kernel in ((W.DISPATCH, W.chunk.chunked), (M.DISPATCH, wrong_moba)):
-        monkeypatch.setattr(dispatcher, "kernel_available", lambda key=None: True)
-        monkeypatch.setattr(dispatcher, "impls", {**dispatcher.impls, KERNEL: kernel})
+    wkv7_kernels = {KERNEL: W.chunk.chunked, "chunked_kernel_8": wrong_wkv7}
+    for dispatcher, kernels in ((W.DISPATCH, wkv7_kernels), (M.DISPATCH, {KERNEL: wrong_moba})):
+        monkeypatch.setattr(dispatcher, "kernels", lambda key=None, k=tuple(kernels): k)
+        monkeypatch.setattr(dispatcher, "impls", {**dispatcher.impls, **kernels})
         monkeypatch.setattr(dispatcher, "results", {})
         monkeypatch.setattr(dispatcher, "reasons", {})
-    with pytest.warns(RuntimeWarning, match="moba kernel"):
+    with pytest.warns(RuntimeWarning, match="moba kernel") as caught:
         info.main(["--no-timing", "--selfcheck"])
+    assert any("wkv7 kernel chunked_kernel_8 for size 16 float32" in str(w.message) for w in caught)
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("kernels")]
     assert lines[0] == "kernels    metal on Device(cpu, 0)"
-    assert len(lines) == 1 + 16  # two ops, four head sizes, float32 and bfloat16
-    assert all(x.endswith(": passed") for x in lines if " wkv7 " in x), lines
+    assert len(lines) == 1 + 24  # wkv7's two kernels, moba's one; four head sizes, two dtypes
+    assert all(x.endswith(": passed") for x in lines if " wkv7 kernel " in x), lines
+    wrong = [x for x in lines if " wkv7 chunked_kernel_8 " in x]
+    assert len(wrong) == 8 and all(": FAILED, not used: disagrees" in x for x in wrong), wrong
     failed = ": FAILED, the blockwise path is used: disagrees with the blockwise path"
     assert all(failed in x for x in lines if " moba " in x), lines
 

@@ -6,8 +6,8 @@ Each kernel is one body written over a small macro vocabulary; a prelude per fla
 (``prelude_metal.h``, ``prelude_cuda.h``, ``prelude_cpu.h``) defines that vocabulary. An *entry*
 file (e.g. ``wkv7_fwd.h``) is the body of the kernel function itself; its first lines name the
 kernel, the body file it calls, and its parameters, from which MLX (or ``standalone_source``, the
-same way) writes the signature. Entries take two template arguments: ``InT`` (the input dtype) and
-``N`` (an int).
+same way) writes the signature. Entries take the template arguments ``InT`` (the input dtype) and
+``N`` (an int), and those ints their ``// template:`` line names (``L`` of the chunked WKV7).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Parameter types an entry may declare: the template dtype, or a fixed one.
 _PARAM_DTYPES = {"float": "float32", "int": "int32"}
 _TEMPLATE_DTYPE = "InT"
+_FIELDS = ("kernel", "body", "inputs", "outputs")
 
 
 def kernel_source(name: str) -> str:
@@ -39,13 +40,15 @@ def prelude(flavour: str) -> str:
 
 @dataclass(frozen=True)
 class Entry:
-    """A kernel entry: its name, body file, parameters ``(name, type)`` and text."""
+    """A kernel entry: its name, body file, parameters ``(name, type)``, text, and the int
+    template arguments it takes after ``InT`` and ``N`` (``ints``, in order)."""
 
     kernel: str
     body: str
     inputs: tuple[tuple[str, str], ...]
     outputs: tuple[tuple[str, str], ...]
     text: str
+    ints: tuple[str, ...] = ()
 
     @property
     def input_names(self) -> list[str]:
@@ -63,14 +66,15 @@ class Entry:
 def entry(name: str) -> Entry:
     """Parse the entry file ``name``: lines ``// kernel:``, ``// body:``, ``// inputs:``,
     ``// outputs:`` (parameters as ``name:type``, type ``InT``, ``float`` or ``int``; a repeated
-    ``inputs`` or ``outputs`` line continues the list)."""
+    ``inputs`` or ``outputs`` line continues the list) and, where it takes more int template
+    arguments than ``N``, ``// template:`` naming them."""
     text = kernel_source(name)
     fields = {}
     for line in text.splitlines():
         key, sep, value = line.removeprefix("// ").partition(": ")
-        if line.startswith("// ") and sep and key in ("kernel", "body", "inputs", "outputs"):
+        if line.startswith("// ") and sep and key in (*_FIELDS, "template"):
             fields[key] = f"{fields.get(key, '')} {value}".strip()  # a repeated line continues
-    missing = {"kernel", "body", "inputs", "outputs"} - set(fields)
+    missing = set(_FIELDS) - set(fields)
     if missing:
         raise ValueError(f"kernel entry {name!r} lacks the line(s) {sorted(missing)}")
 
@@ -89,6 +93,7 @@ def entry(name: str) -> Entry:
         inputs=params(fields["inputs"]),
         outputs=params(fields["outputs"]),
         text=text,
+        ints=tuple(fields.get("template", "").split()),
     )
 
 

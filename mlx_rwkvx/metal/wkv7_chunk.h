@@ -24,13 +24,18 @@
 #ifndef MLX_RWKVX_WKV7_CHUNK_H
 #define MLX_RWKVX_WKV7_CHUNK_H
 
-// Steps per chunk: threadgroup memory of the maps holds 5 L N + 4 L^2 floats (their backward
-// 4 L^2 more), 24 KiB (28) at N = 64, L = 16 and 21 KiB (22) at N = 128, L = 8; Metal gives
-// 32 KiB, CUDA 48 KiB by default.
-#define WKV7C_L(n) ((n) > 64 ? 8 : 16)
-#define WKV7C_MAPS_SHARED(n) (5 * WKV7C_L(n) * (n) + 4 * WKV7C_L(n) * WKV7C_L(n))
-#define WKV7C_SCAN_SHARED(n) ((4 * WKV7C_L(n) + 2) * (n))
-#define WKV7C_BWD_MAPS_SHARED(n) (WKV7C_MAPS_SHARED(n) + 4 * WKV7C_L(n) * WKV7C_L(n))
+// Steps per chunk, L: a template argument beside N, chosen by measurement among those whose
+// threadgroup memory fits (ops/wkv7/kernel.py, chunk_lengths). The maps hold 5 L N + 4 L^2
+// floats (their backward 4 L^2 more), the scans (4 L + 2) N: at N = 64, L = 16 24 KiB (28) and
+// 17 KiB; at N = 128, L = 8 21 KiB (22) and 17 KiB. Metal gives 32 KiB, CUDA 48 KiB by default;
+// every function below asserts the 32 KiB at compile time.
+#define WKV7C_MAPS_SHARED(n, l) (5 * (l) * (n) + 4 * (l) * (l))
+#define WKV7C_SCAN_SHARED(n, l) ((4 * (l) + 2) * (n))
+#define WKV7C_BWD_MAPS_SHARED(n, l) (WKV7C_MAPS_SHARED(n, l) + 4 * (l) * (l))
+#define WKV7C_SMEM_BYTES 32768
+#define WKV7C_FITS(n, l)                                 \
+    (WKV7C_BWD_MAPS_SHARED(n, l) * 4 <= WKV7C_SMEM_BYTES && \
+     WKV7C_SCAN_SHARED(n, l) * 4 <= WKV7C_SMEM_BYTES)
 #define WKV7C_LOG_W_MIN (-16.0f)
 
 // e^x = hi + lo for x <= 0, split as wkv7.h splits a step's decay: hi is 1 above 1/2, with
@@ -54,7 +59,7 @@ KFN float wkv7c_decay_lo(float x) {
 // X = c_t for r (s <= t), c_{t-1} for a (s < t): exponents <= 0, each taken as the sum over its
 // own range of steps (a difference of prefix sums would carry the rounding of a large earlier
 // drop). Zero above the diagonal.
-template <int N>
+template <int N, int L>
 KFN void wkv7c_products(
     SMEM const float* sr,
     SMEM const float* sa,
@@ -63,7 +68,7 @@ KFN void wkv7c_products(
     SMEM const float* sl,
     SMEM float* sA,
     int n) {
-    constexpr int L = WKV7C_L(N);
+    static_assert(WKV7C_FITS(N, L), "chunk too long for 32 KiB of threadgroup memory");
     for (int p = n; p < L * L; p += N) {
         const int t = p / L;
         const int s = p % L;
@@ -92,7 +97,7 @@ KFN void wkv7c_products(
 // The maps of one chunk (group g = (b * H + h) * n_chunks + chunk), thread n = channel n. Shared:
 // r, a, k, b of the chunk, its cumulative log-decays c[u] (the sum of its first u steps, u = 0..L)
 // and the four L x L matrices A_rk, A_rb, A_ak, A_ab (ops/wkv7/README.md).
-template <typename InT, int N>
+template <typename InT, int N, int L>
 KFN void wkv7c_maps(
     GMEM const InT* r,
     GMEM const float* log_w,
@@ -112,7 +117,7 @@ KFN void wkv7c_maps(
     int n,
     int g,
     SMEM float* smem) {
-    constexpr int L = WKV7C_L(N);
+    static_assert(WKV7C_FITS(N, L), "chunk too long for 32 KiB of threadgroup memory");
     const int n_chunks = (T + L - 1) / L;
     const int chunk = g % n_chunks;
     const size_t batch = static_cast<size_t>(g / n_chunks / H);
@@ -147,7 +152,7 @@ KFN void wkv7c_maps(
         c[t + 1] = c[t] + x[5];
     }
     BARRIER();
-    wkv7c_products<N>(sr, sa, sk, sb, sl, sA, n);
+    wkv7c_products<N, L>(sr, sa, sk, sb, sl, sA, n);
     BARRIER();
     SMEM const float* A_rk = sA;
     SMEM const float* A_rb = sA + L * L;
@@ -193,7 +198,7 @@ KFN void wkv7c_maps(
 // chunk z_t[i] and y_t[i] from the maps, then the row's update. No barrier inside a chunk: the
 // chunk's W, Qm, K_L, B_L and the decay's hi, lo (indexed by the key j) come through
 // threadgroup memory.
-template <typename InT, int N>
+template <typename InT, int N, int L>
 KFN void wkv7c_scan(
     GMEM const InT* v,
     GMEM const float* state,
@@ -213,7 +218,7 @@ KFN void wkv7c_scan(
     int i,
     int g,
     SMEM float* smem) {
-    constexpr int L = WKV7C_L(N);
+    static_assert(WKV7C_FITS(N, L), "chunk too long for 32 KiB of threadgroup memory");
     const int n_chunks = (T + L - 1) / L;
     const size_t batch = static_cast<size_t>(g / H);
     const size_t head = static_cast<size_t>(g % H);
@@ -282,7 +287,7 @@ KFN void wkv7c_scan(
 //     dS = dS' diag(g) + sum_t dy_t Qm_t^T + dz_t W_t^T
 // Outputs [B, H, n_chunks, L, N]: dW, dQm, dZ (= dU0), dKL, dBL, dv0 (the direct share of dv);
 // ddecay (dg) [B, H, n_chunks, N]; dstate0, the initial state's cotangent.
-template <typename InT, int N>
+template <typename InT, int N, int L>
 KFN void wkv7c_bwd_scan(
     GMEM const InT* dy,
     GMEM const InT* v,
@@ -307,7 +312,7 @@ KFN void wkv7c_bwd_scan(
     int k,
     int g,
     SMEM float* smem) {
-    constexpr int L = WKV7C_L(N);
+    static_assert(WKV7C_FITS(N, L), "chunk too long for 32 KiB of threadgroup memory");
     const int n_chunks = (T + L - 1) / L;
     const size_t batch = static_cast<size_t>(g / H);
     const size_t head = static_cast<size_t>(g % H);
@@ -410,7 +415,7 @@ KFN void wkv7c_bwd_scan(
 // substitution, then dA_ak, dA_ab and dv; the four A's give dr, dk, da, db and, through their
 // exponentials, d log_w: each factor e^{c_e - c_s} gives its share to the steps of its range
 // (zero where log_w was clamped).
-template <typename InT, int N>
+template <typename InT, int N, int L>
 KFN void wkv7c_bwd_maps(
     GMEM const InT* r,
     GMEM const float* log_w,
@@ -439,7 +444,7 @@ KFN void wkv7c_bwd_maps(
     int n,
     int g,
     SMEM float* smem) {
-    constexpr int L = WKV7C_L(N);
+    static_assert(WKV7C_FITS(N, L), "chunk too long for 32 KiB of threadgroup memory");
     const int n_chunks = (T + L - 1) / L;
     const int chunk = g % n_chunks;
     const size_t batch = static_cast<size_t>(g / n_chunks / H);
@@ -494,7 +499,7 @@ KFN void wkv7c_bwd_maps(
         dvc[t] = dv0[at];
     }
     BARRIER();
-    wkv7c_products<N>(sr, sa, sk, sb, sl, sA, n);  // the A's again, as the forward made them
+    wkv7c_products<N, L>(sr, sa, sk, sb, sl, sA, n);  // the A's again, as the forward made them
     BARRIER();
     SMEM const float* A_rk = sA;
     SMEM const float* A_rb = sA + L * L;

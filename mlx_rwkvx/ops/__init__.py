@@ -15,7 +15,14 @@ from mlx_rwkvx.ops.moba import (
     moba_decode,
     moba_kernel,
 )
-from mlx_rwkvx.ops.wkv7 import wkv7, wkv7_chunked, wkv7_kernel, wkv7_ref, wkv7_step
+from mlx_rwkvx.ops.wkv7 import (
+    wkv7,
+    wkv7_chunked,
+    wkv7_chunked_kernel,
+    wkv7_kernel,
+    wkv7_ref,
+    wkv7_step,
+)
 
 __all__ = [
     "append_kv",
@@ -30,6 +37,7 @@ __all__ = [
     "prepare",
     "wkv7",
     "wkv7_chunked",
+    "wkv7_chunked_kernel",
     "wkv7_kernel",
     "wkv7_ref",
     "wkv7_step",

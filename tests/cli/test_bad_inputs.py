@@ -1924,12 +1924,12 @@ def on_cpu():
 def no_kernel():
     """No wkv7 kernel, as on a CPU, whatever this machine has."""
     dispatcher = DISPATCHERS["wkv7"]
-    real = dispatcher.kernel_available
-    dispatcher.kernel_available = lambda key: False
+    real = dispatcher.kernels
+    dispatcher.kernels = lambda key=None: ()
     try:
         yield
     finally:
-        dispatcher.kernel_available = real
+        dispatcher.kernels = real
 
 
 @contextlib.contextmanager

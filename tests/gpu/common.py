@@ -9,8 +9,9 @@ from kernel_harness import sources as standalone
 
 
 def cuda_launcher(entries, instances):
-    """``(cupy, launch, device name)`` for the CUDA flavour of ``entries`` at the ``(dtype, N)``
-    of ``instances``; skips the calling test without CuPy or a usable CUDA device."""
+    """``(cupy, launch, device name)`` for the CUDA flavour of ``entries`` at the
+    ``(dtype, N, *ints)`` of ``instances`` (kernel_harness.sources.standalone_source); skips the
+    calling test without CuPy or a usable CUDA device."""
     cp = pytest.importorskip("cupy", reason="CuPy is not installed")
     try:
         if cp.cuda.runtime.getDeviceCount() < 1:
@@ -18,7 +19,11 @@ def cuda_launcher(entries, instances):
     except cp.cuda.runtime.CUDARuntimeError as err:
         pytest.skip(f"no usable CUDA device: {err}")
     code = standalone.standalone_source("cuda", entries, instances)
-    names = [standalone.instance_name(e, d, n) for e in entries for d, n in instances]
+    names = {
+        standalone.instance_name(e, d, n, *i[: len(e.ints)])
+        for e in entries
+        for d, n, *i in instances
+    }
     try:
         module = cp.RawModule(code=code, options=("-std=c++17",))
         functions = {name: module.get_function(name) for name in names}

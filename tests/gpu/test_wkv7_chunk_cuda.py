@@ -1,6 +1,8 @@
 """The CUDA flavour of the chunked WKV7 kernel on a real GPU, through CuPy (no MLX on that
-machine): first against the float64 oracle, then timed beside the sequential kernel at a
-Mac-like shape and a large one. Run with tests/gpu/run.sh."""
+machine): first against the float64 oracle at each chunk length built, then timed beside the
+sequential kernel and flash-linear-attention's ``chunk_rwkv7`` (Triton, carried as a wheel:
+tests/gpu/run.sh installs it) at a Mac-like shape and a large one, with the GPU's matmul and
+copy rates measured in the same run as the bounds. Run with tests/gpu/run.sh."""
 
 import numpy as np
 import pytest
@@ -13,7 +15,8 @@ from oracle.wkv7 import random_wkv7_inputs
 
 pytestmark = pytest.mark.gpu
 
-INSTANCES = [("float32", n) for n in (16, 32, 64, 128)] + [("bfloat16", 64), ("float16", 64)]
+BASE = [("float32", n) for n in (16, 32, 64, 128)] + [("bfloat16", 64), ("float16", 64)]
+INSTANCES = [(d, n, L) for d, n in BASE for L in harness.lengths(n)]
 MIXED = (1e-4, 0.9999)
 
 
@@ -35,22 +38,24 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("length", ["short", "long"])
 @pytest.mark.parametrize("B, T, H, N, decays, dtype", CASES)
-def test_cuda_flavour_matches_oracle(cuda, B, T, H, N, decays, dtype):
+def test_cuda_flavour_matches_oracle(cuda, B, T, H, N, decays, dtype, length):
     cp, launch, _ = cuda
+    L = harness.lengths(N)[0 if length == "short" else -1]
     inputs = random_wkv7_inputs(np.random.default_rng(T + N), B, T, H, N, decay_range=decays)
-    errors = harness.compare(launch, inputs, dtype, seed=T, xp=cp)
-    print(f"\nchunked {dtype} B={B} T={T} H={H} N={N}: " + error_line(errors))
+    errors = harness.compare(launch, inputs, dtype, seed=T, xp=cp, L=L)
+    print(f"\nchunked L={L} {dtype} B={B} T={T} H={H} N={N}: " + error_line(errors))
 
 
 def _outputs(entry, arrays) -> dict:
     return dict(zip(entry.output_names, arrays[len(entry.inputs) :], strict=True))
 
 
-def _chunked_runs(cp, launch, values: dict, dtype: str):
-    """(forward, backward): the chunked kernel's entries on device buffers made once."""
+def _chunked_runs(cp, launch, values: dict, dtype: str, L: int):
+    """(forward, backward): the chunked kernel's entries in chunks of ``L`` steps on device
+    buffers made once."""
     B, T, H, N = values["r"].shape
-    L = harness.chunk_length(N)
     n_chunks = -(-T // L)
     mapped = (B, H, n_chunks, L, N)
     shapes = {name: mapped for name in harness.MAPS_NAMES} | {"cL": (B, H, n_chunks, N)}
@@ -67,7 +72,7 @@ def _chunked_runs(cp, launch, values: dict, dtype: str):
     back_maps = entry_arrays(harness.BWD_MAPS, dtype, values, shapes, cp, ready=saved)
 
     def name(entry):
-        return standalone.instance_name(entry, dtype, N)
+        return standalone.instance_name(entry, dtype, N, L)
 
     def forward():
         launch(name(harness.MAPS), B * H * n_chunks, N, maps)
@@ -100,16 +105,85 @@ def _sequential_runs(cp, launch, values: dict, dtype: str):
     return forward, backward
 
 
+def _fla_runs(values: dict, dtype: str):
+    """(forward, backward) of flash-linear-attention's chunk_rwkv7 on the same inputs (torch
+    tensors made once), or None without torch, CUDA or fla (tests/gpu/run.sh installs the
+    wheel where one was carried)."""
+    try:
+        import torch
+        from fla.ops.rwkv7 import chunk_rwkv7
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    kind = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+    def tensor(name, as_dtype=kind):
+        return torch.tensor(values[name], device="cuda").to(as_dtype).requires_grad_(True)
+
+    r, k, v, a, b = (tensor(n) for n in ("r", "k", "v", "a", "b"))
+    log_w = tensor("log_w", kind)  # fla takes the log-decay in the inputs' dtype
+    state = torch.tensor(values["state"], device="cuda", dtype=torch.float32)
+    state = state.transpose(-1, -2).contiguous().requires_grad_(True)  # fla's [B, H, K, V]
+    dy = torch.tensor(values["dy"], device="cuda").to(kind)
+    dstate = torch.tensor(values["dstate"], device="cuda", dtype=torch.float32)
+    out = {}
+
+    def forward():
+        out["y"], out["s"] = chunk_rwkv7(
+            r=r,
+            w=log_w,
+            k=k,
+            v=v,
+            a=a,
+            b=b,
+            scale=1.0,
+            initial_state=state,
+            output_final_state=True,
+        )
+
+    def backward():
+        torch.autograd.backward((out["y"], out["s"]), (dy, dstate), retain_graph=True)
+
+    forward()
+    return forward, backward
+
+
+def _torch_ms(fn, reps: int) -> float:
+    import torch
+
+    fn()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / reps
+
+
+def _bounds(cp) -> tuple[float, float]:
+    """This GPU's float32 matmul FLOP/s (8192^3, cuBLAS) and copy bandwidth (bytes read and
+    written per second, 1 GiB), measured now."""
+    n = 8192
+    x = cp.random.standard_normal((n, n), dtype=cp.float32)
+    flops = 2 * n**3 / (device_ms(cp, lambda: x @ x, reps=5) / 1e3)
+    src = cp.zeros(1 << 28, dtype=cp.float32)
+    dst = cp.empty_like(src)
+    copy_ms = device_ms(cp, lambda: cp.copyto(dst, src), reps=10)
+    return flops, 2 * src.nbytes / (copy_ms / 1e3)
+
+
 # (B, T, H, N): batch 1 of a 0.75B-class model (12 heads) and a large batch; the goals: >= 4x
-# the sequential kernel's fwd+bwd at the first, at least its speed at the second
+# the sequential kernel's fwd+bwd at the first, at least its speed and ahead of fla at the second
 SHAPES = {"mac-like": (1, 4096, 12, 64), "large": (8, 4096, 64, 64)}
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_cuda_timing_against_the_sequential_kernel(cuda, shape):
+def test_cuda_timing_against_the_sequential_kernel_and_fla(cuda, shape, dtype):
     cp, launch, device = cuda
     B, T, H, N = SHAPES[shape]
-    dtype = "float32"
     rng = np.random.default_rng(0)
     values = random_wkv7_inputs(rng, B, T, H, N, decay_range=(0.5, 0.999))
     values |= {
@@ -117,16 +191,33 @@ def test_cuda_timing_against_the_sequential_kernel(cuda, shape):
         "dy": rng.standard_normal((B, T, H, N)),
         "dstate": rng.standard_normal((B, H, N, N)),
     }
-    times = {}
-    for kind, runs in (("sequential", _sequential_runs), ("chunked", _chunked_runs)):
-        forward, backward = runs(cp, launch, values, dtype)
-        times[kind] = (device_ms(cp, forward, reps=5), device_ms(cp, backward, reps=5))
-    # FLOPs of the recurrence itself (the step loop's 8 N^2 a head-step, forward; twice that
-    # backward): the same count for both, so their rates compare directly
-    flops = 8 * N * N * B * T * H
-    line = ", ".join(
-        f"{kind} fwd {f:.2f} ms bwd {b:.2f} ms ({3 * flops / (f + b) / 1e9:.0f} GFLOP/s)"
-        for kind, (f, b) in times.items()
+    runs = {"sequential": _sequential_runs(cp, launch, values, dtype)}
+    for L in harness.lengths(N):
+        runs[f"chunked L={L}"] = _chunked_runs(cp, launch, values, dtype, L)
+    times = {
+        kind: (device_ms(cp, f, reps=5), device_ms(cp, b, reps=5)) for kind, (f, b) in runs.items()
+    }
+    fla = _fla_runs(values, dtype)
+    if fla is not None:
+        cp.cuda.Device().synchronize()
+        times["fla chunk_rwkv7"] = (_torch_ms(fla[0], reps=5), _torch_ms(fla[1], reps=5))
+    # the recurrence's FLOPs (the step loop's 8 N^2 a head-step forward, twice that backward)
+    # and its least traffic (fwd: six inputs read, y written; bwd: six inputs and dy read, six
+    # gradients written), float32 or 2-byte elements; log_w float32 throughout
+    peak_flops, bandwidth = _bounds(cp)
+    flops = 24 * N * N * B * T * H
+    size = 4 if dtype == "float32" else 2
+    moved = B * T * H * N * (4 * 3 + size * 17)  # log_w read twice and its gradient, float32
+    bound_ms = max(flops / peak_flops, moved / bandwidth) * 1e3
+    print(
+        f"\nwkv7 {shape} B={B} T={T} H={H} N={N} {dtype} on {device}: bounds "
+        f"{peak_flops / 1e12:.1f} TFLOP/s fp32, {bandwidth / 1e12:.2f} TB/s -> {bound_ms:.3f} ms"
     )
-    ratio = sum(times["sequential"]) / sum(times["chunked"])
-    print(f"\nwkv7 {shape} B={B} T={T} H={H} N={N} on {device}: {line}; chunked {ratio:.2f}x")
+    base = sum(times["sequential"])
+    for kind, (f, b) in times.items():
+        print(
+            f"  {kind:<16} fwd {f:8.3f} ms  bwd {b:8.3f} ms  {base / (f + b):5.2f}x sequential"
+            f"  {bound_ms / (f + b):6.1%} of the bound"
+        )
+    if fla is None:
+        print("  fla chunk_rwkv7: not importable here (torch, CUDA and the fla-core wheel)")

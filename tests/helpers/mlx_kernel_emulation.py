@@ -65,11 +65,15 @@ using float16_t = _Float16;
 """
 
 
-def metal_text(e: sources.Entry, dtype: str, n: int, small: tuple[str, ...] = ()) -> str:
-    """What ``mx.fast.metal_kernel`` compiles for ``e`` at ``InT = dtype``, ``N = n``, with the
-    inputs named in ``small`` under MAX_CONSTANT_ARRAY_SIZE elements (so in ``constant``)."""
+def metal_text(
+    e: sources.Entry, dtype: str, n: int, *ints: int, small: tuple[str, ...] = ()
+) -> str:
+    """What ``mx.fast.metal_kernel`` compiles for ``e`` at ``InT = dtype``, ``N = n`` and the
+    entry's other int template arguments ``ints``, with the inputs named in ``small`` under
+    MAX_CONSTANT_ARRAY_SIZE elements (so in ``constant``)."""
     header, source = sources.mlx_parts("metal", e)
-    name = f"custom_kernel_{e.kernel}_{MLX_METAL_TYPES[dtype]}_{n}"
+    suffix = "".join(f"_{v}" for v in ints)
+    name = f"custom_kernel_{e.kernel}_{MLX_METAL_TYPES[dtype]}_{n}{suffix}"
     params = []
     for i, (pname, ptype) in enumerate(e.inputs):
         space = "constant" if pname in small else "device"
@@ -80,18 +84,20 @@ def metal_text(e: sources.Entry, dtype: str, n: int, small: tuple[str, ...] = ()
             f"  device {MLX_METAL_TYPES[e.dtype_of(ptype, dtype)]}* {pname} [[buffer({i})]]"
         )
     params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES if a in source]
-    inst = f"{name}<{MLX_METAL_TYPES[dtype]}, {n}>"
+    inst = f"{name}<{', '.join([MLX_METAL_TYPES[dtype], str(n), *map(str, ints)])}>"
+    template = ", ".join(["typename InT", "int N", *(f"int {k}" for k in e.ints)])
     return (
-        f"{header}template <typename InT, int N>\n[[kernel]] void {name}(\n"
+        f"{header}template <{template}>\n[[kernel]] void {name}(\n"
         + ",\n".join(params)
         + f") {{\n{source}\n}}\n"
         + f'template [[host_name("{name}")]] [[kernel]] decltype({inst}) {inst};\n'
     )
 
 
-def cuda_text(e: sources.Entry, dtype: str, n: int) -> str:
-    """What ``mx.fast.cuda_kernel`` compiles (mlx/backend/cuda/custom_kernel.cpp, build_kernel),
-    with its default header's MLX include left out."""
+def cuda_text(e: sources.Entry, dtype: str, n: int, *ints: int) -> str:
+    """What ``mx.fast.cuda_kernel`` compiles (mlx/backend/cuda/custom_kernel.cpp, build_kernel)
+    at ``InT = dtype``, ``N = n`` and the entry's ``ints``, with its default header's MLX
+    include left out."""
     header, source = sources.mlx_parts("cuda", e)
     types = MLX_CUDA_TYPES | {"int32": "int32_t"}
     params = [f"    const {types[e.dtype_of(t, dtype)]}* {p}" for p, t in e.inputs]
@@ -100,9 +106,11 @@ def cuda_text(e: sources.Entry, dtype: str, n: int) -> str:
         "#include <cooperative_groups.h>\n"
         + header
         + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-        + f"__global__ void custom_kernel_{e.kernel}_{dtype}_{n}(\n"
+        + f"__global__ void custom_kernel_{e.kernel}_{dtype}_{n}{''.join(f'_{v}' for v in ints)}(\n"
         + ",\n".join(params)
-        + f") {{\n  using InT = {types[dtype]};\n  constexpr int N = {n};\n\n{source}\n}}\n\n}}\n"
+        + ") {\n"
+        + kernel_sources.constants(e, types[dtype], n, ints)
+        + f"\n{source}\n}}\n\n}}\n"
     )
 
 
@@ -163,6 +171,8 @@ class _FakeKernel:
         targs = dict(template)
         dtype = next(k for k, v in MX_DTYPES.items() if v == targs["InT"])
         n = targs["N"]
+        assert list(targs) == ["InT", "N", *e.ints], (e.kernel, list(targs))
+        ints = [targs[k] for k in e.ints]
         assert threadgroup == (n, 1, 1) and grid[0] % n == 0 and grid[1:] == (1, 1)
         want = [e.dtype_of(t, dtype) for _, t in e.inputs]
         got = [
@@ -175,7 +185,8 @@ class _FakeKernel:
             x = x.view(mx.uint16) if x.dtype in (mx.bfloat16, mx.float16) else x
             arrays.append(np.ascontiguousarray(np.array(x)))
         outs = [_garbage(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
-        self.launch(kernel_sources.instance_name(e, dtype, n), grid[0] // n, n, arrays + outs)
+        name = kernel_sources.instance_name(e, dtype, n, *ints)
+        self.launch(name, grid[0] // n, n, arrays + outs)
         return [
             mx.array(o).view(d) if d in (mx.bfloat16, mx.float16) else mx.array(o)
             for o, d in zip(outs, output_dtypes, strict=True)
@@ -186,9 +197,9 @@ def check_metal_assembly(tmp_path: Path, stem: str, entries, instances, small, e
     """What MLX needs of each entry's Metal assembly (the prelude and body in the header; the
     thread ids it must declare named in the source itself; no input that makes MLX add
     ``_shape``/``_strides``/``_ndim`` parameters the entry does not take), then the text
-    ``metal_text`` rebuilds for ``entries`` at each ``(dtype, N)`` of ``instances`` (``small``
-    as there), followed by ``extra``, syntax-checked as C++ over METAL_STUB. Skips the
-    syntax check without a C++ compiler."""
+    ``metal_text`` rebuilds for ``entries`` at each ``(dtype, N, *ints)`` of ``instances``
+    (``small`` as there), followed by ``extra``, syntax-checked as C++ over METAL_STUB. Skips
+    the syntax check without a C++ compiler."""
     for e in entries:
         header, source = sources.mlx_parts("metal", e)
         assert sources.prelude("metal") in header and sources.kernel_source(e.body) in header
@@ -200,7 +211,9 @@ def check_metal_assembly(tmp_path: Path, stem: str, entries, instances, small, e
     if cpu.compiler() is None:
         pytest.skip("no C++ compiler for the syntax check")
     text = METAL_STUB + "".join(
-        metal_text(e, d, n, small=small) for e in entries for d, n in instances
+        metal_text(e, d, n, *i[: len(e.ints)], small=small)
+        for e in entries
+        for d, n, *i in instances
     )
     path = tmp_path / f"{stem}_metal_as_cpp.cpp"
     path.write_text(text + extra)
@@ -210,16 +223,18 @@ def check_metal_assembly(tmp_path: Path, stem: str, entries, instances, small, e
 
 
 def check_cuda_compiles(tmp_path: Path, stem: str, entries, instances, as_mlx) -> None:
-    """nvcc (sm_80) compiles the standalone CUDA flavour of ``entries`` at each ``(dtype, N)``
-    of ``instances``, and the text ``cuda_text`` rebuilds for them at each of ``as_mlx``; the
-    two compile side by side. Skips without nvcc."""
+    """nvcc (sm_80) compiles the standalone CUDA flavour of ``entries`` at each
+    ``(dtype, N, *ints)`` of ``instances``, and the text ``cuda_text`` rebuilds for them at each
+    of ``as_mlx``; the two compile side by side. Skips without nvcc."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not installed: the CUDA flavour is not compiled here")
     standalone = tmp_path / f"{stem}_standalone.cu"
     standalone.write_text(kernel_sources.standalone_source("cuda", entries, instances))
     mlx_text = tmp_path / f"{stem}_as_mlx.cu"
-    mlx_text.write_text("".join(cuda_text(e, d, n) for e in entries for d, n in as_mlx))
+    mlx_text.write_text(
+        "".join(cuda_text(e, d, n, *i[: len(e.ints)]) for e in entries for d, n, *i in as_mlx)
+    )
     jobs = [
         subprocess.Popen(
             [nvcc, "-std=c++17", "-arch=sm_80", "-c", str(src), "-o", str(src.with_suffix(".o"))],

@@ -65,13 +65,13 @@ def launcher(lib: ctypes.CDLL):
     return launch
 
 
-def fixture_launch(request, tmp_path_factory, entries, sizes):
-    """For a pytest fixture: the launch of the CPU flavour of ``entries`` at every dtype and
-    every N in ``sizes``, built in pytest's cache (a temporary folder without it). Skips without
-    a C++ compiler."""
+def fixture_launch(request, tmp_path_factory, entries, sizes, ints=lambda n: [()]):
+    """For a pytest fixture: the launch of the CPU flavour of ``entries`` at every dtype, every
+    N in ``sizes`` and each tuple of ``ints(N)`` (the entries' other int template arguments),
+    built in pytest's cache (a temporary folder without it). Skips without a C++ compiler."""
     if compiler() is None:
         pytest.skip("no C++ compiler (g++ or clang++): the CPU flavour cannot be built")
-    instances = [(d, n) for d in sources.DTYPES for n in sizes]
+    instances = [(d, n, *i) for d in sources.DTYPES for n in sizes for i in ints(n)]
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
     where = cache.mkdir("kernels_cpu") if cache else tmp_path_factory.mktemp("kernels_cpu")
     return launcher(build(entries, instances, where))

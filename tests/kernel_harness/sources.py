@@ -14,14 +14,28 @@ C_TYPES = {
 }
 
 
-def instance_name(e: Entry, dtype: str, n: int) -> str:
-    """Name of the standalone function for ``InT = dtype``, ``N = n``: ``wkv7_fwd_float32_64``."""
-    return f"{e.kernel}_{dtype}_{n}"
+def instance_name(e: Entry, dtype: str, n: int, *ints: int) -> str:
+    """Name of the standalone function for ``InT = dtype``, ``N = n`` and the entry's other int
+    template arguments ``ints``: ``wkv7_fwd_float32_64``, ``wkv7c_fwd_maps_float32_64_L16``."""
+    if len(ints) != len(e.ints):
+        raise ValueError(f"{e.kernel} takes the template ints N {' '.join(e.ints)}")
+    return f"{e.kernel}_{dtype}_{n}" + "".join(
+        f"_{k}{v}" for k, v in zip(e.ints, ints, strict=True)
+    )
+
+
+def constants(e: Entry, c_dtype: str, n: int, ints) -> str:
+    """The template arguments as the lines MLX writes at the top of a CUDA kernel."""
+    lines = [f"using InT = {c_dtype};", f"constexpr int N = {n};"]
+    lines += [f"constexpr int {k} = {v};" for k, v in zip(e.ints, ints, strict=True)]
+    return "".join(f"    {line}\n" for line in lines)
 
 
 def standalone_source(flavour: str, entries, instances) -> str:
     """One compilable CUDA or C++ file: prelude, bodies, and one ``extern "C"`` function per entry
-    and ``(dtype, N)`` in ``instances``, whose signature is the one MLX would write.
+    and ``(dtype, N, *ints)`` in ``instances`` (the entry's own int template arguments; an
+    entry without them takes ``(dtype, N)`` of each), whose signature is the one MLX would
+    write.
 
     CUDA: a ``__global__`` kernel, launched with grid and block as MLX launches it. CPU: a
     function ``name(unsigned groups, params...)`` that runs ``groups`` threadgroups of N threads.
@@ -34,12 +48,12 @@ def standalone_source(flavour: str, entries, instances) -> str:
     for body in dict.fromkeys(e.body for e in entries):
         parts.append(kernel_source(body))
     for e in entries:
-        for dtype, n in instances:
+        for dtype, n, *ints in dict.fromkeys((d, n, *i[: len(e.ints)]) for d, n, *i in instances):
             params = [f"const {types[e.dtype_of(t, dtype)]}* {name}" for name, t in e.inputs] + [
                 f"{types[e.dtype_of(t, dtype)]}* {name}" for name, t in e.outputs
             ]
-            consts = f"    using InT = {types[dtype]};\n    constexpr int N = {n};\n"
-            name = instance_name(e, dtype, n)
+            consts = constants(e, types[dtype], n, ints)
+            name = instance_name(e, dtype, n, *ints)
             if flavour == "cuda":
                 parts.append(
                     f'extern "C" __global__ void {name}(\n    '

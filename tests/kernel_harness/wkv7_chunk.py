@@ -4,7 +4,7 @@ mlx."""
 
 from __future__ import annotations
 
-import re
+from functools import partial
 
 from kernel_harness import sources as standalone
 from kernel_harness import wkv7 as sequential
@@ -14,6 +14,7 @@ from kernel_harness.common import (
     host,
 )
 from mlx_rwkvx.metal import sources
+from mlx_rwkvx.metal.shapes import wkv7_chunk_lengths
 
 import numpy as np
 
@@ -22,10 +23,6 @@ SCAN = sources.entry("wkv7c_fwd_scan.h")
 BWD_SCAN = sources.entry("wkv7c_bwd_scan.h")
 BWD_MAPS = sources.entry("wkv7c_bwd_maps.h")
 ENTRIES = (MAPS, SCAN, BWD_SCAN, BWD_MAPS)
-_SIZES = re.search(
-    r"#define WKV7C_L\(n\) \(\(n\) > (\d+) \? (\d+) : (\d+)\)",
-    sources.kernel_source("wkv7_chunk.h"),
-)
 MAPS_NAMES = ("W", "U0", "Qm", "Y0", "KL", "BL")
 
 
@@ -38,29 +35,29 @@ def _arrays(entry, dtype: str, values: dict, out_shapes: dict, xp, ready=None) -
     return arrays
 
 
-def chunk_length(N: int) -> int:
-    """WKV7C_L(N) of metal/wkv7_chunk.h."""
-    limit, large, small = (int(x) for x in _SIZES.groups())
-    return large if N > limit else small
+def lengths(N: int) -> tuple[int, ...]:
+    """The chunk lengths built at head size N (metal/shapes.py)."""
+    return wkv7_chunk_lengths(N)
 
 
-def forward(launch, inputs: dict, dtype: str, xp=np) -> dict:
-    """Both entries on oracle-style float64 ``inputs`` (keys of WKV7_INPUTS and 'state').
-    Returns float64 NumPy arrays: y, state_out, ckpt."""
+def forward(launch, inputs: dict, dtype: str, xp=np, L: int | None = None) -> dict:
+    """Both entries on oracle-style float64 ``inputs`` (keys of WKV7_INPUTS and 'state'), in
+    chunks of ``L`` steps (default: the longest built). Returns float64 NumPy arrays: y,
+    state_out, ckpt."""
     B, T, H, N = inputs["r"].shape
-    L = chunk_length(N)
+    L = L or lengths(N)[-1]
     n_chunks = -(-T // L)
     dims = np.array([T, H], dtype=np.int32)
     maps_shape = (B, H, n_chunks, L, N)
     shapes = {name: maps_shape for name in MAPS_NAMES} | {"cL": (B, H, n_chunks, N)}
     maps_arrays = _arrays(MAPS, dtype, {**inputs, "dims": dims}, shapes, xp)
-    launch(standalone.instance_name(MAPS, dtype, N), B * H * n_chunks, N, maps_arrays)
+    launch(standalone.instance_name(MAPS, dtype, N, L), B * H * n_chunks, N, maps_arrays)
     maps = dict(zip(MAPS.output_names, maps_arrays[len(MAPS.inputs) :], strict=True))
 
     shapes = {"y": (B, T, H, N), "state_out": (B, H, N, N), "ckpt": (B, H, n_chunks, N, N)}
     shapes["Z"] = maps_shape
     scan_arrays = _arrays(SCAN, dtype, {**inputs, "dims": dims}, shapes, xp, ready=maps)
-    launch(standalone.instance_name(SCAN, dtype, N), B * H, N, scan_arrays)
+    launch(standalone.instance_name(SCAN, dtype, N, L), B * H, N, scan_arrays)
     out = dict(zip(SCAN.output_names, scan_arrays[len(SCAN.inputs) :], strict=True))
     return {
         "y": from_storage(host(out["y"]), dtype),
@@ -70,13 +67,13 @@ def forward(launch, inputs: dict, dtype: str, xp=np) -> dict:
     }
 
 
-def backward(launch, inputs: dict, dy, dstate, dtype: str, xp=np) -> dict:
+def backward(launch, inputs: dict, dy, dstate, dtype: str, xp=np, L: int | None = None) -> dict:
     """The forward, then both backward entries. Returns the forward's outputs and float64
     gradients ``d<name>`` of every input (``dstate``: the initial state's)."""
     B, T, H, N = inputs["r"].shape
-    L = chunk_length(N)
+    L = L or lengths(N)[-1]
     n_chunks = -(-T // L)
-    got = forward(launch, inputs, dtype, xp)
+    got = forward(launch, inputs, dtype, xp, L)
     saved = got.pop("saved")
     dims = np.array([T, H], dtype=np.int32)
     maps_shape = (B, H, n_chunks, L, N)
@@ -85,12 +82,12 @@ def backward(launch, inputs: dict, dy, dstate, dtype: str, xp=np) -> dict:
     shapes |= {"ddecay": (B, H, n_chunks, N), "dstate0": (B, H, N, N)}
     values = {**inputs, "dy": dy, "dstate": dstate, "dims": dims}
     arrays = _arrays(BWD_SCAN, dtype, values, shapes, xp, ready=saved)
-    launch(standalone.instance_name(BWD_SCAN, dtype, N), B * H, N, arrays)
+    launch(standalone.instance_name(BWD_SCAN, dtype, N, L), B * H, N, arrays)
     scan = dict(zip(BWD_SCAN.output_names, arrays[len(BWD_SCAN.inputs) :], strict=True))
 
     shapes = {name: (B, T, H, N) for name in ("dr", "dlog_w", "dk", "dv", "da", "db")}
     arrays = _arrays(BWD_MAPS, dtype, values, shapes, xp, ready={**saved, **scan})
-    launch(standalone.instance_name(BWD_MAPS, dtype, N), B * H * n_chunks, N, arrays)
+    launch(standalone.instance_name(BWD_MAPS, dtype, N, L), B * H * n_chunks, N, arrays)
     grads = dict(zip(BWD_MAPS.output_names, arrays[len(BWD_MAPS.inputs) :], strict=True))
     for name, ptype in BWD_MAPS.outputs:
         raw = host(grads[name])
@@ -99,7 +96,11 @@ def backward(launch, inputs: dict, dy, dstate, dtype: str, xp=np) -> dict:
     return got
 
 
-def compare(launch, inputs: dict, dtype: str, seed: int = 0, xp=np) -> dict[str, float]:
-    """Forward and backward against the oracle, as kernel_harness.wkv7.compare does for the
-    sequential kernel: the norm-wise relative error per named tensor, asserted."""
-    return sequential.compare(launch, inputs, dtype, seed, xp, backward, "chunked WKV7 kernel")
+def compare(
+    launch, inputs: dict, dtype: str, seed: int = 0, xp=np, L: int | None = None
+) -> dict[str, float]:
+    """Forward and backward in chunks of ``L`` steps against the oracle, as
+    kernel_harness.wkv7.compare does for the sequential kernel: the norm-wise relative error
+    per named tensor, asserted."""
+    run = partial(backward, L=L)
+    return sequential.compare(launch, inputs, dtype, seed, xp, run, f"chunked WKV7 kernel (L={L})")

@@ -2,7 +2,7 @@
 only in its backward, one that returns NaN and one that returns wrong values. Each time
 ``wkv7``, ``moba_attention`` and a LoRA training step finish with the results of a run without
 the kernel, and one warning names the kernel and the reason. This CPU has no kernels: each test
-makes the dispatcher believe it has one (its ``kernel_available`` and ``impls[KERNEL]``)."""
+makes the dispatcher believe it has one (its ``kernels`` and ``impls[KERNEL]``)."""
 
 from __future__ import annotations
 
@@ -68,14 +68,14 @@ def no_kernel(monkeypatch):
     """The dispatchers as on this CPU (no kernel; no implementation forced)."""
     for dispatcher in DISPATCH.values():
         monkeypatch.delenv(dispatcher.env_var, raising=False)
-        monkeypatch.setattr(dispatcher, "kernel_available", lambda key=None: False)
+        monkeypatch.setattr(dispatcher, "kernels", lambda key=None: ())
 
 
 def inject(monkeypatch, op: str, fault: str) -> None:
     """``op``'s dispatcher as on a device whose kernel has ``fault``, nothing checked yet."""
     dispatcher = DISPATCH[op]
     kernel = faulty_kernel(fault, dispatcher.impls[dispatcher.fallback], ARRAY_ARGS[op])
-    monkeypatch.setattr(dispatcher, "kernel_available", lambda key=None: True)
+    monkeypatch.setattr(dispatcher, "kernels", lambda key=None: (KERNEL,))
     monkeypatch.setattr(dispatcher, "impls", {**dispatcher.impls, KERNEL: kernel})
     monkeypatch.setattr(dispatcher, "results", {})
     monkeypatch.setattr(dispatcher, "reasons", {})
@@ -202,7 +202,9 @@ def test_info_selfcheck_lists_passed_failed_and_why(monkeypatch):
         return (nan_kernel if q.shape[-1] == 128 else blockwise)(q, *rest, **kwargs)
 
     monkeypatch.setattr(M.DISPATCH, "impls", {**M.DISPATCH.impls, KERNEL: moba_kernel})
-    monkeypatch.setattr(M.DISPATCH, "kernel_available", lambda key=None: key is None or key[0] > 16)
+    monkeypatch.setattr(
+        M.DISPATCH, "kernels", lambda key=None: (KERNEL,) if key is None or key[0] > 16 else ()
+    )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         lines = info.selfcheck()
@@ -216,7 +218,7 @@ def test_info_selfcheck_lists_passed_failed_and_why(monkeypatch):
         "returned non-finite values in out, dq, dk, dv" in lines
     )
     assert (
-        "kernels    wkv7 size 64 bfloat16: FAILED, the chunked path is used: raised "
+        "kernels    wkv7 kernel size 64 bfloat16: FAILED, the chunked path is used: raised "
         "RuntimeError: metal::Compiler: Unable to build metal library from source\n"
         "               program_source:12:5: error: use of undeclared identifier 'x0'\n"
     ) in text

@@ -1,8 +1,14 @@
 """The chunked WKV7 kernel body (metal/wkv7_chunk.h): its CPU flavour against the float64 oracle
-(outputs and all seven gradients), the CUDA flavour through nvcc, the Metal source as MLX
-assembles it, and the MLX wrapper (wkv7_chunked_kernel and its VJP) driven through the CPU
-flavour."""
+(outputs and all seven gradients) at every chunk length it is built for, the CUDA flavour
+through nvcc, the Metal source as MLX assembles it, and the MLX wrapper (wkv7_chunked_kernel
+and its VJP) and the dispatcher's use of it driven through the CPU flavour."""
 
+import importlib
+import subprocess
+
+from mlx_rwkvx.errors import UserError
+from mlx_rwkvx.metal import shapes
+from mlx_rwkvx.ops import tuning
 from mlx_rwkvx.ops.wkv7 import kernel as WK
 
 import mlx.core as mx
@@ -16,6 +22,8 @@ from helpers.mlx_kernel_emulation import (
     kernels_through_cpu,
 )
 from kernel_harness import cpu
+from kernel_harness import sources as standalone
+from kernel_harness import wkv7 as sequential
 from kernel_harness import wkv7_chunk as harness
 from kernel_harness.common import TOL
 from oracle.common import rel_err
@@ -30,7 +38,13 @@ HEAD_SIZES = (16, 32, 64, 128)
 
 @pytest.fixture(scope="session")
 def launch(request, tmp_path_factory):
-    return cpu.fixture_launch(request, tmp_path_factory, harness.ENTRIES, HEAD_SIZES)
+    return cpu.fixture_launch(
+        request,
+        tmp_path_factory,
+        harness.ENTRIES,
+        HEAD_SIZES,
+        lambda n: [(L,) for L in harness.lengths(n)],
+    )
 
 
 # (B, T, H, N, decays, with_state): T shorter than a chunk, at and across chunk edges, ragged
@@ -52,13 +66,16 @@ FLOAT32_CASES = [
 ]
 
 
+@pytest.mark.parametrize("length", ["short", "long"])
 @pytest.mark.parametrize("B, T, H, N, decays, with_state", FLOAT32_CASES)
-def test_cpu_flavour_float32_matches_oracle(launch, B, T, H, N, decays, with_state):
+def test_cpu_flavour_float32_matches_oracle(launch, B, T, H, N, decays, with_state, length):
+    # at both chunk lengths built for N (chunk edges move: 16 steps is two chunks of 8)
     rng = np.random.default_rng(T * 131 + N)
     inputs = random_wkv7_inputs(rng, B, T, H, N, decay_range=decays)
     if not with_state:
         inputs["state"] = np.zeros_like(inputs["state"])
-    harness.compare(launch, inputs, "float32", seed=T)
+    L = harness.lengths(N)[0 if length == "short" else -1]
+    harness.compare(launch, inputs, "float32", seed=T, L=L)
 
 
 def test_any_decay_is_safe(launch):
@@ -92,8 +109,8 @@ def test_checkpoints_are_the_states_entering_each_chunk(launch):
     # what the backward will start from: checkpoint c equals the state after c chunks
     rng = np.random.default_rng(3)
     inputs = random_wkv7_inputs(rng, 1, 40, 1, 16)
-    got = harness.forward(launch, inputs, "float32")
-    L = harness.chunk_length(16)
+    L = harness.lengths(16)[0]
+    got = harness.forward(launch, inputs, "float32", L=L)
     for c in range(got["ckpt"].shape[2]):
         if c == 0:
             want = inputs["state"][:, :, :, :]
@@ -104,29 +121,37 @@ def test_checkpoints_are_the_states_entering_each_chunk(launch):
 
 
 def test_metal_assembly_names_its_thread_ids_and_compiles_as_cpp(tmp_path):
-    instances = [("float32", 64), ("bfloat16", 16), ("float16", 128)]
+    instances = [("float32", 64, 16), ("bfloat16", 16, 8), ("float16", 128, 4)]
     check_metal_assembly(tmp_path, "wkv7_chunk", harness.ENTRIES, instances, small=("dims",))
 
 
 def test_cuda_flavour_compiles_with_nvcc(tmp_path):
-    instances = [("float32", 16), ("float32", 64), ("float32", 128), ("bfloat16", 64)]
+    instances = [("float32", 16, 16), ("float32", 64, 8), ("float32", 128, 8), ("bfloat16", 64, 16)]
     check_cuda_compiles(
-        tmp_path, "wkv7_chunk", harness.ENTRIES, instances, as_mlx=[("float16", 32)]
+        tmp_path, "wkv7_chunk", harness.ENTRIES, instances, as_mlx=[("float16", 32, 16)]
     )
 
 
-def test_threadgroup_memory_fits_metal_and_cuda():
-    # the entries' SHARED_ARRAY sizes in floats against Metal's 32 KiB (CUDA gives 48 KiB)
+def test_threadgroup_memory_rule_is_the_bodys(tmp_path):
+    # metal/shapes.py's rule and the header's compile-time check agree: the lengths built fit
+    # (the fixture compiled them), the next power of two does not compile
+    if cpu.compiler() is None:
+        pytest.skip("no C++ compiler")
+    assert {N: WK.chunk_lengths(N) for N in HEAD_SIZES} == {
+        16: (8, 16),
+        32: (8, 16),
+        64: (8, 16),
+        128: (4, 8),
+    }
     for N in HEAD_SIZES:
-        L = harness.chunk_length(N)
-        maps, scan = 5 * L * N + 4 * L * L, (4 * L + 2) * N
-        bwd_maps = maps + 4 * L * L
-        assert 4 * max(maps, scan, bwd_maps) <= 32 * 1024, (N, L, maps, scan, bwd_maps)
-
-
-def test_chunk_length_matches_the_body():
-    for N in HEAD_SIZES:
-        assert WK.chunk_length(N) == harness.chunk_length(N)
+        L = 2 * WK.chunk_lengths(N)[-1]
+        assert not shapes.wkv7_chunk_fits(N, L)
+        path = tmp_path / f"too_long_{N}.cpp"
+        instances = [("float32", N, L)]
+        path.write_text(standalone.standalone_source("cpu", harness.ENTRIES, instances))
+        cmd = [cpu.compiler(), "-std=c++20", "-fsyntax-only", str(path)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode != 0 and "chunk too long" in done.stderr, (N, L)
 
 
 def test_without_a_backend_the_wrapper_says_so():
@@ -207,8 +232,56 @@ def test_a_large_drop_inside_a_chunk_leaves_the_later_steps_exact(launch, drop):
     inputs = random_wkv7_inputs(np.random.default_rng(3), 1, 64, 2, 16)
     log_w = np.full(inputs["log_w"].shape, np.log(0.999))
     if drop == "each chunk's first step":
-        log_w[:, :: harness.chunk_length(16)] = -9.0
+        log_w[:, :: harness.lengths(16)[-1]] = -9.0
     else:
         log_w[:, :10], log_w[:, 10:] = -15.99, -1e-3
     inputs["log_w"] = log_w
     harness.compare(launch, inputs, "float32", seed=4)
+
+
+def test_chunk_must_be_a_length_built():
+    args = _mx_args(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 1, 128), "float32")
+    with pytest.raises(ValueError, match=r"chunk=16 at head size 128; built for \(4, 8\)"):
+        WK.wkv7_chunked_kernel(*args, chunk=16)
+
+
+def test_dispatcher_checks_times_and_forces_each_chunk_length(launch, monkeypatch, tmp_path):
+    # as on a GPU with only the chunked kernels: each length is self-checked on its own, the
+    # tuner times both beside the MLX path, and impl= runs the one it names
+    W = importlib.import_module("mlx_rwkvx.ops.wkv7")
+    monkeypatch.setenv(tuning.ENV_TUNE, "1")
+    monkeypatch.setattr(W.DISPATCH, "tuner", tuning.Tuner(tmp_path / "tuning.json"))
+    monkeypatch.setattr(W.DISPATCH, "results", {})
+    monkeypatch.setattr(W.DISPATCH, "reasons", {})
+    entries = (*harness.ENTRIES, *sequential.ENTRIES)  # built, never launched
+    with kernels_through_cpu(monkeypatch, "metal", WK, entries, launch) as calls:
+        here = W.DISPATCH.kernels((32, mx.float32))
+        assert here == ("kernel", "chunked_kernel_8", "chunked_kernel_16")
+        real = W.DISPATCH.kernels
+        monkeypatch.setattr(W.DISPATCH, "kernels", lambda key=None: real(key)[1:])
+        inputs = random_wkv7_inputs(np.random.default_rng(9), 1, 40, 2, 32, decay_range=MIXED)
+        args = _mx_args(inputs, "float32")
+        y, state = W.wkv7(*args)
+        mx.eval(y, state)
+        assert W.DISPATCH.results == {
+            ("chunked_kernel_8", (32, mx.float32)): True,
+            ("chunked_kernel_16", (32, mx.float32)): True,
+        }
+        [(name, chosen, timings)] = W.DISPATCH.tuner.entries()
+        assert name == "wkv7 N=32 float32 T<=64"
+        assert set(timings) == {"ref", "chunked", "chunked_kernel_8", "chunked_kernel_16"}
+        assert chosen == min(timings, key=timings.__getitem__)
+        del calls[:]
+        y8, state8 = W.wkv7(*args, impl="chunked_kernel_8")
+        mx.eval(y8, state8)
+        assert [name for name, _ in calls] == ["wkv7c_fwd_maps", "wkv7c_fwd_scan"]
+        assert calls[0][1]["r"] == 40 * 2 * 32
+        with pytest.raises(UserError, match="'chunked_kernel_16' has no form for size 128 float32"):
+            W.wkv7(
+                *_mx_args(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 1, 128), "float32"),
+                impl="chunked_kernel_16",
+            )
+    y_ref, s_ref = wkv7_np(*(inputs[n] for n in WKV7_INPUTS), inputs["state"])
+    for got_y, got_s in ((y, state), (y8, state8)):
+        assert rel_err(np.array(got_y), y_ref) <= TOL["float32"]["out"]
+        assert rel_err(np.array(got_s), s_ref) <= TOL["float32"]["out"]

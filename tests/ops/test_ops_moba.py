@@ -201,7 +201,7 @@ def test_bad_arguments(impl, case):
 def test_forcing_a_missing_kernel_is_an_error(monkeypatch):
     _, args, cs, top_k = make(CASES["sparse"])
     monkeypatch.setenv(M.ENV_VAR, "kernel")
-    monkeypatch.setattr(M.DISPATCH, "kernel_available", lambda key=None: False)
+    monkeypatch.setattr(M.DISPATCH, "kernels", lambda key=None: ())
     with pytest.raises(
         UserError, match="moba: MLX_RWKVX_[A-Z0-9]+='kernel', but .* no moba kernel"
     ):
@@ -217,7 +217,7 @@ def test_kernel_self_check(monkeypatch):
 
     _, args, cs, top_k = make(CASES["sparse"])
     monkeypatch.delenv(M.ENV_VAR, raising=False)
-    monkeypatch.setattr(M.DISPATCH, "kernel_available", lambda key=None: True)
+    monkeypatch.setattr(M.DISPATCH, "kernels", lambda key=None: (KERNEL,))
     used = []
 
     def wrong(q, k, v, chunk_size, top_k, scale=None):
@@ -242,7 +242,7 @@ def test_kernel_self_check(monkeypatch):
     monkeypatch.setattr(M.DISPATCH, "impls", {**M.DISPATCH.impls, KERNEL: right})
     monkeypatch.setattr(M.DISPATCH, "results", {})
     M.moba_attention(*args, chunk_size=cs, top_k=top_k)
-    assert used and M.DISPATCH.results == {(8, mx.float32): True}
+    assert used and M.DISPATCH.results == {(KERNEL, (8, mx.float32)): True}
 
 
 @pytest.mark.parametrize("case", ["sparse", "top_k=0", "T%chunk!=0"])

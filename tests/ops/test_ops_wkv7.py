@@ -230,7 +230,7 @@ def _recording(monkeypatch, names):
 
 def test_dispatcher_default_choice(monkeypatch):
     monkeypatch.delenv(W.ENV_VAR, raising=False)
-    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda key=None: False)
+    monkeypatch.setattr(W.DISPATCH, "kernels", lambda key=None: ())
     calls = _recording(monkeypatch, ["ref", "chunked"])
     for T in (1, W.REF_MAX_T, W.REF_MAX_T + 1, 40):
         W.wkv7(*to_mx(random_wkv7_inputs(np.random.default_rng(T), 1, T, 2, 16)))
@@ -247,7 +247,7 @@ def test_argument_checks_run_once_per_call(monkeypatch):
 
 def test_forcing_a_missing_kernel_is_an_error(monkeypatch):
     monkeypatch.setenv(W.ENV_VAR, "kernel")
-    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda key=None: False)
+    monkeypatch.setattr(W.DISPATCH, "kernels", lambda key=None: ())
     args = to_mx(random_wkv7_inputs(np.random.default_rng(0), 1, 5, 2, 16))
     with pytest.raises(
         UserError, match="wkv7: MLX_RWKVX_[A-Z0-9]+='kernel', but .* no wkv7 kernel"
@@ -258,7 +258,7 @@ def test_forcing_a_missing_kernel_is_an_error(monkeypatch):
 def _with_kernel(monkeypatch, kernel):
     """The dispatcher as on a device with ``kernel``, nothing checked yet."""
     monkeypatch.delenv(W.ENV_VAR, raising=False)
-    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda key=None: True)
+    monkeypatch.setattr(W.DISPATCH, "kernels", lambda key=None: (KERNEL,))
     monkeypatch.setattr(W.DISPATCH, "impls", {**W.DISPATCH.impls, KERNEL: kernel})
     monkeypatch.setattr(W.DISPATCH, "results", {})
 
@@ -287,7 +287,7 @@ def test_kernel_passing_self_check_is_used(monkeypatch):
 
     _with_kernel(monkeypatch, good_kernel)
     W.wkv7(*to_mx(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 2, 16)))
-    assert used and W.DISPATCH.results == {(16, mx.float32): True}
+    assert used and W.DISPATCH.results == {(KERNEL, (16, mx.float32)): True}
 
 
 def test_prepare_runs_the_self_checks_up_front(monkeypatch):
@@ -300,8 +300,8 @@ def test_prepare_runs_the_self_checks_up_front(monkeypatch):
     _with_kernel(monkeypatch, wrong_kernel)
     with pytest.warns(RuntimeWarning, match="disagrees"):
         report = prepare(head_sizes=(16,), dtypes=(mx.float32,))
-    assert ("wkv7", 16, mx.float32, False) in report
-    assert W.DISPATCH.results == {(16, mx.float32): False}
+    assert ("wkv7", KERNEL, 16, mx.float32, False) in report
+    assert W.DISPATCH.results == {(KERNEL, (16, mx.float32)): False}
 
 
 def test_no_self_check_inside_compile(monkeypatch):
@@ -320,7 +320,7 @@ def test_no_self_check_inside_compile(monkeypatch):
     assert not used and W.DISPATCH.results == {}
     assert rel_err(np.array(y), np.array(W.wkv7_chunked(*args)[0])) <= FWD_TOL
     W.wkv7(*args)
-    assert used and W.DISPATCH.results == {(16, mx.float32): True}
+    assert used and W.DISPATCH.results == {(KERNEL, (16, mx.float32)): True}
 
 
 @pytest.mark.parametrize("T", [5, 40])

@@ -68,7 +68,8 @@ def fake_op(device, path, *, kernel=None):
         impls,
         env_var=ENV_VAR,
         fallback="slow",
-        kernel_available=lambda key=None: kernel is not None,
+        kernel_names=(KERNEL,),
+        kernels=lambda key=None: (KERNEL,) if kernel is not None else (),
         self_check=self_check,
         workload=workload,
         tuner=tuner,
@@ -231,7 +232,7 @@ def _counting_tuner():
 
 def test_wkv7_measures_its_candidates(tune_on, monkeypatch):
     monkeypatch.setattr(W.DISPATCH, "tuner", _counting_tuner())
-    monkeypatch.setattr(W.DISPATCH, "kernel_available", lambda key=None: False)
+    monkeypatch.setattr(W.DISPATCH, "kernels", lambda key=None: ())
     monkeypatch.delenv(W.ENV_VAR, raising=False)
     shape, keys = (1, 12, 2, 16), mx.random.split(mx.random.key(0), 4)
     args = [mx.random.uniform(-0.3, 0.3, shape, key=keys[i]) for i in range(3)] * 2
@@ -249,7 +250,7 @@ def test_wkv7_measures_its_candidates(tune_on, monkeypatch):
 
 def test_moba_measures_its_candidates(tune_on, monkeypatch):
     monkeypatch.setattr(M.DISPATCH, "tuner", _counting_tuner())
-    monkeypatch.setattr(M.DISPATCH, "kernel_available", lambda key=None: False)
+    monkeypatch.setattr(M.DISPATCH, "kernels", lambda key=None: ())
     monkeypatch.delenv(M.ENV_VAR, raising=False)
     q = mx.random.normal((1, 20, 4, 16), key=mx.random.key(0))
     k, v = (mx.random.normal((1, 20, 2, 16), key=mx.random.key(i)) for i in (1, 2))

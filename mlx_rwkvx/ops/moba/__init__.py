@@ -93,7 +93,8 @@ DISPATCH = Dispatcher(
     {"ref": naive.dense, "blockwise": blockwise.attention, KERNEL: kernel.attention},
     env_var=ENV_VAR,
     fallback="blockwise",
-    kernel_available=kernel.available,
+    kernel_names=(KERNEL,),
+    kernels=lambda key=None: (KERNEL,) if kernel.available(key) else (),
     self_check=_self_check,
     workload=_workload,
 )

@@ -3,8 +3,8 @@
 - ``contract.py``: the argument checks, run once per call;
 - ``naive.py``: ``wkv7_ref`` (the step loop, the reference) and ``wkv7_step`` (decode);
 - ``chunk.py``: ``wkv7_chunked``, the fast MLX path (derivation in README.md);
-- ``kernel.py``: ``wkv7_kernel``, one Metal/CUDA kernel per direction (bodies in
-  ``mlx_rwkvx/metal/``);
+- ``kernel.py``: ``wkv7_kernel``, one Metal/CUDA kernel per direction, and
+  ``wkv7_chunked_kernel``, the chunked form in four (bodies in ``mlx_rwkvx/metal/``);
 - here: ``wkv7``, the dispatcher.
 """
 
@@ -15,12 +15,20 @@ from mlx_rwkvx.ops.dispatch import KERNEL, Dispatcher
 from mlx_rwkvx.ops.wkv7 import chunk, kernel, naive
 from mlx_rwkvx.ops.wkv7.chunk import CHUNK, wkv7_chunked
 from mlx_rwkvx.ops.wkv7.contract import check_inputs
-from mlx_rwkvx.ops.wkv7.kernel import wkv7_kernel
+from mlx_rwkvx.ops.wkv7.kernel import wkv7_chunked_kernel, wkv7_kernel
 from mlx_rwkvx.ops.wkv7.naive import wkv7_ref, wkv7_step
 
 import mlx.core as mx
 
-__all__ = ["CHUNK", "wkv7", "wkv7_chunked", "wkv7_kernel", "wkv7_ref", "wkv7_step"]
+__all__ = [
+    "CHUNK",
+    "wkv7",
+    "wkv7_chunked",
+    "wkv7_chunked_kernel",
+    "wkv7_kernel",
+    "wkv7_ref",
+    "wkv7_step",
+]
 
 ENV_VAR = "MLX_RWKVX_WKV7"
 # Up to this many steps the step loop beats the chunked path (benchmarks/BENCHMARKS.md, wkv7)
@@ -85,12 +93,16 @@ def _workload(key, shape) -> tuning.Workload:
     return tuning.Workload((f"N={N}", tuning.dtype_name(dtype), f"T<={T}"), names, make)
 
 
+KERNELS = {KERNEL: kernel.kernel} | {
+    name: kernel.chunked_kernel(L) for name, L in kernel.CHUNKED_NAMES.items()
+}
 DISPATCH = Dispatcher(
     "wkv7",
-    {"ref": naive.step_loop, "chunked": chunk.chunked, KERNEL: kernel.kernel},
+    {"ref": naive.step_loop, "chunked": chunk.chunked, **KERNELS},
     env_var=ENV_VAR,
     fallback="chunked",
-    kernel_available=kernel.available,
+    kernel_names=tuple(KERNELS),
+    kernels=kernel.kernels_here,
     self_check=_self_check,
     workload=_workload,
 )
@@ -104,13 +116,15 @@ def wkv7(r, log_w, k, v, a, b, state=None, *, impl: str | None = None):
     accumulation are float32. Returns (y ``[B, T, H, N]`` in r's dtype, final state float32).
     Differentiable w.r.t. all seven inputs.
 
-    ``impl`` (``"ref"``, ``"chunked"``, ``"kernel"``), else ``MLX_RWKVX_WKV7``, picks the
-    implementation; by default the fastest of those available, measured on this device once per
-    head size, dtype and length bucket (``ops/tuning.py``); with ``MLX_RWKVX_TUNE=0`` the
-    kernel where the device has one and it passed its self-check, else the step loop for
-    T <= REF_MAX_T, else the chunked path. A kernel competes only when it passed its
-    self-check (one that raises, returns non-finite values or disagrees falls back, with one
-    warning); a kernel forced by ``impl`` or the variable is not checked: its failure is raised.
+    ``impl`` (``"ref"``, ``"chunked"``, ``"kernel"`` -- the sequential kernel --,
+    ``"chunked_kernel_L"`` -- the chunked kernel in chunks of L steps, L one of
+    ``kernel.chunk_lengths(N)``), else ``MLX_RWKVX_WKV7``, picks the implementation; by default
+    the fastest of those available, measured on this device once per head size, dtype and
+    length bucket (``ops/tuning.py``); with ``MLX_RWKVX_TUNE=0`` the sequential kernel where the
+    device has one and it passed its self-check, else the step loop for T <= REF_MAX_T, else
+    the chunked path. A kernel competes only when it passed its self-check (one that raises,
+    returns non-finite values or disagrees is not used, with one warning); a kernel forced by
+    ``impl`` or the variable is not checked: its failure is raised.
     """
     check_inputs(r, log_w, k, v, a, b, state)
     default = "ref" if r.shape[1] <= REF_MAX_T else "chunked"

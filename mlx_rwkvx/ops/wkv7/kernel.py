@@ -11,6 +11,9 @@ same bodies runs in the tests (tests/ops/test_kernels_wkv7.py, test_kernels_wkv7
 
 from __future__ import annotations
 
+import functools
+
+from mlx_rwkvx.metal.shapes import wkv7_chunk_lengths
 from mlx_rwkvx.ops.mlx_kernels import kernel_backend, make_kernels
 from mlx_rwkvx.ops.wkv7.contract import check_inputs, zero_state
 
@@ -94,20 +97,21 @@ def wkv7_kernel(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
 CHUNKED_ENTRIES = ("wkv7c_fwd_maps.h", "wkv7c_fwd_scan.h", "wkv7c_bwd_scan.h", "wkv7c_bwd_maps.h")
 
 
-def chunk_length(N: int) -> int:
-    """Steps per chunk of the chunked kernel, WKV7C_L in metal/wkv7_chunk.h."""
-    return 8 if N > 64 else 16
+def chunk_lengths(N: int) -> tuple[int, ...]:
+    """The chunk lengths the chunked kernel is built for at head size N, shortest first: the
+    two largest powers of two whose threadgroup memory fits (metal/shapes.py)."""
+    return wkv7_chunk_lengths(N)
 
 
 def _chunked_kernels() -> tuple | None:
     return make_kernels(CHUNKED_ENTRIES, kernel_backend())
 
 
-def _run(kernel, inputs, T: int, dtype, N: int, groups: int, output_shapes, output_dtypes):
+def _run(kernel, inputs, T: int, dtype, N: int, L: int, groups: int, output_shapes, output_dtypes):
     H = inputs[0].shape[2]
     return kernel(
         inputs=[*inputs, mx.array([T, H], dtype=mx.int32)],
-        template=[("InT", dtype), ("N", N)],
+        template=[("InT", dtype), ("N", N), ("L", L)],
         grid=(groups * N, 1, 1),  # threads, as MLX counts them: threadgroups of N
         threadgroup=(N, 1, 1),
         output_shapes=output_shapes,
@@ -115,12 +119,27 @@ def _run(kernel, inputs, T: int, dtype, N: int, groups: int, output_shapes, outp
     )
 
 
-@mx.custom_function
-def _chunked_core(r, log_w, k, v, a, b, state):
+@functools.cache
+def _chunked_core(L: int):
+    """The chunked kernels' forward and VJP in chunks of ``L`` steps: one custom function per
+    length."""
+
+    @mx.custom_function
+    def core(r, log_w, k, v, a, b, state):
+        return _chunked_forward(L, r, log_w, k, v, a, b, state)
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        return _chunked_backward(L, primals, cotangents, outputs)
+
+    return core
+
+
+def _chunked_forward(L: int, r, log_w, k, v, a, b, state):
     maps, scan, _, _ = _chunked_kernels()
     B, T, H, N = r.shape
-    n_chunks = -(-T // chunk_length(N))
-    chunked = (B, H, n_chunks, chunk_length(N), N)
+    n_chunks = -(-T // L)
+    chunked = (B, H, n_chunks, L, N)
     f32 = mx.float32
     W, U0, Qm, Y0, KL, BL, c_L = _run(
         maps,
@@ -128,6 +147,7 @@ def _chunked_core(r, log_w, k, v, a, b, state):
         T,
         r.dtype,
         N,
+        L,
         B * H * n_chunks,
         [chunked] * 6 + [(B, H, n_chunks, N)],
         [f32] * 7,
@@ -138,6 +158,7 @@ def _chunked_core(r, log_w, k, v, a, b, state):
         T,
         r.dtype,
         N,
+        L,
         B * H,
         [(B, T, H, N), (B, H, N, N), (B, H, n_chunks, N, N), chunked],
         [r.dtype, f32, f32, f32],
@@ -146,8 +167,7 @@ def _chunked_core(r, log_w, k, v, a, b, state):
     return y, state_out, ckpt, Z, W, U0, Qm, KL, BL, c_L
 
 
-@_chunked_core.vjp
-def _chunked_vjp(primals, cotangents, outputs):
+def _chunked_backward(L: int, primals, cotangents, outputs):
     r, log_w, k, v, a, b, _ = primals
     dy, d_state_out = cotangents[:2]
     _, _, ckpt, Z, W, U0, Qm, KL, BL, c_L = outputs
@@ -165,6 +185,7 @@ def _chunked_vjp(primals, cotangents, outputs):
         T,
         dt,
         N,
+        L,
         B * H,
         [chunked] * 5 + [(B, H, n_chunks, N), chunked, (B, H, N, N)],
         [f32] * 8,
@@ -175,6 +196,7 @@ def _chunked_vjp(primals, cotangents, outputs):
         T,
         dt,
         N,
+        L,
         B * H * n_chunks,
         [r.shape] * 6,
         [dt, f32, dt, dt, dt, dt],
@@ -182,30 +204,70 @@ def _chunked_vjp(primals, cotangents, outputs):
     return (*grads, d_state)
 
 
-def wkv7_chunked_kernel(r, log_w, k, v, a, b, state=None) -> tuple[mx.array, mx.array]:
+def wkv7_chunked_kernel(
+    r, log_w, k, v, a, b, state=None, *, chunk: int | None = None
+) -> tuple[mx.array, mx.array]:
     """WKV7 by the chunked GPU kernels (Metal or CUDA); the contract of ``wkv7_ref``, with
     decays below exp(-16) a step taken as exp(-16) (their log_w gets no gradient), as
     ``wkv7_chunked`` does.
 
     Every chunk's maps in parallel, then the state through the chunks, one threadgroup per
     (batch, head); the VJP is the reverse scan and the maps' backward, as kernels too
-    (``metal/wkv7_chunk.h``). Raises RuntimeError where MLX has no Metal or CUDA backend.
+    (``metal/wkv7_chunk.h``). ``chunk``: steps per chunk, one of ``chunk_lengths(N)`` (default
+    the longest; ``wkv7`` picks by measurement). Raises RuntimeError where MLX has no Metal or
+    CUDA backend.
     """
     check_inputs(r, log_w, k, v, a, b, state)
-    if _chunked_kernels() is None:
-        raise RuntimeError(
-            "wkv7_chunked_kernel needs MLX with a Metal or CUDA device; use wkv7_chunked or "
-            "wkv7 here"
+    N = r.shape[-1]
+    if chunk is None:
+        chunk = chunk_lengths(N)[-1]
+    elif chunk not in chunk_lengths(N):
+        raise ValueError(
+            f"wkv7_chunked_kernel: chunk={chunk} at head size {N}; built for {chunk_lengths(N)}"
         )
-    state = zero_state(r) if state is None else state
-    y, state_out, *_ = _chunked_core(r, log_w, k, v, a, b, state)
-    return y, state_out
+    return chunked_kernel(chunk)(r, log_w, k, v, a, b, state)
+
+
+def chunked_kernel(L: int):
+    """``wkv7_chunked_kernel`` in chunks of ``L`` steps, without the argument checks (the
+    dispatcher ran them): one of the dispatcher's implementations."""
+
+    def run(r, log_w, k, v, a, b, state) -> tuple[mx.array, mx.array]:
+        if _chunked_kernels() is None:
+            raise RuntimeError(
+                "wkv7_chunked_kernel needs MLX with a Metal or CUDA device; use wkv7_chunked or "
+                "wkv7 here"
+            )
+        state = zero_state(r) if state is None else state
+        y, state_out, *_ = _chunked_core(L)(r, log_w, k, v, a, b, state)
+        return y, state_out
+
+    return run
+
+
+def chunked_name(L: int) -> str:
+    """The dispatcher's name of the chunked kernel in chunks of ``L`` steps."""
+    return f"chunked_kernel_{L}"
+
+
+CHUNKED_NAMES = {chunked_name(L): L for L in (4, 8, 16)}  # every length some head size builds
 
 
 def available(key=None) -> bool:
     """Whether this device has the WKV7 kernels (Metal or CUDA; for any ``(N, dtype)`` the
     contract takes)."""
     return _kernels() is not None
+
+
+def kernels_here(key=None) -> tuple[str, ...]:
+    """The WKV7 kernels this device has for ``key = (N, dtype)`` (for any, when None): the
+    sequential one (``kernel``), then the chunked one at each length it is built for there."""
+    sequential = ("kernel",) if available(key) else ()
+    if _chunked_kernels() is None:
+        return sequential
+    if key is None:
+        return (*sequential, *CHUNKED_NAMES)
+    return (*sequential, *(chunked_name(L) for L in chunk_lengths(key[0])))
 
 
 def kernel(r, log_w, k, v, a, b, state) -> tuple[mx.array, mx.array]:

@@ -189,9 +189,10 @@ class Dispatcher:
         here = tuple(self.kernels(key))
         if name is not None:
             if name in self.kernel_names and name not in here:
+                source = "impl" if impl else self.env_var
                 raise UserError(
-                    f"{self.op}: {name!r} has no form for {shape_class(key)}; the kernels "
-                    f"there: {list(here) or 'none'}"
+                    f"{self.op}: {source}={name!r} has no form for {shape_class(key)}; the "
+                    f"kernels there: {list(here) or 'none'}"
                 )
             return name
         if not here:
@@ -202,11 +203,12 @@ class Dispatcher:
                 self._warned_trace = True
                 warnings.warn(
                     f"mlx_rwkvx: the {self.op} kernels are unchecked inside mx.compile: this "
-                    "call takes the MLX path; call mlx_rwkvx.ops.prepare() before compiling",
+                    "call takes the MLX path or a kernel checked before; call "
+                    "mlx_rwkvx.ops.prepare() before compiling",
                     RuntimeWarning,
                     stacklevel=3,
                 )
-            return default
+            here = tuple(kernel for kernel in here if (kernel, key) in self.results)
         passed = tuple(kernel for kernel in here if self.kernel_passes(key, kernel))
         return self.tuned(key, shape, probe, passed[0] if passed else default, passed)
 

@@ -2,8 +2,8 @@
 remembered.
 
 The first call of an op for a shape class and length bucket (T rounded up to a power of two)
-times every exact candidate the op names (its MLX paths; the kernel where the device has one
-and it passed its self-check) for a few milliseconds each on synthetic inputs of that shape,
+times every exact candidate the op names (its MLX paths; each kernel the device has that
+passed its self-check) for a few milliseconds each on synthetic inputs of that shape,
 after one warm-up call, and the fastest is kept: in memory and in ``tuning.json`` under the
 cache folder (``$MLX_RWKVX_CACHE``, else ``$XDG_CACHE_HOME/mlx_rwkvx``, else
 ``~/.cache/mlx_rwkvx``), stamped with the device name, the MLX version and this package's
@@ -82,7 +82,7 @@ def identity() -> dict[str, str]:
 class Workload:
     """One op's call, as the tuner sees it. ``key``: what the choice is remembered under (the
     shape class and the length bucket; strings and numbers); ``candidates``: the exact MLX
-    implementations that compete (the dispatcher adds the kernel where it passed);
+    implementations that compete (the dispatcher adds each kernel that passed);
     ``make(fn)``: a function that runs implementation ``fn`` once on synthetic inputs of this
     shape (forward, or forward and backward, as the op says) and returns what to evaluate."""
 
@@ -154,8 +154,9 @@ class Tuner:
         rule: str,
     ) -> str:
         """The implementation for one call: ``rule`` (the op's fixed choice) when tuning is
-        off, else the pinned or remembered choice, else (outside a trace) the fastest of the
-        workload's candidates and ``extra`` (a kernel that passed), measured now."""
+        off, else the pinned or remembered choice (remembered: measured against every
+        candidate there is now), else (outside a trace) the fastest of the workload's
+        candidates and ``extra`` (the kernels that passed), measured now."""
         if not enabled():
             return rule
         candidates = [*workload.candidates, *(n for n in extra if n not in workload.candidates)]
@@ -164,11 +165,16 @@ class Tuner:
         name = entry_name(op, workload.key)
         with self._lock:
             self._load()
-            for table in (self.pinned, self.table):
-                if table.get(name) in candidates:  # a kernel that failed here is no choice
-                    return table[name]
+            if self.pinned.get(name) in candidates:  # a kernel that failed here is no choice
+                return self.pinned[name]
+            remembered = self.table.get(name) if self.table.get(name) in candidates else None
+            # a choice made before a candidate existed here (a kernel new in this version) is
+            # measured again, with the newcomer; until then (in a trace) it still stands
+            measured = self.timings.get(name) or candidates
+            if remembered is not None and set(candidates) <= set(measured):
+                return remembered
             if traced():
-                return rule
+                return remembered or rule
             timings = self.measure({c: workload.make(impls[c]) for c in candidates})
             best = min(timings, key=timings.__getitem__)
             self.table[name], self.timings[name] = best, timings

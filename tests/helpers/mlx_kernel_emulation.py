@@ -121,7 +121,7 @@ def fake_kernel_maker(backend: str, entries, launch, calls: list):
     """A replacement for ``mx.fast.metal_kernel`` (or ``cuda_kernel``) whose kernels check each
     call against their entry and run the CPU flavour (``launch``, see kernel_harness.cpu) of the
     same function on the same buffers. Each call appends ``(kernel, {input: size})`` to
-    ``calls``."""
+    ``calls``, the entry's int template arguments beyond N among them (``{"L": 16}``)."""
 
     def make(*, name, input_names, output_names, source, header):
         entry = next(e for e in entries if e.kernel == name)
@@ -165,10 +165,9 @@ class _FakeKernel:
 
     def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         e = self.entry
-        self.calls.append(
-            (e.kernel, {n: x.size for n, x in zip(e.input_names, inputs, strict=True)})
-        )
         targs = dict(template)
+        sizes = {n: x.size for n, x in zip(e.input_names, inputs, strict=True)}
+        self.calls.append((e.kernel, sizes | {k: targs.get(k) for k in e.ints}))
         dtype = next(k for k, v in MX_DTYPES.items() if v == targs["InT"])
         n = targs["N"]
         assert list(targs) == ["InT", "N", *e.ints], (e.kernel, list(targs))

@@ -275,7 +275,7 @@ def test_dispatcher_checks_times_and_forces_each_chunk_length(launch, monkeypatc
         y8, state8 = W.wkv7(*args, impl="chunked_kernel_8")
         mx.eval(y8, state8)
         assert [name for name, _ in calls] == ["wkv7c_fwd_maps", "wkv7c_fwd_scan"]
-        assert calls[0][1]["r"] == 40 * 2 * 32
+        assert calls[0][1]["r"] == 40 * 2 * 32 and calls[0][1]["L"] == calls[1][1]["L"] == 8
         with pytest.raises(UserError, match="'chunked_kernel_16' has no form for size 128 float32"):
             W.wkv7(
                 *_mx_args(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 1, 128), "float32"),

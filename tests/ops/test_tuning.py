@@ -257,3 +257,28 @@ def test_moba_measures_its_candidates(tune_on, monkeypatch):
     M.moba_attention(q, k, v, chunk_size=8, top_k=1)
     entry = "moba D=16 float32 chunk=8 top_k=1 T<=32 S<=32"
     assert set(M.DISPATCH.tuner.timings[entry]) == {"ref", "blockwise"}
+
+
+def test_a_choice_made_before_a_kernel_existed_is_measured_again(tune_on):
+    # a device that tuned before this version's kernels: its file names the fastest of the MLX
+    # paths; the kernel, new here, is timed beside them once, then remembered
+    pick(fake_op(FakeDevice(), tune_on))
+    device = FakeDevice()
+    op = fake_op(device, tune_on, kernel=True)
+    assert op.kernel_passes(KEY)
+    chosen = []
+
+    def traced(x):
+        chosen.append(pick(op, probe=x))
+        return x
+
+    mx.eval(mx.compile(traced)(mx.ones(3)))
+    assert chosen == ["fast"] and device.calls == []  # in a trace the old choice stands
+    assert pick(op) == KERNEL and set(device.calls) == {"slow", "fast", KERNEL}
+    assert set(json.loads(tune_on.read_text())["seconds_per_call"]["fake N=64 T<=128"]) == {
+        "slow",
+        "fast",
+        KERNEL,
+    }
+    calls = len(device.calls)
+    assert pick(op) == KERNEL and len(device.calls) == calls

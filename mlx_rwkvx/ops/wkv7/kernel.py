@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 from mlx_rwkvx.metal.shapes import wkv7_chunk_lengths
+from mlx_rwkvx.ops.common import HEAD_SIZES
 from mlx_rwkvx.ops.mlx_kernels import kernel_backend, make_kernels
 from mlx_rwkvx.ops.wkv7.contract import check_inputs, zero_state
 
@@ -250,7 +251,10 @@ def chunked_name(L: int) -> str:
     return f"chunked_kernel_{L}"
 
 
-CHUNKED_NAMES = {chunked_name(L): L for L in (4, 8, 16)}  # every length some head size builds
+# every length some head size builds
+CHUNKED_NAMES = {
+    chunked_name(L): L for L in sorted({L for N in HEAD_SIZES for L in chunk_lengths(N)})
+}
 
 
 def available(key=None) -> bool:

@@ -285,3 +285,26 @@ def test_dispatcher_checks_times_and_forces_each_chunk_length(launch, monkeypatc
     for got_y, got_s in ((y, state), (y8, state8)):
         assert rel_err(np.array(got_y), y_ref) <= TOL["float32"]["out"]
         assert rel_err(np.array(got_s), s_ref) <= TOL["float32"]["out"]
+
+
+def test_info_bench_times_each_chunk_length(launch, monkeypatch):
+    # info --bench (bench_here) on a device whose chunked kernels passed: a row per length
+    from mlx_rwkvx import bench_here
+
+    W = importlib.import_module("mlx_rwkvx.ops.wkv7")
+    shapes = bench_here.Shapes(
+        wkv7=((1, 40, 2, 32),), moba=(), lora_batch=1, lora_length=16, lora_steps=1, repeats=1
+    )
+    monkeypatch.setattr(W.DISPATCH, "results", {})
+    monkeypatch.setattr(W.DISPATCH, "reasons", {})
+    entries = (*harness.ENTRIES, *sequential.ENTRIES)  # built, never launched
+    with kernels_through_cpu(monkeypatch, "cuda", WK, entries, launch):
+        real = W.DISPATCH.kernels
+        monkeypatch.setattr(W.DISPATCH, "kernels", lambda key=None: real(key)[1:])
+        lines = bench_here.wkv7_lines(shapes)
+    assert [line.split()[7] for line in lines] == [
+        "ref",
+        "chunked",
+        "chunked_kernel_8",
+        "chunked_kernel_16",
+    ]

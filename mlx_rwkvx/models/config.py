@@ -277,11 +277,38 @@ RFA_1P5B = dict(
     rms_norm_eps=1e-6,
 )
 
+# BlinkDL's RWKV-7 releases (World and G0/G1, World vocabulary): (layers, hidden size, and the
+# decay = a, v and gate low ranks), as their checkpoints' tensors have them (checked against the
+# fla-hub configs of 0.1B-2.9B and independent model registries of 7.2B and 13.3B: BlinkDL's
+# size formula gives the 0.4B's gate 160 where it has 128, and is not used for 13.3B at all).
+# FFN 4x hidden throughout.
+RWKV7_RELEASES = {
+    "0.1b": (12, 768, 64, 32, 128),
+    "0.4b": (24, 1024, 64, 32, 128),
+    "1.5b": (24, 2048, 96, 64, 256),
+    "2.9b": (32, 2560, 96, 64, 320),
+    "7.2b": (32, 4096, 128, 96, 480),
+    "13.3b": (61, 4096, 192, 128, 384),
+}
+
+
+def rwkv7_release(size: str) -> ModelConfig:
+    """The config of BlinkDL's released RWKV-7 of ``size`` (``"1.5b"``), random weights aside."""
+    layers, c, decay, v, gate = RWKV7_RELEASES[size]
+    return ModelConfig(
+        vocab_size=65536,
+        hidden_size=c,
+        block_types=["rwkv7"] * layers,
+        decay_low_rank=decay,
+        a_low_rank=decay,
+        v_low_rank=v,
+        gate_low_rank=gate,
+    )
+
+
 PRESETS = {
     "rfa-1.5b": lambda: rfa_config(**RFA_1P5B),
-    "rwkv7-0.1b": lambda: ModelConfig(
-        vocab_size=65536, hidden_size=768, block_types=["rwkv7"] * 12
-    ),
+    **{f"rwkv7-{size}": (lambda size=size: rwkv7_release(size)) for size in RWKV7_RELEASES},
     "rwkv-x-tiny": lambda: ModelConfig(
         vocab_size=256,
         hidden_size=64,
@@ -294,7 +321,8 @@ PRESETS = {
 
 
 def preset(name: str) -> ModelConfig:
-    """A named config: ``rfa-1.5b``, ``rwkv7-0.1b``, ``rwkv-x-tiny``."""
+    """A named config: ``rfa-1.5b``, ``rwkv7-0.1b`` ... ``rwkv7-13.3b`` (the released RWKV-7
+    shapes), ``rwkv-x-tiny``."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     return PRESETS[name]()

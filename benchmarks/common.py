@@ -7,6 +7,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -46,6 +47,19 @@ def now() -> str:
 def sizes(table: dict, quick: bool) -> dict:
     """A section's ``{"full": ..., "quick": ...}`` table, the part for this run."""
     return table["quick" if quick else "full"]
+
+
+def resident_memory() -> tuple[int, int]:
+    """(resident, peak resident) bytes of this process: /proc where there is one (Linux), else
+    the peak alone from getrusage (macOS counts it in bytes, Linux in KiB)."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status", encoding="ascii"))
+        kib = [int(fields[k].split()[0]) for k in ("VmRSS", "VmHWM")]
+        return kib[0] * 1024, kib[1] * 1024
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak *= 1 if sys.platform == "darwin" else 1024
+        return peak, peak
 
 
 def stream_size(nbytes: int) -> str:

@@ -7,6 +7,7 @@ from benchmarks import (
     evaluate,
     generate,
     loss,
+    memory,
     moba,
     models,
     parallel,
@@ -31,4 +32,5 @@ SECTIONS: dict[str, Section] = {
     "serve": serve.SECTION,
     "parallel": parallel.SECTION,
     "train-int8": train_int8.SECTION,
+    "memory": memory.SECTION,
 }

@@ -124,6 +124,11 @@ EXPECTED = {
         r"^\| DPO \| \d+ \| [\d.]+ s \| \d+ \| [\d.]+ s \| \d+% \| \d+ MiB \|$",
         r"^- DPO step time / LoRA SFT step on the same sequences: [\d.]+ \(goal <= 1.2\)",
     ],
+    "memory": [
+        r"^\| LoRA parameters \(trained\) \| [\d.]+ \| [\d.]+ \|$",
+        r"^\| \*\*peak resident, whole process\*\* \| [\d.]+ \| [\d.]+ \|$",
+        r"^What importing costs, each in a fresh interpreter",
+    ],
     "loss": [
         r"^Verified first: fused vs dense loss [\d.e+-]+, dh [\d.e+-]+, dW [\d.e+-]+\.$",
         r"^\| fused \| [\d.]+ s \| \d+ MiB \|$",
@@ -143,6 +148,7 @@ GOAL_COUNTS = {
     "evaluate": 2,
     "serve": 16,
     "parallel": 1,
+    "memory": 2,
 }
 
 

@@ -122,9 +122,10 @@ def wkv7(r, log_w, k, v, a, b, state=None, *, impl: str | None = None):
     the fastest of those available, measured on this device once per head size, dtype and
     length bucket (``ops/tuning.py``); with ``MLX_RWKVX_TUNE=0`` the first kernel the device
     has that passed its self-check (the sequential one, then the chunked ones), else the step
-    loop for T <= REF_MAX_T, else the chunked path. A kernel competes only when it passed its self-check (one that raises,
-    returns non-finite values or disagrees is not used, with one warning); a kernel forced by
-    ``impl`` or the variable is not checked: its failure is raised.
+    loop for T <= REF_MAX_T, else the chunked path. A kernel competes only when it passed its
+    self-check (one that raises, returns non-finite values or disagrees is not used, with one
+    warning); a kernel forced by ``impl`` or the variable is not checked: its failure is
+    raised.
     """
     check_inputs(r, log_w, k, v, a, b, state)
     default = "ref" if r.shape[1] <= REF_MAX_T else "chunked"

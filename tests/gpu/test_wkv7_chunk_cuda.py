@@ -11,13 +11,12 @@ from kernel_harness import sources as standalone
 from kernel_harness import wkv7 as sequential
 from kernel_harness import wkv7_chunk as harness
 from kernel_harness.common import entry_arrays
-from oracle.wkv7 import random_wkv7_inputs
+from oracle.wkv7 import MIXED, random_wkv7_inputs
 
 pytestmark = pytest.mark.gpu
 
 BASE = [("float32", n) for n in (16, 32, 64, 128)] + [("bfloat16", 64), ("float16", 64)]
 INSTANCES = [(d, n, L) for d, n in BASE for L in harness.lengths(n)]
-MIXED = (1e-4, 0.9999)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,9 @@ import numpy as np
 import pytest
 from kernel_harness import cpu
 from kernel_harness import sources as kernel_sources
+from kernel_harness.common import TOL
+from oracle.common import rel_err
+from oracle.wkv7 import MIXED, WKV7_INPUTS, random_wkv7_inputs, wkv7_bwd_np, wkv7_np
 
 # MLX's Metal signature writer (mlx/fast.cpp, write_signature): an input of fewer elements than
 # this goes in the `constant` address space, and the thread-position attributes it declares
@@ -259,3 +262,42 @@ def check_imports_without_mlx(module: str) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def wkv7_mx_args(inputs: dict, dtype: str) -> list:
+    """Oracle-style float64 WKV7 ``inputs`` as MLX arrays: r, k, v, a, b in ``dtype``, log_w
+    and the state float32."""
+    out = []
+    for name in (*WKV7_INPUTS, "state"):
+        kind = MX_DTYPES[dtype] if name not in ("log_w", "state") else mx.float32
+        out.append(mx.array(inputs[name], dtype=mx.float32).astype(kind))
+    return out
+
+
+def check_wkv7_wrapper(monkeypatch, backend: str, module, entries, launch, fn, dtype: str):
+    """A WKV7 kernel's MLX wrapper ``fn`` (``module``'s, built from ``entries``) and its VJP
+    through the CPU flavour (``kernels_through_cpu``; every output buffer starts as NaN, so an
+    element no kernel writes shows) on a ragged problem: the dtypes it returns, then outputs
+    and all seven gradients against the float64 oracle. Returns the kernels called, in order."""
+    with kernels_through_cpu(monkeypatch, backend, module, entries, launch) as calls:
+        B, T, H, N = 2, 37, 2, 32
+        inputs = random_wkv7_inputs(np.random.default_rng(5), B, T, H, N, decay_range=MIXED)
+        args = wkv7_mx_args(inputs, dtype)
+        rng = np.random.default_rng(6)
+        dy = mx.array(rng.standard_normal((B, T, H, N)), dtype=mx.float32).astype(args[0].dtype)
+        dstate = mx.array(rng.standard_normal((B, H, N, N)), dtype=mx.float32)
+        (y, state_out), grads = mx.vjp(lambda *xs: fn(*xs), args, [dy, dstate])
+        mx.eval(y, state_out, grads)
+    assert y.dtype == args[0].dtype and state_out.dtype == mx.float32
+    assert [g.dtype for g in grads] == [x.dtype for x in args]
+
+    x = [np.array(a.astype(mx.float32), dtype=np.float64) for a in args]
+    dy64 = np.array(dy.astype(mx.float32), dtype=np.float64)
+    y_ref, s_ref = wkv7_np(*x[:6], x[6])
+    g_ref = wkv7_bwd_np(*x[:6], x[6], dy64, np.array(dstate, dtype=np.float64))
+    tol = TOL[dtype]
+    assert rel_err(np.array(y.astype(mx.float32)), y_ref) <= tol["out"]
+    assert rel_err(np.array(state_out), s_ref) <= tol["out"]
+    for name, g in zip((*WKV7_INPUTS, "state"), grads, strict=True):
+        assert rel_err(np.array(g.astype(mx.float32)), g_ref[name]) <= tol["grad"], name
+    return [name for name, _ in calls]

@@ -7,25 +7,26 @@ import re
 from mlx_rwkvx.metal import sources
 from mlx_rwkvx.ops.wkv7 import kernel as WK
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from helpers.mlx_kernel_emulation import (
-    MX_DTYPES,
     check_cuda_compiles,
     check_imports_without_mlx,
     check_metal_assembly,
-    kernels_through_cpu,
+    check_wkv7_wrapper,
+    wkv7_mx_args,
 )
 from kernel_harness import cpu
 from kernel_harness import wkv7 as harness
-from oracle.common import rel_err
-from oracle.wkv7 import WKV7_INPUTS, random_wkv7_inputs, wkv7_bwd_np, wkv7_np
+from oracle.wkv7 import (
+    DEFAULT,
+    MIXED,
+    NEAR_ONE,
+    TINY,
+    WKV7_INPUTS,
+    random_wkv7_inputs,
+)
 
-MIXED = (1e-4, 0.9999)
-NEAR_ONE = (0.9999, 0.9999)
-TINY = (1e-4, 1e-4)
-DEFAULT = (0.5, 0.999)
 HEAD_SIZES = (16, 32, 64, 128)
 ENTRIES = harness.ENTRIES
 
@@ -119,50 +120,18 @@ def test_builders_return_none_without_a_backend():
     if WK.kernel_backend() is not None:
         pytest.skip("this MLX has a GPU backend")
     assert WK._kernels() is None
-    args = _mx_args(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 1, 16), "float32")
+    args = wkv7_mx_args(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 1, 16), "float32")
     with pytest.raises(RuntimeError, match="wkv7_kernel needs MLX with a Metal or CUDA"):
         WK.wkv7_kernel(*args)
     with pytest.raises(ValueError, match="k has shape"):
         WK.wkv7_kernel(args[0], args[1], args[2][:, :2], *args[3:])
 
 
-def _mx_args(inputs: dict, dtype: str) -> list:
-    out = []
-    for name in (*WKV7_INPUTS, "state"):
-        as_in = name not in ("log_w", "state")
-        out.append(
-            mx.array(inputs[name], dtype=mx.float32).astype(
-                MX_DTYPES[dtype] if as_in else mx.float32
-            )
-        )
-    return out
-
-
 @pytest.mark.parametrize("backend", ["metal", "cuda"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mlx_wrapper_and_vjp_through_cpu_flavour(launch, monkeypatch, backend, dtype):
-    with kernels_through_cpu(monkeypatch, backend, WK, ENTRIES, launch) as calls:
-        B, T, H, N = 2, 37, 2, 32
-        inputs = random_wkv7_inputs(np.random.default_rng(5), B, T, H, N, decay_range=MIXED)
-        args = _mx_args(inputs, dtype)
-        rng = np.random.default_rng(6)
-        dy = mx.array(rng.standard_normal((B, T, H, N)), dtype=mx.float32).astype(args[0].dtype)
-        dstate = mx.array(rng.standard_normal((B, H, N, N)), dtype=mx.float32)
-        (y, state_out), grads = mx.vjp(lambda *xs: WK.wkv7_kernel(*xs), args, [dy, dstate])
-        mx.eval(y, state_out, grads)
-    assert [name for name, _ in calls] == ["wkv7_fwd", "wkv7_bwd"]
-    assert y.dtype == args[0].dtype and state_out.dtype == mx.float32
-    assert [g.dtype for g in grads] == [x.dtype for x in args]
-
-    x = [np.array(a.astype(mx.float32), dtype=np.float64) for a in args]
-    dy64 = np.array(dy.astype(mx.float32), dtype=np.float64)
-    y_ref, s_ref = wkv7_np(*x[:6], x[6])
-    g_ref = wkv7_bwd_np(*x[:6], x[6], dy64, np.array(dstate, dtype=np.float64))
-    tol = harness.TOL[dtype]
-    assert rel_err(np.array(y.astype(mx.float32)), y_ref) <= tol["out"]
-    assert rel_err(np.array(state_out), s_ref) <= tol["out"]
-    for name, g in zip((*WKV7_INPUTS, "state"), grads, strict=True):
-        assert rel_err(np.array(g.astype(mx.float32)), g_ref[name]) <= tol["grad"], name
+    called = check_wkv7_wrapper(monkeypatch, backend, WK, ENTRIES, launch, WK.wkv7_kernel, dtype)
+    assert called == ["wkv7_fwd", "wkv7_bwd"]
 
 
 def test_gpu_harness_imports_without_mlx():

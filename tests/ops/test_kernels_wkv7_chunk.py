@@ -15,11 +15,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers.mlx_kernel_emulation import (
-    MX_DTYPES,
     check_cuda_compiles,
     check_imports_without_mlx,
     check_metal_assembly,
+    check_wkv7_wrapper,
     kernels_through_cpu,
+    wkv7_mx_args,
 )
 from kernel_harness import cpu
 from kernel_harness import sources as standalone
@@ -27,12 +28,16 @@ from kernel_harness import wkv7 as sequential
 from kernel_harness import wkv7_chunk as harness
 from kernel_harness.common import TOL
 from oracle.common import rel_err
-from oracle.wkv7 import WKV7_INPUTS, random_wkv7_inputs, wkv7_bwd_np, wkv7_np
+from oracle.wkv7 import (
+    DEFAULT,
+    MIXED,
+    NEAR_ONE,
+    TINY,
+    WKV7_INPUTS,
+    random_wkv7_inputs,
+    wkv7_np,
+)
 
-MIXED = (1e-4, 0.9999)
-NEAR_ONE = (0.9999, 0.9999)
-TINY = (1e-4, 1e-4)
-DEFAULT = (0.5, 0.999)
 HEAD_SIZES = (16, 32, 64, 128)
 
 
@@ -157,46 +162,17 @@ def test_threadgroup_memory_rule_is_the_bodys(tmp_path):
 def test_without_a_backend_the_wrapper_says_so():
     if WK.kernel_backend() is not None:
         pytest.skip("this MLX has a GPU backend")
-    args = _mx_args(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 1, 16), "float32")
+    args = wkv7_mx_args(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 1, 16), "float32")
     with pytest.raises(RuntimeError, match="wkv7_chunked_kernel needs MLX with a Metal or CUDA"):
         WK.wkv7_chunked_kernel(*args)
-
-
-def _mx_args(inputs: dict, dtype: str) -> list:
-    out = []
-    for name in (*WKV7_INPUTS, "state"):
-        kind = MX_DTYPES[dtype] if name not in ("log_w", "state") else mx.float32
-        out.append(mx.array(inputs[name], dtype=mx.float32).astype(kind))
-    return out
 
 
 @pytest.mark.parametrize("backend", ["metal", "cuda"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mlx_wrapper_and_vjp_through_cpu_flavour(launch, monkeypatch, backend, dtype):
-    # every output buffer starts as NaN (fake_kernel_maker): an element no kernel writes shows
-    with kernels_through_cpu(monkeypatch, backend, WK, harness.ENTRIES, launch) as calls:
-        B, T, H, N = 2, 37, 2, 32
-        inputs = random_wkv7_inputs(np.random.default_rng(5), B, T, H, N, decay_range=MIXED)
-        args = _mx_args(inputs, dtype)
-        rng = np.random.default_rng(6)
-        dy = mx.array(rng.standard_normal((B, T, H, N)), dtype=mx.float32).astype(args[0].dtype)
-        dstate = mx.array(rng.standard_normal((B, H, N, N)), dtype=mx.float32)
-        (y, state_out), grads = mx.vjp(WK.wkv7_chunked_kernel, args, [dy, dstate])
-        mx.eval(y, state_out, grads)
-    names = ["wkv7c_fwd_maps", "wkv7c_fwd_scan", "wkv7c_bwd_scan", "wkv7c_bwd_maps"]
-    assert [name for name, _ in calls] == names
-    assert y.dtype == args[0].dtype and state_out.dtype == mx.float32
-    assert [g.dtype for g in grads] == [x.dtype for x in args]
-
-    x = [np.array(a.astype(mx.float32), dtype=np.float64) for a in args]
-    dy64 = np.array(dy.astype(mx.float32), dtype=np.float64)
-    y_ref, s_ref = wkv7_np(*x[:6], x[6])
-    g_ref = wkv7_bwd_np(*x[:6], x[6], dy64, np.array(dstate, dtype=np.float64))
-    tol = TOL[dtype]
-    assert rel_err(np.array(y.astype(mx.float32)), y_ref) <= tol["out"]
-    assert rel_err(np.array(state_out), s_ref) <= tol["out"]
-    for name, g in zip((*WKV7_INPUTS, "state"), grads, strict=True):
-        assert rel_err(np.array(g.astype(mx.float32)), g_ref[name]) <= tol["grad"], name
+    fn = WK.wkv7_chunked_kernel
+    called = check_wkv7_wrapper(monkeypatch, backend, WK, harness.ENTRIES, launch, fn, dtype)
+    assert called == ["wkv7c_fwd_maps", "wkv7c_fwd_scan", "wkv7c_bwd_scan", "wkv7c_bwd_maps"]
 
 
 def test_gpu_harness_imports_without_mlx():
@@ -240,7 +216,7 @@ def test_a_large_drop_inside_a_chunk_leaves_the_later_steps_exact(launch, drop):
 
 
 def test_chunk_must_be_a_length_built():
-    args = _mx_args(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 1, 128), "float32")
+    args = wkv7_mx_args(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 1, 128), "float32")
     with pytest.raises(ValueError, match=r"chunk=16 at head size 128; built for \(4, 8\)"):
         WK.wkv7_chunked_kernel(*args, chunk=16)
 
@@ -260,7 +236,7 @@ def test_dispatcher_checks_times_and_forces_each_chunk_length(launch, monkeypatc
         real = W.DISPATCH.kernels
         monkeypatch.setattr(W.DISPATCH, "kernels", lambda key=None: real(key)[1:])
         inputs = random_wkv7_inputs(np.random.default_rng(9), 1, 40, 2, 32, decay_range=MIXED)
-        args = _mx_args(inputs, "float32")
+        args = wkv7_mx_args(inputs, "float32")
         y, state = W.wkv7(*args)
         mx.eval(y, state)
         assert W.DISPATCH.results == {
@@ -278,7 +254,9 @@ def test_dispatcher_checks_times_and_forces_each_chunk_length(launch, monkeypatc
         assert calls[0][1]["r"] == 40 * 2 * 32 and calls[0][1]["L"] == calls[1][1]["L"] == 8
         with pytest.raises(UserError, match="'chunked_kernel_16' has no form for size 128 float32"):
             W.wkv7(
-                *_mx_args(random_wkv7_inputs(np.random.default_rng(0), 1, 3, 1, 128), "float32"),
+                *wkv7_mx_args(
+                    random_wkv7_inputs(np.random.default_rng(0), 1, 3, 1, 128), "float32"
+                ),
                 impl="chunked_kernel_16",
             )
     y_ref, s_ref = wkv7_np(*(inputs[n] for n in WKV7_INPUTS), inputs["state"])

@@ -15,6 +15,11 @@ import numpy as np
 from .common import seeded_uniform
 
 WKV7_INPUTS = ("r", "log_w", "k", "v", "a", "b")
+# Ranges of the per-step decay w the kernel tests draw from (random_wkv7_inputs' decay_range)
+MIXED = (1e-4, 0.9999)
+NEAR_ONE = (0.9999, 0.9999)
+TINY = (1e-4, 1e-4)
+DEFAULT = (0.5, 0.999)
 
 
 def _initial_state(r: np.ndarray, state) -> np.ndarray:

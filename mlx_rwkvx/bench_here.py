@@ -1,9 +1,9 @@
 """``python -m mlx_rwkvx.info --bench``: a short benchmark of this device a user can paste in an
 issue. Each implementation of WKV7 and MoBA available here (the step loop and dense attention
 at short lengths only, each kernel -- WKV7's sequential and chunked ones -- only when it passed
-its self-check) forward and forward +
-backward at a few training shapes, and a LoRA step on the rwkv7-0.1b shape: tokens/s and peak
-memory. About a minute; on a CPU the shapes are scaled down (each line names its shape)."""
+its self-check) forward and forward + backward at a few training shapes, and a LoRA step on the
+rwkv7-0.1b shape: tokens/s and peak memory. About a minute; on a CPU the shapes are scaled
+down (each line names its shape)."""
 
 from __future__ import annotations
 

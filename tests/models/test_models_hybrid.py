@@ -490,7 +490,7 @@ def test_state_keeps_its_dtypes_in_a_mixed_precision_model():
     assert not np.isnan(np.array(h.astype(mx.float32))).any()
 
 
-@pytest.mark.parametrize("name", ["rwkv-x-tiny", "rfa"])
+@pytest.mark.parametrize("name", ["rwkv7", "rwkv-x-tiny", "rfa"])
 def test_gradient_checkpointing_gives_the_same_gradients(name):
     import mlx.nn as nn
 
@@ -507,6 +507,65 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
     assert a.item() == b.item()
     ga, gb = dict(flat_params_of(ga)), dict(flat_params_of(gb))
     assert ga.keys() == gb.keys() and all(mx.array_equal(ga[k], gb[k]) for k in ga)
+
+
+def test_gradient_checkpointing_with_lora_and_a_state_in_gives_the_same_gradients():
+    """Blocks with trained tensors and blocks with none (LoRA on the attention blocks only),
+    a state carried in, a loss on the state out as well as on the hidden states."""
+    from mlx_rwkvx.adapters.lora import apply_lora
+    from mlx_rwkvx.adapters.targets import target_paths
+
+    import mlx.nn as nn
+
+    model = Model(CONFIGS["rfa"](), seed=4)
+    model.freeze()
+    apply_lora(model, target_paths(model, "qwen"), rank=4, alpha=8)
+    tokens = _tokens(model.config, 12)
+    state = model.hidden(tokens[:, :5])[1]
+
+    def grads(checkpoint):
+        def loss(m):
+            h, out = m.hidden(tokens[:, 5:], state, checkpoint=checkpoint)
+            return (h**2).sum() + sum((s["wkv"] ** 2).sum() for s in out if "wkv" in s)
+
+        return nn.value_and_grad(model, loss)(model)
+
+    (a, ga), (b, gb) = grads(False), grads(True)
+    assert a.item() == b.item()
+    ga, gb = dict(flat_params_of(ga)), dict(flat_params_of(gb))
+    assert ga.keys() == gb.keys() and len(ga) > 0
+    assert all(mx.array_equal(ga[k], gb[k]) for k in ga)
+
+
+def test_gradient_checkpointing_keeps_a_fifth_of_the_activations():
+    """MLX's own peak counter over a LoRA value-and-gradient of 12 RWKV-7 blocks of width 512
+    at T = 256: checkpointed, under a fifth of the plain peak (measured: 71 MB against 413;
+    ``mx.checkpoint``'s recomputation, which may run before the backward reaches its block,
+    gives 97)."""
+    from mlx_rwkvx.adapters.lora import apply_lora
+    from mlx_rwkvx.adapters.targets import target_paths
+
+    import mlx.nn as nn
+
+    model = Model(rwkv7_cfg(12, vocab_size=40, hidden_size=512, **LOW_RANK), seed=0)
+    model.freeze()
+    apply_lora(model, target_paths(model, "rwkv"), rank=8, alpha=16)
+    tokens = _tokens(model.config, 256)[:1]
+    mx.eval(model.parameters(), tokens)
+
+    def peak(checkpoint):
+        def loss(m):
+            return (m.hidden(tokens, checkpoint=checkpoint)[0] ** 2).sum()
+
+        mx.synchronize()
+        mx.clear_cache()
+        start = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(nn.value_and_grad(model, loss)(model))
+        return mx.get_peak_memory() - start
+
+    plain, kept = peak(False), peak(True)
+    assert kept < plain / 5, (kept, plain)
 
 
 def flat_params_of(tree):

@@ -147,6 +147,10 @@ def _model_of(path: str, ckpt, bits: int | None, quantize, dtype) -> Model:
     quantize_model(model, bits, GROUP_SIZE, read)
     model.load_weights(list(tensors.items()), strict=False)
     _eval_finite(path, model, quantized=True)
+    # the float rows read and quantized were freed into MLX's buffer pool, in sizes nothing
+    # later asks for (measured on 4 blocks of the 1.5B RFA, INT8 LoRA at T = 256: 0.23 GB of
+    # the training process's resident peak, 1.54 -> 1.31 GB): given back
+    mx.clear_cache()
     return model
 
 

@@ -295,9 +295,12 @@ def test_int8_load_and_round_trip(tmp_path):
     cfg = ModelConfig(vocab_size=256, hidden_size=128, head_size=32, block_types=["rwkv7"] * 2)
     model = Model(cfg, seed=8)
     mlx_rwkvx.save(model, str(tmp_path / "fp"))
+    mx.clear_cache()
     q, _ = mlx_rwkvx.load(str(tmp_path / "fp"), quantize="int8")
     import mlx.nn as nn
 
+    # the float rows quantized went back, not into MLX's buffer pool (a training run's peak)
+    assert mx.get_cache_memory() == 0
     assert isinstance(q.layers[0].tmix.receptance, nn.QuantizedLinear)
     assert isinstance(q.embed, nn.QuantizedEmbedding) and isinstance(q.lm_head, nn.QuantizedLinear)
     assert isinstance(q.layers[0].tmix.decay.down, nn.Linear)  # low-rank stays float

@@ -60,13 +60,12 @@ def _recomputed(fn):
     ``mx.checkpoint``, 21 MB with this)."""
 
     def call(*args):
-        arrays = _leaves(args)
-        out_tree = []
+        out_tree = None  # fn's outputs as it returns them (their arrays go through MLX flat)
 
         def run(arrays):
-            outs = fn(*_replaced(args, arrays))
-            out_tree[:] = [outs]
-            return _leaves(outs)
+            nonlocal out_tree
+            out_tree = fn(*_replaced(args, arrays))
+            return _leaves(out_tree)
 
         @mx.custom_function
         def forward(*arrays):
@@ -77,8 +76,8 @@ def _recomputed(fn):
             waiting = mx.depends(list(primals), list(cotangents))
             return mx.vjp(lambda *a: run(a), waiting, list(cotangents))[1]
 
-        outs = forward(*arrays)
-        return _replaced(out_tree[0], outs)
+        outs = forward(*_leaves(args))
+        return _replaced(out_tree, outs)
 
     return call
 

@@ -4,6 +4,8 @@ prefilled in pieces), state tuning and the initialisations."""
 
 from __future__ import annotations
 
+from mlx_rwkvx.adapters.lora import apply_lora
+from mlx_rwkvx.adapters.targets import target_paths
 from mlx_rwkvx.models import Model, ModelConfig, preset, rfa_config
 from mlx_rwkvx.models.cache import read_caches
 from mlx_rwkvx.ops.moba import moba_selection, selection_mask
@@ -512,9 +514,6 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
 def test_gradient_checkpointing_with_lora_and_a_state_in_gives_the_same_gradients():
     """Blocks with trained tensors and blocks with none (LoRA on the attention blocks only),
     a state carried in, a loss on the state out as well as on the hidden states."""
-    from mlx_rwkvx.adapters.lora import apply_lora
-    from mlx_rwkvx.adapters.targets import target_paths
-
     import mlx.nn as nn
 
     model = Model(CONFIGS["rfa"](), seed=4)
@@ -542,9 +541,6 @@ def test_gradient_checkpointing_keeps_a_fifth_of_the_activations():
     at T = 256: checkpointed, under a fifth of the plain peak (measured: 71 MB against 413;
     ``mx.checkpoint``'s recomputation, which may run before the backward reaches its block,
     gives 97)."""
-    from mlx_rwkvx.adapters.lora import apply_lora
-    from mlx_rwkvx.adapters.targets import target_paths
-
     import mlx.nn as nn
 
     model = Model(rwkv7_cfg(12, vocab_size=40, hidden_size=512, **LOW_RANK), seed=0)

@@ -162,9 +162,16 @@ def run_worker(module: str, *args: str, quick: bool = False, **env: str) -> dict
     return last_json(out.stdout)
 
 
-def start_worker(module: str, *args: str, quick: bool = False) -> subprocess.Popen:
-    """A worker started, to run beside others; ``worker_result`` waits for it."""
+def start_worker(
+    module: str, *args: str, quick: bool = False, without: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """A worker started, to run beside others; ``worker_result`` waits for it. ``without``:
+    packages its interpreter cannot import, as in an environment without them."""
     cmd = worker_command(module, *args, quick=quick)
+    if without:  # python -m benchmarks.X ... -> python -c "<hide them>; run benchmarks.X" ...
+        hide = "".join(f"sys.modules[{name!r}] = None; " for name in without)
+        run = f"runpy.run_module('benchmarks.{module}', run_name='__main__')"
+        cmd[1:3] = ["-c", f"import runpy, sys; {hide}{run}"]
     return subprocess.Popen(
         cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -1,11 +1,12 @@
 """The memory section: where one training step's memory goes, for the INT8 LoRA run on the 1.5B
 RFA preset (T = 256, batch 1, the default LoRA rank and targets), with and without
---grad-checkpoint: each run a process of its own, two steps through ``train_from_config`` with
-MLX's defaults (its buffer cache on, as a user's run has it), instrumented from outside. The
+--grad-checkpoint: each run a process of its own, two steps through ``train_from_config`` as
+a user's run makes them (on a CPU, MLX's buffer cache off while training), instrumented. The
 weights by kind, the gradients and the optimizer state are counted from the arrays; the
 forward and backward's peak (activations kept for the backward, their transients) and the head
 and loss alone by MLX's peak counter; the process before any model and MLX's buffer cache by the
-resident memory and MLX's counters; each import's cost in a fresh interpreter.
+resident memory and MLX's counters; each import's cost in a fresh interpreter. The runs are
+without torch (no dependency; transformers imports it where installed: the import row's cost).
 
     python -m benchmarks.memory --worker checkpoint FOLDER [--quick]
     python -m benchmarks.memory --worker breakdown FOLDER [--grad-checkpoint] [--quick]
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 from benchmarks.common import (
     Goal,
@@ -140,8 +142,7 @@ def head_and_loss(model, T: int) -> int:
 
 
 def breakdown_worker(folder: str, quick: bool = False, grad_checkpoint: bool = False) -> dict:
-    """Two INT8 LoRA steps through ``train_from_config``, instrumented (see the module's
-    docstring)."""
+    """Two INT8 LoRA steps through ``train_from_config``, instrumented (the module's docstring)."""
     resident0, _ = resident_memory()
     loaded = [m for m in HEAVY if m in sys.modules]
     steps, seen = [], {}
@@ -193,8 +194,8 @@ def measure(quick: bool = False) -> dict:
     imports = {m: import_cost(m) for m in ("sys", *(IMPORTS[:1] if quick else IMPORTS))}
     with tempfile.TemporaryDirectory() as tmp:
         worker_result(start_worker("memory", "checkpoint", tmp, quick=quick))
-        plain = start_worker("memory", "breakdown", tmp, quick=quick)
-        checkpointed = start_worker("memory", "breakdown", tmp, "--grad-checkpoint", quick=quick)
+        start = partial(start_worker, "memory", "breakdown", tmp, quick=quick, without=("torch",))
+        plain, checkpointed = start(), start("--grad-checkpoint")
         runs = {"default": worker_result(plain), "grad_checkpoint": worker_result(checkpointed)}
     for name, r in runs.items():
         # the method, checked: the arrays counted are what MLX holds when the step begins
@@ -268,7 +269,8 @@ def render(q: dict) -> Rendered:
         "What importing costs, each in a fresh interpreter (resident MB above a bare Python's "
         f"{bare / 1e6:.0f} MB): "
         + ", ".join(f"`{m}` {(imports[m] - bare) / 1e6:.0f}" for m in IMPORTS if m in imports)
-        + f". The training process had imported: {', '.join(runs['default']['imported'])}.",
+        + f". The training process had imported: {', '.join(runs['default']['imported'])} "
+        "(torch hidden, as a default install has none; where installed, transformers imports it).",
     ]
     name = "INT8 RFA LoRA T={} ({}) peak resident memory, GB"
     goals = [

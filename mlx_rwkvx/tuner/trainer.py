@@ -15,6 +15,7 @@ import signal
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from mlx_rwkvx._crash import crash_point
+from mlx_rwkvx._runtime import buffers_given_back
 from mlx_rwkvx.data.loss import batch_loss, dataset_loss, segment_loss, segments
 from mlx_rwkvx.errors import Interrupted, NonFinite, TrainError
 from mlx_rwkvx.models import Model
@@ -338,25 +339,26 @@ def train(
 
     if hasattr(step_fn, "between_windows"):
         step_fn.between_windows = between_windows
-    try:
-        for callback in callbacks:
-            callback.on_train_begin(state)
-        while state.step < steps:
-            _step(
-                step_fn,
-                optimizer,
-                [next(batches) for _ in range(grad_accum)],
-                data,
-                state,
-                callbacks,
-                seed,
-            )
-        final = {}  # the end's metrics (the last validation, the test loss)
-        for callback in callbacks:
-            callback.on_train_end(state, final)
-    finally:
-        for callback in callbacks:
-            callback.close()
+    with buffers_given_back():
+        try:
+            for callback in callbacks:
+                callback.on_train_begin(state)
+            while state.step < steps:
+                _step(
+                    step_fn,
+                    optimizer,
+                    [next(batches) for _ in range(grad_accum)],
+                    data,
+                    state,
+                    callbacks,
+                    seed,
+                )
+            final = {}  # the end's metrics (the last validation, the test loss)
+            for callback in callbacks:
+                callback.on_train_end(state, final)
+        finally:
+            for callback in callbacks:
+                callback.close()
     return state
 
 

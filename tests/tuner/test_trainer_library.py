@@ -10,6 +10,7 @@ from mlx_rwkvx.models import Model, preset
 from mlx_rwkvx.tuner.callbacks import Records
 from mlx_rwkvx.tuner.trainer import supervised, train
 
+import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 import pytest
@@ -47,3 +48,26 @@ def test_an_iterator_that_runs_out_is_said():
     one_epoch = batches([Example(ids, np.arange(len(ids)) > 0)], batch_size=1, seed=0, epoch=0)
     with pytest.raises(ValueError, match="ran out before the last step"):
         train(student, supervised(), optim.AdamW(learning_rate=1e-3), one_epoch, steps=3)
+
+
+def test_on_the_cpu_freed_buffers_go_back_during_training_and_the_limit_after(monkeypatch):
+    monkeypatch.delenv("MLX_RWKVX_CACHE_LIMIT", raising=False)
+    student = Model(preset("rwkv-x-tiny"), seed=0)
+    apply_lora(student, target_paths(student, "attn"), rank=4, alpha=8)
+    ids = np.frombuffer(b"1+2=3, 3+4=7", np.uint8).astype(np.int32)
+    data = list(batches([Example(ids, np.arange(len(ids)) > 0)], batch_size=1, seed=0, epoch=0))
+    cached = []
+    before = mx.set_cache_limit(1 << 30)
+    try:
+        train(
+            student,
+            supervised(),
+            optim.AdamW(learning_rate=1e-3),
+            data,
+            steps=3,
+            callbacks=[Records(lambda record: cached.append(mx.get_cache_memory()))],
+        )
+        assert cached == [0, 0, 0]  # MLX kept no freed buffer after a step
+        assert mx.set_cache_limit(1 << 30) == 1 << 30  # the limit before, restored
+    finally:
+        mx.set_cache_limit(before)

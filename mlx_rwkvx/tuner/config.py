@@ -170,7 +170,16 @@ class TrainConfig(Settings):
     resume: bool = opt(
         "continue the run in --output from its newest complete checkpoint", default=False
     )
-    grad_checkpoint: bool = opt("recompute each block in the backward (less memory)", default=False)
+    grad_checkpoint: bool = opt(
+        "recompute each block in the backward (less memory; turned on by itself where the run "
+        "would not fit without it)",
+        default=False,
+    )
+    memory_budget: float | None = opt(
+        "GB the run may use at its peak (default: on a GPU its recommended working set, on a "
+        "CPU the memory available): the estimate turns checkpointing on, or refuses the run",
+        gt=0,
+    )
     mask_prompt: bool = opt(
         "the loss on answers only: chat assistant turns, completions "
         "(--no-mask-prompt: on every token)",

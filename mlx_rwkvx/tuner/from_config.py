@@ -7,6 +7,7 @@ writes the output folder."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -23,6 +24,7 @@ from mlx_rwkvx.ops import prepare
 from mlx_rwkvx.tuner import (
     callbacks,
     distributed,
+    memory,
     outputs,
     parallel,
     preference_run,
@@ -83,6 +85,18 @@ def _run(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
         )
     if group is not None and cfg.parallel > 1:
         raise TrainError("--parallel trains N adapters in one process: not under mlx.launch")
+    rows = cfg.batch_size * cfg.parallel * (1 if cfg.train_mode == "sft" else 2)
+    checkpoint, memory_lines = memory.plan(
+        model,
+        cfg.max_seq_len,
+        rows,
+        checkpoint=cfg.grad_checkpoint,
+        grad_accum=cfg.grad_accum,
+        quantize=cfg.quantize,
+        memory_budget=cfg.memory_budget,
+        may_checkpoint=not cfg.lora_dropout,  # dropout's draws would differ in the recompute
+    )
+    cfg = dataclasses.replace(cfg, grad_checkpoint=checkpoint)
     prepare(dtypes=(mx.float32, mx.bfloat16))  # kernels checked before anything compiles
     if cfg.train_mode == "sft":
         task, data = _supervised(cfg, built, group, lead)
@@ -124,6 +138,7 @@ def _run(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         _say_what(cfg, model, built, data, state, group, total)
+        print("\n".join(memory_lines))
 
     def write_final(state: TrainState) -> None:
         outputs.write_final(

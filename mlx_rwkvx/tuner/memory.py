@@ -1,0 +1,253 @@
+"""A training run's peak memory, estimated before its first step, and what the run does about
+it: ``footprint(model, ...)`` adds up what a step holds (the process itself; the weights as
+loaded: quantized integers with their scales and biases, floats; the trained tensors with their
+gradients and AdamW's two moments; the forward and backward's activations and the fused head
+and loss), ``budget()`` is what the device has for the run, and ``plan(...)`` turns block
+checkpointing on where the run would not fit without it, or refuses a run that fits in neither
+way, naming the longest ``--max-seq-len`` (or the smaller base) that would fit.
+
+The activations are bytes per token and channel of each kind of block, with and without block
+checkpointing, counted from the first block holding a trained tensor (the backward stops
+there), fitted to MLX's peak counter on measured steps: RWKV-7 (widths 512 and 1024, 2 and 4
+blocks, T 256 and 512, LoRA, state tuning and full, bf16 and INT8 bases), RWKV-X and RFA
+(width 512, LoRA). The tests check it against runs it was not fitted to."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from dataclasses import dataclass
+
+from mlx_rwkvx.errors import TrainError
+from mlx_rwkvx.models.quantize import QUANTIZE_BITS, quantizable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+# bytes per token and channel of one block's forward and backward: (without checkpointing: what
+# it keeps for the backward and its transients; checkpointed: what it keeps)
+ACTIVATIONS = {"rwkv7": (225, 32), "moba": (130, 32), "qwen2": (45, 32)}
+FIXED = 115  # bytes per token and channel beside the blocks: the embedding's output, the norms
+HEAD = 0.6  # bytes per token and vocabulary entry: the fused head and loss (chunked logits)
+SCORES = 8  # bytes per head and pair of tokens of a Qwen2 block's scores (and their gradient)
+ADAM_MOMENTS = 2  # AdamW's state: two tensors the shape of each trained one
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """The parts of a run's estimated peak, in bytes."""
+
+    process: int  # Python, MLX and the imports, the model aside
+    weights: int  # every parameter of the model as loaded (the trained ones too)
+    trained: int  # the trained tensors' gradients and optimizer state
+    activations: int  # the forward and backward above the rest, head and loss included
+
+    @property
+    def total(self) -> int:
+        return self.process + self.weights + self.trained + self.activations
+
+    def parts(self) -> str:
+        named = [
+            ("weights", self.weights),
+            ("gradients and optimizer state", self.trained),
+            ("activations", self.activations),
+            ("the process", self.process),
+        ]
+        return ", ".join(f"{name} {gb(n)}" for name, n in named)
+
+
+def gb(n: float) -> str:
+    """Bytes as GB (below 1 GB: MB)."""
+    return f"{n / GB:.2f} GB" if n >= GB else f"{n / 1e6:.0f} MB"
+
+
+def resident_now() -> int:
+    """This process's resident memory (Linux: now; elsewhere its peak so far)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+def process_bytes() -> int:
+    """What the process holds beside MLX's arrays and cache (its interpreter, the imports)."""
+    held = mx.get_active_memory() + mx.get_cache_memory()
+    return max(0, resident_now() - held) if mx.default_device() == mx.cpu else resident_now()
+
+
+def budget(gigabytes: float | None = None) -> tuple[int, str]:
+    """The bytes a run may use and where that number comes from: ``gigabytes`` where given
+    (--memory-budget); on a GPU its recommended working set; on a CPU the memory the system
+    has available, with what this process holds already."""
+    if gigabytes is not None:
+        return int(gigabytes * GB), "--memory-budget"
+    if mx.default_device() != mx.cpu:
+        info = mx.device_info()
+        if "max_recommended_working_set_size" in info:
+            return int(info["max_recommended_working_set_size"]), "the GPU's working set"
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+        return available + resident_now(), "the memory available"
+    except (OSError, KeyError, ValueError):
+        pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return pages, "the machine's memory"
+
+
+def _nbytes(tree) -> int:
+    return sum(x.nbytes for _, x in tree_flatten(tree) if isinstance(x, mx.array))
+
+
+def backward_blocks(model) -> list[str]:
+    """The kinds of the blocks the backward goes through: from the first that holds a trained
+    tensor on (all of them where the embedding is trained; the blocks before it need none)."""
+    trained = [name for name, _ in tree_flatten(model.trainable_parameters())]
+    kinds = [layer.kind for layer in model.layers]
+    if any(n.startswith(("embed.", "ln0.")) for n in trained):
+        return kinds
+    firsts = [int(n.split(".")[1]) for n in trained if n.startswith("layers.")]
+    return kinds[min(firsts) :] if firsts else []
+
+
+def activation_bytes(model, T: int, batch: int, checkpoint: bool) -> int:
+    """The forward and backward's activations of ``batch`` rows of ``T`` tokens (see the
+    module's docstring)."""
+    cfg = model.config
+    rows = batch * T
+    kinds = backward_blocks(model)
+    per_channel = FIXED + sum(ACTIVATIONS[k][1 if checkpoint else 0] for k in kinds)
+    if checkpoint and kinds:  # one block recomputed at a time, as it would keep it
+        per_channel += max(ACTIVATIONS[k][0] for k in kinds)
+    total = rows * cfg.hidden_size * per_channel + rows * cfg.vocab_size * HEAD
+    heads = cfg.n_q_heads or 0
+    attention = [k for k in kinds if k == "qwen2"]
+    if attention:  # the scores: every block's kept, or one block's at a time
+        blocks = 1 if checkpoint else len(attention)
+        total += blocks * batch * heads * T * T * SCORES
+    return int(total)
+
+
+def footprint(
+    model,
+    T: int,
+    batch: int = 1,
+    *,
+    checkpoint: bool = False,
+    grad_accum: int = 1,
+    process: int | None = None,
+) -> Footprint:
+    """The estimated peak of a training step of ``model`` (with what it trains set up) on
+    ``batch`` rows of ``T`` tokens; ``process``: the process's own bytes (default: measured
+    now, ``process_bytes``)."""
+    trained = _nbytes(model.trainable_parameters())
+    kept = 1 + ADAM_MOMENTS + (1 if grad_accum > 1 else 0)  # a step's sum of micro-batches
+    return Footprint(
+        process=process_bytes() if process is None else process,
+        weights=_nbytes(model.parameters()),
+        trained=kept * trained,
+        activations=activation_bytes(model, T, batch, checkpoint),
+    )
+
+
+def weights_at(model, bits: int) -> int:
+    """The bytes of ``model``'s parameters were its quantizable layers ``bits``-bit (the rest as
+    they are)."""
+    predicate = quantizable()
+    total = 0
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Embedding, nn.QuantizedLinear)):
+            continue
+        own = {k: v for k, v in module.parameters().items() if isinstance(v, mx.array)}
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            rows, packed = module.weight.shape
+            n = rows * packed * 32 // module.bits
+        elif predicate(path, module):
+            n = module.weight.size
+        else:
+            continue
+        rest = sum(v.nbytes for k, v in own.items() if k not in ("weight", "scales", "biases"))
+        total += n * bits // 8 + (n // 64) * 4 + rest - _nbytes(own)
+    return _nbytes(model.parameters()) + total
+
+
+def plan(
+    model,
+    T: int,
+    batch: int,
+    *,
+    checkpoint: bool,
+    grad_accum: int = 1,
+    quantize: str | None = None,
+    memory_budget: float | None = None,
+    may_checkpoint: bool = True,
+) -> tuple[bool, list[str]]:
+    """Whether the run checkpoints its blocks (``checkpoint``: asked for; else where it would
+    not fit otherwise, if it ``may_checkpoint``), and the lines that say its memory; TrainError
+    (one line) when it does not fit: the longest T that would fit, or the smaller base."""
+    limit, where = budget(memory_budget)
+    estimate = footprint(model, T, batch, checkpoint=checkpoint, grad_accum=grad_accum)
+    lines = []
+    if estimate.total > limit and not checkpoint and may_checkpoint:
+        plain = estimate
+        estimate = footprint(model, T, batch, checkpoint=True, grad_accum=grad_accum)
+        if estimate.total <= limit:
+            checkpoint = True
+            lines.append(
+                f"block checkpointing on (--grad-checkpoint): without it the peak would be about "
+                f"{gb(plain.total)}, over {gb(limit)}"
+            )
+    lines.insert(
+        0,
+        f"memory: about {gb(estimate.total)} at the peak (estimated: {estimate.parts()}); "
+        f"{gb(limit)} available ({where})",
+    )
+    if estimate.total <= limit:
+        return checkpoint, lines
+    fixed = estimate.total - estimate.activations
+    longest = _longest(model, batch, limit - fixed)
+    if longest >= 2:
+        how = f"--max-seq-len {longest}" + (f" with --batch-size {batch}" if batch > 1 else "")
+        hint = f"{how} would fit"
+    else:
+        room = limit - estimate.process - estimate.trained
+        hint = _smaller_base(model, quantize, batch, room)
+    how = (
+        "with block checkpointing"
+        if checkpoint or may_checkpoint
+        else "(--lora-dropout: no checkpointing)"
+    )
+    raise TrainError(
+        f"the run needs about {gb(estimate.total)} at its peak {how} ({estimate.parts()}) and "
+        f"{gb(limit)} is available ({where}): {hint}"
+    )
+
+
+def _longest(model, batch: int, room: int) -> int:
+    """The longest T (a multiple of 64, or below 64 any) whose checkpointed activations fit in
+    ``room`` bytes; 0 if none."""
+    low, high = 0, 1 << 20
+    while low < high:
+        mid = (low + high + 1) // 2
+        if activation_bytes(model, mid, batch, checkpoint=True) <= room:
+            low = mid
+        else:
+            high = mid - 1
+    return low if low < 64 else low // 64 * 64
+
+
+def _smaller_base(model, quantize: str | None, batch: int, room: int) -> str:
+    """What would fit at a smaller base: ``room`` is the budget less the process and the trained
+    tensors."""
+    bits = QUANTIZE_BITS.get(quantize or "", 16)
+    for name, smaller in sorted(QUANTIZE_BITS.items(), key=lambda kv: -kv[1]):
+        longest = _longest(model, batch, room - weights_at(model, smaller))
+        if smaller < bits and longest >= 2:
+            return f"--quantize {name} with --max-seq-len {longest} would fit"
+    return "not even the process and the weights fit: a smaller model, or more memory"

@@ -42,6 +42,7 @@ from mlx_rwkvx.models import Model
 from mlx_rwkvx.tuner import trainer
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.from_config import train_from_config
+from mlx_rwkvx.tuner.memory import footprint
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -148,19 +149,11 @@ def breakdown_worker(folder: str, quick: bool = False, grad_checkpoint: bool = F
     steps, seen = [], {}
     instrument(steps, seen)
     T = sizes(T_TRAIN, quick)
-    settings = dict(
-        quantize="int8",
-        iters=STEPS,
-        batch_size=1,
-        max_seq_len=T,
-        save_every=100,
-        grad_checkpoint=grad_checkpoint,
-    )
+    settings = dict(quantize="int8", iters=STEPS, max_seq_len=T, grad_checkpoint=grad_checkpoint)
     out = folder + ("/out_checkpoint" if grad_checkpoint else "/out")
     t0 = time.perf_counter()
-    train_from_config(
-        TrainConfig(model=folder + "/bf16", data=folder + "/data.bin", output=out, **settings)
-    )
+    data, model = folder + "/data.bin", folder + "/bf16"
+    train_from_config(TrainConfig(model=model, data=data, output=out, save_every=99, **settings))
     seconds = time.perf_counter() - t0
     _, peak_resident = resident_memory()
     model = seen["model"]
@@ -175,6 +168,8 @@ def breakdown_worker(folder: str, quick: bool = False, grad_checkpoint: bool = F
         "peak_resident": peak_resident,
         "head_and_loss": head_and_loss(model, T),
         "seconds": seconds,
+        # what train estimated before its first step (tuner/memory.py), the process measured
+        "estimate": footprint(model, T, 1, checkpoint=grad_checkpoint, process=resident0).total,
     }
 
 
@@ -262,6 +257,9 @@ def render(q: dict) -> Rendered:
         lines.append(f"| {part} | {cells} |")
     cells = " | ".join(_gb(r["peak_resident"]) for r in runs.values())
     lines.append(f"| **peak resident, whole process** | {cells} |")
+    if all("estimate" in r for r in runs.values()):
+        cells = " | ".join(_gb(r["estimate"]) for r in runs.values())
+        lines.append(f"| the run's own estimate before its first step | {cells} |")
     cells = " | ".join(f"{r['seconds']:.0f} s" for r in runs.values())
     lines.append(f"| run time (load, quantize, compile, two steps, save) | {cells} |")
     lines += [

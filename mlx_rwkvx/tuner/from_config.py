@@ -92,7 +92,6 @@ def _run(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
         rows,
         checkpoint=cfg.grad_checkpoint,
         grad_accum=cfg.grad_accum,
-        quantize=cfg.quantize,
         memory_budget=cfg.memory_budget,
         may_checkpoint=not cfg.lora_dropout,  # dropout's draws would differ in the recompute
     )

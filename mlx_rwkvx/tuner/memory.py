@@ -9,8 +9,8 @@ way, naming the longest ``--max-seq-len`` (or the smaller base) that would fit.
 The activations are bytes per token and channel of each kind of block, with and without block
 checkpointing, counted from the first block holding a trained tensor (the backward stops
 there), fitted to MLX's peak counter on measured steps: RWKV-7 (widths 512 and 1024, 2 and 4
-blocks, T 256 and 512, LoRA, state tuning and full, bf16 and INT8 bases), RWKV-X and RFA
-(width 512, LoRA). The tests check it against runs it was not fitted to."""
+blocks, T 256 and 512, LoRA, state tuning and full, bf16 and INT8 bases), RWKV-X (width 512)
+and RFA (widths 512 and 1024), LoRA. The tests check it against runs it was not fitted to."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ HEAD = 0.6  # bytes per token and vocabulary entry: the fused head and loss (chu
 SCORES = 8  # bytes per head and pair of tokens of a Qwen2 block's scores (and their gradient)
 ADAM_MOMENTS = 2  # AdamW's state: two tensors the shape of each trained one
 GB = 1e9
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,11 @@ def resident_now() -> int:
 
 
 def process_bytes() -> int:
-    """What the process holds beside MLX's arrays and cache (its interpreter, the imports)."""
+    """What the process holds beside MLX's arrays and cache (its interpreter, the imports):
+    its resident memory less theirs (on Apple silicon MLX's buffers are mapped into the process
+    and counted in its resident memory as on a CPU)."""
     held = mx.get_active_memory() + mx.get_cache_memory()
-    return max(0, resident_now() - held) if mx.default_device() == mx.cpu else resident_now()
+    return max(0, resident_now() - held)
 
 
 def budget(gigabytes: float | None = None) -> tuple[int, str]:
@@ -162,10 +165,10 @@ def weights_at(model, bits: int) -> int:
     predicate = quantizable()
     total = 0
     for path, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, nn.Embedding, nn.QuantizedLinear)):
+        if not isinstance(module, (nn.Linear, nn.Embedding, *QUANTIZED)):
             continue
         own = {k: v for k, v in module.parameters().items() if isinstance(v, mx.array)}
-        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(module, QUANTIZED):
             rows, packed = module.weight.shape
             n = rows * packed * 32 // module.bits
         elif predicate(path, module):
@@ -184,7 +187,6 @@ def plan(
     *,
     checkpoint: bool,
     grad_accum: int = 1,
-    quantize: str | None = None,
     memory_budget: float | None = None,
     may_checkpoint: bool = True,
 ) -> tuple[bool, list[str]]:
@@ -210,44 +212,43 @@ def plan(
     )
     if estimate.total <= limit:
         return checkpoint, lines
+    recompute = checkpoint or may_checkpoint
     fixed = estimate.total - estimate.activations
-    longest = _longest(model, batch, limit - fixed)
+    longest = _longest(model, batch, limit - fixed, recompute)
     if longest >= 2:
-        how = f"--max-seq-len {longest}" + (f" with --batch-size {batch}" if batch > 1 else "")
-        hint = f"{how} would fit"
+        shorter = f"--max-seq-len {longest}" + (f" with --batch-size {batch}" if batch > 1 else "")
+        hint = f"{shorter} would fit"
     else:
         room = limit - estimate.process - estimate.trained
-        hint = _smaller_base(model, quantize, batch, room)
-    how = (
-        "with block checkpointing"
-        if checkpoint or may_checkpoint
-        else "(--lora-dropout: no checkpointing)"
-    )
+        hint = _smaller_base(model, batch, room, recompute)
+    how = "with block checkpointing" if recompute else "(--lora-dropout: no checkpointing)"
     raise TrainError(
         f"the run needs about {gb(estimate.total)} at its peak {how} ({estimate.parts()}) and "
         f"{gb(limit)} is available ({where}): {hint}"
     )
 
 
-def _longest(model, batch: int, room: int) -> int:
-    """The longest T (a multiple of 64, or below 64 any) whose checkpointed activations fit in
-    ``room`` bytes; 0 if none."""
+def _longest(model, batch: int, room: int, checkpoint: bool) -> int:
+    """The longest T (a multiple of 64, or below 64 any) whose activations fit in ``room``
+    bytes; 0 if none."""
     low, high = 0, 1 << 20
     while low < high:
         mid = (low + high + 1) // 2
-        if activation_bytes(model, mid, batch, checkpoint=True) <= room:
+        if activation_bytes(model, mid, batch, checkpoint) <= room:
             low = mid
         else:
             high = mid - 1
     return low if low < 64 else low // 64 * 64
 
 
-def _smaller_base(model, quantize: str | None, batch: int, room: int) -> str:
+def _smaller_base(model, batch: int, room: int, checkpoint: bool) -> str:
     """What would fit at a smaller base: ``room`` is the budget less the process and the trained
     tensors."""
-    bits = QUANTIZE_BITS.get(quantize or "", 16)
+    bits = (model.quantization or {"bits": 16})["bits"]
+    if model.trainable_parameters().get("embed"):  # full training: no quantized base
+        bits = 0
     for name, smaller in sorted(QUANTIZE_BITS.items(), key=lambda kv: -kv[1]):
-        longest = _longest(model, batch, room - weights_at(model, smaller))
+        longest = _longest(model, batch, room - weights_at(model, smaller), checkpoint)
         if smaller < bits and longest >= 2:
             return f"--quantize {name} with --max-seq-len {longest} would fit"
     return "not even the process and the weights fit: a smaller model, or more memory"

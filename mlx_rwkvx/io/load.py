@@ -108,6 +108,30 @@ def load_model(path, *, quantize=None, dtype=None) -> Model:
     return _model_of(path, read_checkpoint(path), bits, quantize, dtype)
 
 
+def model_as_loaded(path, *, quantize=None, dtype=None) -> Model | None:
+    """The model ``load_model`` makes of ``path``, its parameters lazy and never computed: their
+    shapes, dtypes and quantization, for estimating memory before loading (the config and the
+    tensors' dtypes are read, no tensor's data). None for a ``.pth``, which is read whole."""
+    bits = quantize_bits(quantize)
+    dtype = float_dtype(dtype)
+    path = checkpoint_path(resolve_model(path))
+    if path.endswith(".pth"):
+        return None
+    ckpt = read_checkpoint(path)
+    model = Model(ckpt.config, init=None)
+    floats = [x.dtype for x in ckpt.tensors.values() if _floating(x)]
+    most = max(set(floats), key=floats.count) if floats else mx.float32
+    model.set_dtype(dtype or (mx.float32 if most == mx.float64 else most))
+    stored = ckpt.quantization
+    if stored:
+        quantize_modules(
+            model, stored["group_size"], stored["bits"], quantizable(stored["group_size"])
+        )
+    elif bits:
+        quantize_modules(model, GROUP_SIZE, bits, quantizable(GROUP_SIZE))
+    return model
+
+
 def _model_of(path: str, ckpt, bits: int | None, quantize, dtype) -> Model:
     cfg, tensors = ckpt.config, ckpt.tensors
     stored = ckpt.quantization

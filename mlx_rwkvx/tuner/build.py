@@ -17,7 +17,7 @@ from mlx_rwkvx.adapters.variants import VARIANTS
 from mlx_rwkvx.errors import AdapterError, CheckpointError, TrainError
 from mlx_rwkvx.io.formats import block_kinds
 from mlx_rwkvx.io.hub import resolve_model
-from mlx_rwkvx.io.load import load_model
+from mlx_rwkvx.io.load import load_model, model_as_loaded
 from mlx_rwkvx.io.tokenizers import builtin_tokenizer, load_tokenizer, tokenizer_files_beside
 from mlx_rwkvx.models import Model, ModelConfig, preset
 from mlx_rwkvx.models.config import PRESETS
@@ -94,6 +94,32 @@ def build(cfg: TrainConfig) -> Built:
                 raise TrainError(str(e)) from e
             tokenizer = None
     base = fingerprint(model)
+    return Built(model, tokenizer, base, set_up(model, cfg))
+
+
+def twin(cfg: TrainConfig) -> Model | None:
+    """The model ``build(cfg)`` makes, with what it trains set up, its arrays lazy and never
+    computed (their shapes and dtypes: what the memory estimate reads); None where the
+    checkpoint cannot be read so (a ``.pth``) or the set-up needs the weights' values (PiSSA's
+    SVD, whose residual base is float32). Nothing is loaded; errors are ``build``'s."""
+    if cfg.mode == "pissa":
+        return None
+    if cfg.mode == "pretrain":
+        model = Model(model_config(cfg.model), init=None)
+    else:
+        try:
+            model = model_as_loaded(cfg.model, quantize=cfg.quantize, dtype=cfg.dtype)
+        except CheckpointError as e:
+            raise _not_a_checkpoint(cfg, e) from e
+        if model is None:
+            return None
+    set_up(model, cfg)
+    return model
+
+
+def set_up(model: Model, cfg: TrainConfig) -> list[str]:
+    """What ``cfg`` trains set up on ``model`` (adapters, a trainable state, unfrozen weights);
+    returns the paths trained."""
     try:
         if cfg.mode in LORA_MODES:
             targets = cfg.lora_targets or default_targets(model)
@@ -119,4 +145,4 @@ def build(cfg: TrainConfig) -> Built:
             paths = [n for n, _ in tree_flatten(model.trainable_parameters())]
     except AdapterError as e:
         raise TrainError(str(e)) from e
-    return Built(model, tokenizer, base, paths)
+    return paths

@@ -31,7 +31,7 @@ from mlx_rwkvx.tuner import (
     run_data,
     trainer,
 )
-from mlx_rwkvx.tuner.build import Built, block_kinds_of, build
+from mlx_rwkvx.tuner.build import Built, block_kinds_of, build, twin
 from mlx_rwkvx.tuner.checkpoints import newest_checkpoint
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.optimizer import optimizer_for
@@ -74,9 +74,16 @@ def train_from_config(cfg: TrainConfig, log: Callable[[dict], None] | None = Non
 
 def _run(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
     mlx_rwkvx.configure()
+    shape = twin(cfg)  # before the seed: its lazy adapters draw from MLX's random state
+    planned = shape is not None
+    if planned:  # a run that cannot fit is refused before anything is loaded
+        cfg, memory_lines = _plan_memory(cfg, shape)
+    del shape
     mx.random.seed(cfg.seed)
     built = build(cfg)
     model = built.model
+    if not planned:
+        cfg, memory_lines = _plan_memory(cfg, model)
     chunks = [layer.attn.chunk_size for layer in model.layers if layer.kind == "moba"]
     if cfg.carry_state and chunks and cfg.max_cache < max(chunks):
         raise TrainError(
@@ -85,17 +92,6 @@ def _run(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
         )
     if group is not None and cfg.parallel > 1:
         raise TrainError("--parallel trains N adapters in one process: not under mlx.launch")
-    rows = cfg.batch_size * cfg.parallel * (1 if cfg.train_mode == "sft" else 2)
-    checkpoint, memory_lines = memory.plan(
-        model,
-        cfg.max_seq_len,
-        rows,
-        checkpoint=cfg.grad_checkpoint,
-        grad_accum=cfg.grad_accum,
-        memory_budget=cfg.memory_budget,
-        may_checkpoint=not cfg.lora_dropout,  # dropout's draws would differ in the recompute
-    )
-    cfg = dataclasses.replace(cfg, grad_checkpoint=checkpoint)
     prepare(dtypes=(mx.float32, mx.bfloat16))  # kernels checked before anything compiles
     if cfg.train_mode == "sft":
         task, data = _supervised(cfg, built, group, lead)
@@ -189,6 +185,23 @@ def _run(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
         )
         raise TrainError(f"{text}; {kept}") from e
     return out
+
+
+def _plan_memory(cfg: TrainConfig, model) -> tuple[TrainConfig, list[str]]:
+    """The run's settings with block checkpointing as its memory needs (``memory.plan``: on
+    where it would not fit otherwise; TrainError where it fits in no way), and the lines that
+    say its memory."""
+    rows = cfg.batch_size * cfg.parallel * (1 if cfg.train_mode == "sft" else 2)
+    checkpoint, lines = memory.plan(
+        model,
+        cfg.max_seq_len,
+        rows,
+        checkpoint=cfg.grad_checkpoint,
+        grad_accum=cfg.grad_accum,
+        memory_budget=cfg.memory_budget,
+        may_checkpoint=not cfg.lora_dropout,  # dropout's draws would differ in the recompute
+    )
+    return dataclasses.replace(cfg, grad_checkpoint=checkpoint), lines
 
 
 def _describe(cfg: TrainConfig, built: Built) -> Callable[[TrainState], dict]:

@@ -16,7 +16,10 @@ from mlx_rwkvx.errors import TrainError
 from mlx_rwkvx.io.load import load_model, save
 from mlx_rwkvx.models import Model, ModelConfig
 from mlx_rwkvx.tuner import memory
+from mlx_rwkvx.tuner.build import build, twin
 from mlx_rwkvx.tuner.callbacks import Callback
+from mlx_rwkvx.tuner.config import TrainConfig
+from mlx_rwkvx.tuner.from_config import train_from_config
 from mlx_rwkvx.tuner.trainer import supervised, train
 
 import mlx.core as mx
@@ -155,3 +158,40 @@ def test_after_a_step_mlx_holds_no_float_copy_of_a_frozen_quantized_weight(tmp_p
     # copies of the quantized weights would be (it grows with the width, not with its square:
     # 0.07 MB at width 128, 0.15 at 256, 0.29 at 512)
     assert len(quantized) >= 8 and extra < 0.05 * copies, (extra, copies)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(mode="lora"),
+        dict(mode="lora", quantize="int8"),
+        dict(mode="miss", dtype="float32"),
+        dict(mode="state"),
+        dict(mode="full"),
+        dict(mode="dora", lora_rank=4),
+        dict(mode="lora", parallel=2),
+    ],
+    ids=lambda s: "-".join(map(str, s.values())),
+)
+def test_the_model_estimated_before_loading_is_the_model_built(tmp_path, settings):
+    model = Model(rwkv7_cfg(2, 64), seed=0)
+    model.set_dtype(mx.bfloat16)
+    save(model, tmp_path / "model")
+    cfg = TrainConfig(model=str(tmp_path / "model"), **settings)
+    shape = twin(cfg)
+    built = build(cfg).model
+    for part in ("weights", "trained"):
+        want = getattr(memory.footprint(built, 64, process=0), part)
+        assert getattr(memory.footprint(shape, 64, process=0), part) == want, part
+    assert memory.backward_blocks(shape) == memory.backward_blocks(built)
+
+
+def test_a_run_too_big_for_its_budget_is_refused_before_its_weights_are_read(tmp_path):
+    save(Model(rwkv7_cfg(2, 64), seed=0), tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64] + b"\xff" * 64)  # loading: NaNs, refused
+    cfg = TrainConfig(
+        model=str(tmp_path / "model"), data="x", output=str(tmp_path / "o"), memory_budget=0.001
+    )
+    with pytest.raises(TrainError, match="the run needs about"):
+        train_from_config(cfg)

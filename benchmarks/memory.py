@@ -145,7 +145,7 @@ def head_and_loss(model, T: int) -> int:
 def breakdown_worker(folder: str, quick: bool = False, grad_checkpoint: bool = False) -> dict:
     """Two INT8 LoRA steps through ``train_from_config``, instrumented (the module's docstring)."""
     resident0, _ = resident_memory()
-    loaded = [m for m in HEAVY if m in sys.modules]
+    loaded = [m for m in HEAVY if sys.modules.get(m) is not None]  # None: hidden
     steps, seen = [], {}
     instrument(steps, seen)
     T = sizes(T_TRAIN, quick)
@@ -242,8 +242,9 @@ def render(q: dict) -> Rendered:
         f"holds when the second step begins, relative difference {checked}.",
         "",
         f"INT8 LoRA (default rank and targets) on the {q['preset']} RFA config (random weights "
-        "saved in bf16, loaded with --quantize int8), batch 1, two steps through `train()` with "
-        "MLX's defaults, each run in a process of its own (the two side by side); the parts at "
+        "saved in bf16, loaded with --quantize int8), batch 1, two steps through `train()` as "
+        "a run makes them (on a CPU, MLX's buffer cache off while it steps), each run in a "
+        "process of its own (the two side by side); the parts at "
         "the second step, counted from the arrays where they are arrays, from MLX's peak "
         "counter around the micro-batch for the forward and backward, and the process's own "
         "resident peak (Linux's VmHWM). The rows not indented add up to the peak.",

@@ -72,18 +72,18 @@ def train_from_config(cfg: TrainConfig, log: Callable[[dict], None] | None = Non
             return _run(cfg, out, group, lead=True, log=log)
 
 
+SHORTEST = 64  # tokens: a model that does not fit at rows this short fits at none
+
+
 def _run(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
     mlx_rwkvx.configure()
     shape = twin(cfg)  # before the seed: its lazy adapters draw from MLX's random state
-    planned = shape is not None
-    if planned:  # a run that cannot fit is refused before anything is loaded
-        cfg, memory_lines = _plan_memory(cfg, shape)
+    if shape is not None:  # a model that cannot fit at any length is refused before loading
+        _plan_memory(cfg, shape, min(cfg.max_seq_len, SHORTEST))
     del shape
     mx.random.seed(cfg.seed)
     built = build(cfg)
     model = built.model
-    if not planned:
-        cfg, memory_lines = _plan_memory(cfg, model)
     chunks = [layer.attn.chunk_size for layer in model.layers if layer.kind == "moba"]
     if cfg.carry_state and chunks and cfg.max_cache < max(chunks):
         raise TrainError(
@@ -103,6 +103,9 @@ def _run(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
             "valid.bin in the --data folder): no validation loss",
             file=sys.stderr,
         )
+    # the plan at the data's own longest row: the run checkpoints its blocks where it must
+    cfg, memory_lines = _plan_memory(cfg, model, data.longest)
+    task.checkpoint = cfg.grad_checkpoint
     per_epoch = data.per_epoch
     if group is not None:  # every rank runs the same steps (one with fewer would hang the rest)
         per_epoch = int(mx.distributed.all_min(mx.array(per_epoch), group=group).item())
@@ -187,14 +190,14 @@ def _run(cfg: TrainConfig, out: Path, group, lead: bool, log=None) -> Path:
     return out
 
 
-def _plan_memory(cfg: TrainConfig, model) -> tuple[TrainConfig, list[str]]:
-    """The run's settings with block checkpointing as its memory needs (``memory.plan``: on
-    where it would not fit otherwise; TrainError where it fits in no way), and the lines that
-    say its memory."""
+def _plan_memory(cfg: TrainConfig, model, T: int) -> tuple[TrainConfig, list[str]]:
+    """The run's settings with block checkpointing as its memory needs at rows of ``T`` tokens
+    (``memory.plan``: on where it would not fit otherwise; TrainError where it fits in no way),
+    and the lines that say its memory."""
     rows = cfg.batch_size * cfg.parallel * (1 if cfg.train_mode == "sft" else 2)
     checkpoint, lines = memory.plan(
         model,
-        cfg.max_seq_len,
+        T,
         rows,
         checkpoint=cfg.grad_checkpoint,
         grad_accum=cfg.grad_accum,
@@ -263,7 +266,8 @@ def _supervised(cfg: TrainConfig, built: Built, group, lead: bool) -> tuple[Task
     def stream(position):
         return run_data.Stream(parts, cfg.batch_size, cfg.seed, position)
 
-    return task, RunData(f"{len(examples)} examples", examples, per_epoch, stream, parts)
+    longest = min(max(len(e.tokens) for e in examples) - 1, cfg.max_seq_len)
+    return task, RunData(f"{len(examples)} examples", examples, per_epoch, stream, parts, longest)
 
 
 def _say_what(

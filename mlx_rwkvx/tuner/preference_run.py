@@ -130,11 +130,11 @@ class PreferenceStep:
         group=None,
     ):
         self.model, self.optimizer, self.pairs, self.reference = model, optimizer, pairs, reference
-        self.grad_clip = grad_clip
+        self.grad_clip, self.grad_checkpoint = grad_clip, grad_checkpoint
         self.group = group if group is not None and group.size() > 1 else None
 
         def loss(model, batch, ref_c, ref_r):
-            policy = pair_logprobs(model, batch, checkpoint=grad_checkpoint)
+            policy = pair_logprobs(model, batch, checkpoint=self.grad_checkpoint)
             return _values(terms(policy, (ref_c, ref_r)))
 
         self.loss_and_grad = nn.value_and_grad(model, loss)
@@ -292,7 +292,10 @@ def task(cfg: TrainConfig, built, group, lead: bool) -> tuple[Task, RunData]:
 
     per_epoch = max(1, (len(pairs) // size) // cfg.grad_accum)
     task = Task(step=step, validate=validate if val else None)
-    return task, RunData(f"{len(pairs)} preference pairs", pairs, per_epoch, stream)
+    longest = max(len(p.prompt) + max(len(p.chosen), len(p.rejected)) for p in pairs)
+    return task, RunData(
+        f"{len(pairs)} preference pairs", pairs, per_epoch, stream, longest=longest
+    )
 
 
 class PairStream:

@@ -30,6 +30,7 @@ class Task:
     step: Callable
     validate: Callable | None = None
     evaluate_test: Callable | None = None
+    checkpoint: bool | None = None  # set: every step made recomputes its blocks or not (memory)
 
 
 @dataclass
@@ -74,3 +75,4 @@ class RunData:
     per_epoch: int
     stream: Callable
     parts: list = field(default_factory=list)  # --parallel: the examples' N parts
+    longest: int = 0  # tokens of the longest row a step feeds (a segment with --carry-state)

@@ -331,6 +331,8 @@ def train(
     if group is not None:
         state.rank, state.ranks = group.rank(), group.size()
     step_fn = task.step(model, optimizer, group)
+    if task.checkpoint is not None:
+        step_fn.grad_checkpoint = task.checkpoint
     batches = _micro_batches(data)
 
     def between_windows(n: int) -> bool:  # one process alone: ranks stop after a step together

@@ -30,7 +30,9 @@ class Task:
     step: Callable
     validate: Callable | None = None
     evaluate_test: Callable | None = None
-    checkpoint: bool | None = None  # set: every step made recomputes its blocks or not (memory)
+    # None: each step as ``step`` makes it; True / False: every step made recomputes its blocks
+    # in the backward or not (the run's memory plan decides, after the Task is made)
+    checkpoint: bool | None = None
 
 
 @dataclass

@@ -42,7 +42,7 @@ from mlx_rwkvx.models import Model
 from mlx_rwkvx.tuner import trainer
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.from_config import train_from_config
-from mlx_rwkvx.tuner.memory import footprint
+from mlx_rwkvx.tuner.memory import footprint, nbytes
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,10 +55,6 @@ STEPS = 2
 # What a training process may import that it does not need, or needs only for some inputs
 HEAVY = ("torch", "transformers", "mlx_lm", "tokenizers", "fastapi", "uvicorn", "lm_eval")
 IMPORTS = ("mlx.core", "mlx_rwkvx", "mlx_lm", "transformers", "torch", "mlx_rwkvx.train")
-
-
-def nbytes(tree) -> int:
-    return sum(x.nbytes for _, x in tree_flatten(tree) if isinstance(x, mx.array))
 
 
 def weight_kinds(model: nn.Module) -> dict[str, int]:

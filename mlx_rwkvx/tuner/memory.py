@@ -65,12 +65,18 @@ def gb(n: float) -> str:
     return f"{n / GB:.2f} GB" if n >= GB else f"{n / 1e6:.0f} MB"
 
 
+def _proc_kib(path: str, field: str) -> int:
+    """A ``Name:  N kB`` field of a Linux /proc file, in bytes (OSError, KeyError, ValueError
+    where there is none)."""
+    with open(path) as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return int(fields[field].split()[0]) * 1024
+
+
 def resident_now() -> int:
     """This process's resident memory (Linux: now; elsewhere its peak so far)."""
     try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["VmRSS"].split()[0]) * 1024
+        return _proc_kib("/proc/self/status", "VmRSS")
     except (OSError, KeyError, ValueError):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
@@ -95,16 +101,14 @@ def budget(gigabytes: float | None = None) -> tuple[int, str]:
         if "max_recommended_working_set_size" in info:
             return int(info["max_recommended_working_set_size"]), "the GPU's working set"
     try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-        return available + resident_now(), "the memory available"
+        return _proc_kib("/proc/meminfo", "MemAvailable") + resident_now(), "the memory available"
     except (OSError, KeyError, ValueError):
         pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return pages, "the machine's memory"
 
 
-def _nbytes(tree) -> int:
+def nbytes(tree) -> int:
+    """Bytes of the arrays in ``tree`` (parameters, gradients, optimizer state)."""
     return sum(x.nbytes for _, x in tree_flatten(tree) if isinstance(x, mx.array))
 
 
@@ -149,11 +153,11 @@ def footprint(
     """The estimated peak of a training step of ``model`` (with what it trains set up) on
     ``batch`` rows of ``T`` tokens; ``process``: the process's own bytes (default: measured
     now, ``process_bytes``)."""
-    trained = _nbytes(model.trainable_parameters())
+    trained = nbytes(model.trainable_parameters())
     kept = 1 + ADAM_MOMENTS + (1 if grad_accum > 1 else 0)  # a step's sum of micro-batches
     return Footprint(
         process=process_bytes() if process is None else process,
-        weights=_nbytes(model.parameters()),
+        weights=nbytes(model.parameters()),
         trained=kept * trained,
         activations=activation_bytes(model, T, batch, checkpoint),
     )
@@ -176,8 +180,8 @@ def weights_at(model, bits: int) -> int:
         else:
             continue
         rest = sum(v.nbytes for k, v in own.items() if k not in ("weight", "scales", "biases"))
-        total += n * bits // 8 + (n // 64) * 4 + rest - _nbytes(own)
-    return _nbytes(model.parameters()) + total
+        total += n * bits // 8 + (n // 64) * 4 + rest - nbytes(own)
+    return nbytes(model.parameters()) + total
 
 
 def plan(

@@ -29,7 +29,6 @@ from mlx_rwkvx.io.atomic import (
     atomic_target,
     check_target,
     copy_file,
-    save_safetensors,
     save_text,
 )
 from mlx_rwkvx.io.configs import (
@@ -61,7 +60,8 @@ from mlx_rwkvx.io.names import (
     rename,
     rwkvx_layout,
 )
-from mlx_rwkvx.io.pth import Tensor, pth_names, write_pth
+from mlx_rwkvx.io.pth import StoredTensor, pth_names, write_pth
+from mlx_rwkvx.io.stream import raw_bytes, write_safetensors
 from mlx_rwkvx.io.tensors import (
     INDEX_FILE,
     read_folder_safetensors,
@@ -300,60 +300,100 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def write_hf(
-    path, cfg: ModelConfig, tensors: dict[str, mx.array], *, extra_files=None, overwrite=False
+    path,
+    cfg: ModelConfig,
+    tensors: dict[str, mx.array],
+    *,
+    extra_files=None,
+    overwrite=False,
+    check=None,
 ) -> None:
     """A Hugging Face folder (``config.json``, ``model.safetensors``, the tokenizer files in
-    ``extra_files``), written atomically."""
+    ``extra_files``), written atomically, a tensor at a time (``tensors`` is emptied: see
+    ``write_native``)."""
     path = checkpoint_path(path)
     hf, out = to_hf(cfg, tensors)
+    tensors.clear()  # renamed: ``out`` holds them now
 
     def write(tmp):
-        save_safetensors(os.path.join(tmp, WEIGHTS_FILE), out, {"format": "pt"})
+        write_safetensors(os.path.join(tmp, WEIGHTS_FILE), out, {"format": "pt"}, check=check)
         save_text(os.path.join(tmp, CONFIG_FILE), json.dumps(hf, indent=2))
 
     _write(path, write, folder=True, overwrite=overwrite, extra_files=extra_files)
 
 
 def write_blinkdl(
-    path, cfg: ModelConfig, tensors: dict[str, mx.array], *, extra_files=None, overwrite=False
+    path,
+    cfg: ModelConfig,
+    tensors: dict[str, mx.array],
+    *,
+    extra_files=None,
+    overwrite=False,
+    check=None,
 ) -> None:
     """BlinkDL's names and shapes in one ``.pth`` (as ``torch.save`` writes it) or
-    ``.safetensors`` file, written atomically."""
-    _write_one_file(path, "BlinkDL", lambda: to_blinkdl(cfg, tensors), extra_files, overwrite)
+    ``.safetensors`` file, written atomically, a tensor at a time (``tensors`` is emptied)."""
+    renamed = lambda: to_blinkdl(cfg, tensors)  # noqa: E731  (after the path is checked)
+    _write_one_file(path, "BlinkDL", renamed, tensors, extra_files, overwrite, check)
 
 
 def write_rwkvx(
-    path, cfg: ModelConfig, tensors: dict[str, mx.array], *, extra_files=None, overwrite=False
+    path,
+    cfg: ModelConfig,
+    tensors: dict[str, mx.array],
+    *,
+    extra_files=None,
+    overwrite=False,
+    check=None,
 ) -> None:
     """The RWKV-X authors' names and shapes in one ``.pth`` (what their ``RWKV_X`` loads) or
-    ``.safetensors`` file, written atomically."""
-    _write_one_file(path, "RWKV-X", lambda: to_rwkvx(cfg, tensors), extra_files, overwrite)
+    ``.safetensors`` file, written atomically, a tensor at a time (``tensors`` is emptied)."""
+    renamed = lambda: to_rwkvx(cfg, tensors)  # noqa: E731  (after the path is checked)
+    _write_one_file(path, "RWKV-X", renamed, tensors, extra_files, overwrite, check)
 
 
-def _write_one_file(path, fmt: str, tensors, extra_files, overwrite) -> None:
+def _write_one_file(path, fmt: str, renamed, tensors, extra_files, overwrite, check) -> None:
     path = checkpoint_path(path)
     if not path.endswith((".pth", ".safetensors")):
         raise CheckpointError(
             f"{path}: the {fmt} format is one .pth or .safetensors file: name it so"
         )
-    out = tensors()
+    out = renamed()
+    tensors.clear()  # renamed: ``out`` holds them now
     if path.endswith(".pth"):
 
         def write(tmp):
+            stored = {n: _pth_tensor(n, out.pop(n), check) for n in list(out)}
             with open(tmp, "wb") as f:
-                write_pth(f, {n: _pth_tensor(x) for n, x in out.items()})
+                write_pth(f, stored)
     else:
 
         def write(tmp):
-            save_safetensors(tmp, out)
+            write_safetensors(tmp, out, check=check)
 
     _write(path, write, folder=False, overwrite=overwrite, extra_files=extra_files)
 
 
-def _pth_tensor(x: mx.array) -> Tensor:
-    if x.dtype == mx.bfloat16:
-        return Tensor(np.array(x.view(mx.uint16)), True)
-    return Tensor(np.array(x), False)
+_NUMPY = {
+    mx.bfloat16: np.uint16,  # stored as its bits
+    **{getattr(mx, t): getattr(np, t) for t in ("float16", "float32", "float64")},
+    **{getattr(mx, t): getattr(np, t) for t in ("int8", "int16", "int32", "int64", "uint8")},
+    mx.bool_: np.bool_,
+}
+
+
+def _pth_tensor(name: str, x: mx.array, check) -> StoredTensor:
+    """``x`` as ``write_pth`` takes it: its bytes made only when its record is written."""
+    if x.dtype not in _NUMPY:
+        raise CheckpointError(f"{name}: cannot store dtype {x.dtype} in a .pth")
+
+    def read():
+        mx.eval(x)
+        if check is not None:
+            check(name, x)
+        return np.frombuffer(raw_bytes(x), _NUMPY[x.dtype]).reshape(x.shape)
+
+    return StoredTensor(tuple(x.shape), np.dtype(_NUMPY[x.dtype]), x.dtype == mx.bfloat16, read)
 
 
 def write_native(
@@ -364,6 +404,7 @@ def write_native(
     quantization: dict | None = None,
     extra_files=None,
     overwrite=False,
+    check=None,
 ) -> None:
     """A native folder (``config.json`` + ``model.safetensors``) or, for a path ending in
     ``.safetensors``, one file with the config in its metadata (``quantization``: the
@@ -371,7 +412,11 @@ def write_native(
     (name -> source, the tokenizer's files) are copied into the folder, or beside the file.
     Written atomically:
     under a temporary name, then renamed, so a failed save never leaves a damaged checkpoint
-    or a temporary file, and replaces an existing checkpoint only with ``overwrite``."""
+    or a temporary file, and replaces an existing checkpoint only with ``overwrite``.
+
+    Written a tensor at a time (``io/stream.py``): each is taken out of ``tensors`` (the dict is
+    left empty), computed if lazy, handed to ``check(name, array)`` (which may refuse it),
+    written and dropped, so that a lazy model is never whole in memory."""
     path = checkpoint_path(path)
     if path.endswith(".safetensors"):
         meta = {
@@ -381,7 +426,7 @@ def write_native(
         }
         _write(
             path,
-            lambda tmp: save_safetensors(tmp, tensors, meta),
+            lambda tmp: write_safetensors(tmp, tensors, meta, check=check),
             folder=False,
             overwrite=overwrite,
             extra_files=extra_files,
@@ -389,7 +434,8 @@ def write_native(
         return
 
     def write(tmp):
-        save_safetensors(os.path.join(tmp, WEIGHTS_FILE), tensors, {"format": FORMAT_TAG})
+        weights = os.path.join(tmp, WEIGHTS_FILE)
+        write_safetensors(weights, tensors, {"format": FORMAT_TAG}, check=check)
         config = {"format": FORMAT_TAG, **native_config_dict(cfg, quantization)}
         config = json.dumps(config, indent=2)
         save_text(os.path.join(tmp, CONFIG_FILE), config)

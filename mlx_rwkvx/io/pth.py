@@ -16,6 +16,7 @@ import math
 import pickle
 import struct
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,38 @@ class Tensor:
 
     array: np.ndarray
     bfloat16: bool
+
+
+class StoredTensor:
+    """A tensor for ``write_pth`` whose bytes are made only when its record is written, and
+    dropped once written: ``read()`` returns a little-endian array of ``shape`` and ``dtype``
+    (bfloat16 as its uint16 bits). A model's tensors pass one at a time."""
+
+    def __init__(self, shape: tuple, dtype: np.dtype, bfloat16: bool, read: Callable):
+        self.shape, self.dtype, self.bfloat16 = tuple(shape), np.dtype(dtype), bfloat16
+        self._read = read
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def take(self) -> np.ndarray:
+        """The tensor's array, read once: the reference to it is dropped here."""
+        read, self._read = self._read, None
+        return read()
+
+
+def _stored(t) -> StoredTensor:
+    if isinstance(t, StoredTensor):
+        return t
+    return StoredTensor(t.array.shape, t.array.dtype, t.bfloat16, lambda: t.array)
+
+
+def _contiguous_strides(shape: tuple, size: int) -> tuple:
+    """Row-major strides in elements, as numpy gives a contiguous array (all 0 when empty)."""
+    if not size:
+        return (0,) * len(shape)
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 def _view(storage, offset, size, stride) -> np.ndarray:
@@ -223,10 +256,11 @@ def _load(path: str, names_only: bool) -> dict:
 _STORAGE_OF = {np.dtype(d): name for name, (d, bf16) in _STORAGES.items() if not bf16}
 
 
-def write_pth(file, tensors: dict[str, Tensor], archive_name: str = "archive") -> None:
-    """``tensors`` (contiguous little-endian arrays; bfloat16 as their uint16 bits) as
-    ``torch.save`` writes a state dict: a zip of ``data.pkl`` and one storage per tensor,
-    records aligned to 64 bytes as torch aligns them. ``file``: a path or a binary file."""
+def write_pth(file, tensors: dict, archive_name: str = "archive") -> None:
+    """``tensors`` (``Tensor``: little-endian arrays, bfloat16 as their uint16 bits; or
+    ``StoredTensor``, read when its record is written) as ``torch.save`` writes a state dict:
+    a zip of ``data.pkl`` and one storage per tensor, records aligned to 64 bytes as torch
+    aligns them. ``file``: a path or a binary file."""
     body = io.BytesIO()
     op = body.write
     op(pickle.PROTO + b"\x02")
@@ -250,11 +284,11 @@ def write_pth(file, tensors: dict[str, Tensor], archive_name: str = "archive") -
     global_("collections", "OrderedDict")
     op(pickle.EMPTY_TUPLE + pickle.REDUCE + pickle.MARK)
     storages = []
-    for key, (name, t) in enumerate(tensors.items()):
-        a = t.array
-        if a.dtype.byteorder == ">" or (not t.bfloat16 and a.dtype not in _STORAGE_OF):
-            raise PthError(f"{name}: cannot store dtype {a.dtype} in a .pth")
-        storage = "BFloat16Storage" if t.bfloat16 else _STORAGE_OF[a.dtype]
+    for key, (name, given) in enumerate(tensors.items()):
+        t = _stored(given)
+        if t.dtype.byteorder == ">" or (not t.bfloat16 and t.dtype not in _STORAGE_OF):
+            raise PthError(f"{name}: cannot store dtype {t.dtype} in a .pth")
+        storage = "BFloat16Storage" if t.bfloat16 else _STORAGE_OF[t.dtype]
         string(name)
         global_("torch._utils", "_rebuild_tensor_v2")
         op(pickle.MARK)
@@ -263,22 +297,27 @@ def write_pth(file, tensors: dict[str, Tensor], archive_name: str = "archive") -
         global_("torch", storage)
         string(str(key))
         string("cpu")
-        integer(a.size)
+        integer(t.size)
         op(pickle.TUPLE + pickle.BINPERSID)
         integer(0)
-        int_tuple(a.shape)
-        int_tuple(tuple(s // a.itemsize for s in np.ascontiguousarray(a).strides))
+        int_tuple(t.shape)
+        int_tuple(_contiguous_strides(t.shape, t.size))
         op(pickle.NEWFALSE)
         global_("collections", "OrderedDict")
         op(pickle.EMPTY_TUPLE + pickle.REDUCE)
         op(pickle.TUPLE + pickle.REDUCE)
-        storages.append(np.ascontiguousarray(a).tobytes())
+        storages.append(t)
     op(pickle.SETITEMS + pickle.STOP)
     with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED) as z:
         _write_aligned(z, f"{archive_name}/data.pkl", body.getvalue())
         _write_aligned(z, f"{archive_name}/byteorder", b"little")
-        for key, data in enumerate(storages):
-            _write_aligned(z, f"{archive_name}/data/{key}", data)
+        for key in range(len(storages)):
+            t, storages[key] = storages[key], None
+            data = np.ascontiguousarray(t.take())
+            if data.shape != t.shape or data.dtype != t.dtype:
+                raise PthError(f"storage {key}: read as {data.dtype} {data.shape}, not {t.dtype}")
+            _write_aligned(z, f"{archive_name}/data/{key}", memoryview(data).cast("B"))
+            del t, data
         _write_aligned(z, f"{archive_name}/version", b"3\n")
 
 

@@ -1,5 +1,6 @@
 """Every checkpoint format loads into the same model; bad files give one clear error."""
 
+import errno
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 import mlx_rwkvx
 from mlx_rwkvx.adapters.fingerprint import fingerprint
 from mlx_rwkvx.generation import Session
+from mlx_rwkvx.io import stream
 from mlx_rwkvx.io.convert import convert
 from mlx_rwkvx.io.formats import (
     CheckpointError,
@@ -688,13 +690,11 @@ def test_a_failed_write_keeps_the_old_checkpoint(tmp_path, monkeypatch):
         mlx_rwkvx.save(old, path)
         before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
 
-        def full_disk(file, tensors, metadata=None):
-            with open(file, "wb") as f:
-                f.write(b"partial")
-            raise RuntimeError("[write] Unable to write 4096 bytes to file.")
+        def full_disk(x):  # the header is written, the first tensor fails
+            raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(mx, "save_safetensors", full_disk)
-        with pytest.raises(CheckpointError, match="cannot write .*disk full"):
+        monkeypatch.setattr(stream, "raw_bytes", full_disk)
+        with pytest.raises(CheckpointError, match="cannot write .No space left on device"):
             mlx_rwkvx.save(Model(rwkv7_cfg(3, hidden_size=64), seed=2), path, overwrite=True)
         monkeypatch.undo()
         after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}

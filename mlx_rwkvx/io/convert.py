@@ -1,24 +1,31 @@
 """Converting a checkpoint between formats (``python -m mlx_rwkvx.convert``): read any format
 ``load`` reads, optionally make an RFA model of a Qwen2 one or quantize, and write ``native``,
 ``hf``, ``blinkdl`` or ``rwkvx`` with the tokenizer's files beside the weights. Entry point:
-``convert``."""
+``convert``.
+
+The model passes a tensor at a time: read lazily, renamed, cast and quantized lazily, each
+tensor computed only when the writer comes to it and dropped once written, so that converting
+a model never holds it whole (the peak is about its largest tensor; a ``.pth`` source is read
+whole, as our reader reads it)."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import tempfile
 
-from mlx_rwkvx.errors import UsageError
+from mlx_rwkvx.errors import CheckpointError, UsageError
 from mlx_rwkvx.io.atomic import check_target
 from mlx_rwkvx.io.detect import is_checkpoint
 from mlx_rwkvx.io.formats import write_blinkdl, write_hf, write_native, write_rwkvx
 from mlx_rwkvx.io.hub import resolve_model
-from mlx_rwkvx.io.load import load
+from mlx_rwkvx.io.load import read_model
 from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
 from mlx_rwkvx.io.tokenizers import ByteTokenizer, byte_tokenizer_files, tokenizer_files
 from mlx_rwkvx.models.config import default_qwen_layers
 from mlx_rwkvx.models.model import Model
-from mlx_rwkvx.models.quantize import quantize_bits
+from mlx_rwkvx.models.quantize import GROUP_SIZE, quantize_bits, quantize_tensors
 from mlx_rwkvx.models.rfa import qwen2_to_rfa
 
 import mlx.core as mx
@@ -44,9 +51,11 @@ def convert(
     qwen_layers=None,
     head_size: int | None = None,
     overwrite: bool = False,
-) -> Model:
+) -> Model | None:
     """Read ``src``, transform, write ``dst`` with the tokenizer files of ``src`` beside the
-    weights; returns the written model. An existing ``dst`` is replaced only with
+    weights, a tensor at a time; returns the written model, its tensors read from ``dst`` when
+    used (None for a ``.pth``, which is read whole). A tensor holding NaN or infinite values
+    is refused. An existing ``dst`` is replaced only with
     ``overwrite``, and only when it is a checkpoint; a ``dst`` that is, holds or lies inside
     ``src``, or would replace the current folder, is refused. ``head_size`` (default 64) and
     ``qwen_layers`` go with ``to_rfa``. While it runs, ``dst`` is locked (``io/targets.py``): a
@@ -67,7 +76,7 @@ def convert(
         return _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrite)
 
 
-def _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrite) -> Model:
+def _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrite):
     # the target first: a conversion that could not be written is not worth reading
     check_target(
         dst,
@@ -75,22 +84,49 @@ def _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrit
         folder=not os.fspath(dst).endswith(SINGLE_FILES),
         recognise=is_checkpoint,
     )
-    model, tokenizer = load(src, dtype=dtype)
+    model, tokenizer = read_model(src, dtype=dtype)  # lazy: nothing is read yet
     if to_rfa:
         n = len(model.config.block_types)
         layers = qwen_layers if qwen_layers is not None else default_qwen_layers(n)
         model = qwen2_to_rfa(model, layers, head_size=64 if head_size is None else head_size)
-    if bits:
-        model.quantize(bits=bits)
-        mx.eval(model.parameters())
+    cfg, quantization = model.config, model.quantization
+    if bits and quantization and quantization["bits"] != bits:
+        raise CheckpointError(
+            f"{src}: stored in {quantization['bits']}-bit; it cannot be converted to "
+            f"{bits}-bit (convert its float original)"
+        )
     tensors = dict(tree_flatten(model.parameters()))
+    if bits and not quantization:
+        quantization = quantize_tensors(model, tensors, bits, GROUP_SIZE)
+    del model  # ``tensors`` holds them alone now: each is freed once written
+    check = _finite_check(src, quantized=bool(quantization))
     # the native config records the quantization, without which its tensors do not load
-    extra = {"quantization": model.quantization} if to == "native" else {}
+    extra = {"quantization": quantization} if to == "native" else {}
     if to == "hf" and isinstance(tokenizer, ByteTokenizer):  # files for transformers too
         with tempfile.TemporaryDirectory() as folder:
             files = byte_tokenizer_files(folder, tokenizer.vocab_size)
-            WRITERS[to](dst, model.config, tensors, extra_files=files, overwrite=overwrite)
-        return model
-    files = tokenizer_files(tokenizer)
-    WRITERS[to](dst, model.config, tensors, extra_files=files, overwrite=overwrite, **extra)
-    return model
+            WRITERS[to](dst, cfg, tensors, extra_files=files, overwrite=overwrite, check=check)
+    else:
+        files = tokenizer_files(tokenizer)
+        WRITERS[to](dst, cfg, tensors, extra_files=files, overwrite=overwrite, check=check, **extra)
+    if os.fspath(dst).endswith(".pth"):
+        return None
+    return read_model(dst, tokenizer=False)[0]
+
+
+def _finite_check(src, quantized: bool):
+    """The check a writer runs on each tensor it computes: a floating one holding NaN or
+    infinite values is refused, named as written (a quantized weight through its scales and
+    biases, as its weight). One sum per tensor; the exact test only where the sum is not
+    finite (a float16 one may overflow)."""
+
+    def check(name: str, x: mx.array) -> None:
+        if not mx.issubdtype(x.dtype, mx.floating):
+            return
+        if math.isfinite(mx.sum(x).astype(mx.float32).item()) or mx.isfinite(x).all().item():
+            return
+        if quantized:
+            name = re.sub(r"\.(scales|biases)\Z", ".weight", name)
+        raise CheckpointError(f"{src}: {name} holds NaN or infinite values")
+
+    return check

@@ -132,7 +132,29 @@ def model_as_loaded(path, *, quantize=None, dtype=None) -> Model | None:
     return model
 
 
-def _model_of(path: str, ckpt, bits: int | None, quantize, dtype) -> Model:
+def read_model(path, *, dtype=None, tokenizer: bool = True) -> tuple[Model, object]:
+    """``(model, tokenizer)`` of any supported checkpoint with the model's tensors lazy: checked
+    against the model (names, shapes, dtypes) and cast to ``dtype``, but never computed; each is
+    read from its file when evaluated (a ``.pth`` is read whole). For writing a model a tensor
+    at a time: nothing else holds them. Not checked for NaN or infinite values (``load`` is).
+    ``tokenizer=False``: the tokenizer is None."""
+    dtype = float_dtype(dtype)
+    path = checkpoint_path(resolve_model(path))
+    ckpt = read_checkpoint(path)
+    found = None
+    if tokenizer:
+        try:
+            found = load_tokenizer(path, ckpt.config.vocab_size)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+    model, _ = _unevaluated(path, ckpt, None, None, dtype)
+    model.load_weights(list(ckpt.tensors.items()), strict=True)
+    return model, found
+
+
+def _unevaluated(path: str, ckpt, bits: int | None, quantize, dtype) -> tuple[Model, int | None]:
+    """The model of ``ckpt`` without its weights, quantized as stored, the checkpoint's tensors
+    checked against it and cast (in ``ckpt.tensors``); the bits still to quantize to."""
     cfg, tensors = ckpt.config, ckpt.tensors
     stored = ckpt.quantization
     if stored and bits and bits != stored["bits"]:
@@ -158,6 +180,12 @@ def _model_of(path: str, ckpt, bits: int | None, quantize, dtype) -> Model:
         for n in cast:
             ckpt.sources.pop(n, None)  # cast tensors are no longer as stored
             tensors[n] = tensors[n].astype(dtype or mx.float32)
+    return model, bits
+
+
+def _model_of(path: str, ckpt, bits: int | None, quantize, dtype) -> Model:
+    model, bits = _unevaluated(path, ckpt, bits, quantize, dtype)
+    tensors = ckpt.tensors
     if not bits:
         model.load_weights(list(tensors.items()), strict=True)
         _eval_finite(path, model)

@@ -145,6 +145,26 @@ def quantize_model(
     return model
 
 
+def quantize_tensors(
+    model: nn.Module, tensors: dict[str, mx.array], bits: int, group_size: int = GROUP_SIZE
+) -> dict:
+    """Quantize ``tensors`` (``model``'s flattened parameters, lazy or not) in place: each
+    layer ``quantize_model`` would quantize has its weight replaced by the ``weight``,
+    ``scales`` and ``biases`` of ``mx.quantize``, still lazy, so that a writer evaluating one
+    tensor at a time holds one float weight at a time. The same values as ``quantize_model``'s
+    (``model`` itself is only read for its layers). Returns ``{"group_size", "bits"}``."""
+    predicate = quantizable(group_size)
+    for path, module in model.named_modules():
+        if predicate(path, module):
+            w = tensors.pop(f"{path}.weight")
+            parts = mx.quantize(w, group_size, bits)
+            tensors.update(zip((f"{path}.{n}" for n in _PARTS), parts, strict=True))
+    return {"group_size": group_size, "bits": bits}
+
+
+_PARTS = ("weight", "scales", "biases")  # what mx.quantize returns, in its order
+
+
 def dequantize_model(model: nn.Module) -> nn.Module:
     """Every quantized layer of ``model`` back to float (its dequantized weights, in the dtype
     of its scales), in place. Returns the model."""

@@ -49,7 +49,7 @@ def test_a_bug_keeps_its_traceback(command, model, tmp_path, monkeypatch):
     }[command]
     where = {
         "train": (from_config, "build"),
-        "convert": (conversion, "load"),
+        "convert": (conversion, "read_model"),
         "merge": (merging, "read"),
         "pretokenize": (pretokenizing, "load_examples"),
     }

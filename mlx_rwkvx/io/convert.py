@@ -5,8 +5,10 @@
 
 The model passes a tensor at a time: read lazily, renamed, cast and quantized lazily, each
 tensor computed only when the writer comes to it and dropped once written, so that converting
-a model never holds it whole (the peak is about its largest tensor; a ``.pth`` source is read
-whole, as our reader reads it)."""
+a model never holds it whole (the peak is about its largest tensor). MLX reads no tensor lazily
+from a ``.pth`` (a zip): its tensors are first copied one at a time into a temporary
+``.safetensors`` beside DST (as large as the ``.pth``, removed when done), then read lazily from
+it."""
 
 from __future__ import annotations
 
@@ -17,12 +19,26 @@ import tempfile
 
 from mlx_rwkvx.errors import CheckpointError, UsageError
 from mlx_rwkvx.io.atomic import check_target
-from mlx_rwkvx.io.detect import is_checkpoint
+from mlx_rwkvx.io.detect import checkpoint_path, is_checkpoint
 from mlx_rwkvx.io.formats import write_blinkdl, write_hf, write_native, write_rwkvx
 from mlx_rwkvx.io.hub import resolve_model
 from mlx_rwkvx.io.load import read_model
-from mlx_rwkvx.io.targets import output_lock, remove_stale, resolve_target
-from mlx_rwkvx.io.tokenizers import ByteTokenizer, byte_tokenizer_files, tokenizer_files
+from mlx_rwkvx.io.targets import (
+    make_parents,
+    output_lock,
+    remove_empty,
+    remove_path,
+    remove_stale,
+    resolve_target,
+    temp_path,
+)
+from mlx_rwkvx.io.tensors import stage_pth
+from mlx_rwkvx.io.tokenizers import (
+    ByteTokenizer,
+    byte_tokenizer_files,
+    load_tokenizer,
+    tokenizer_files,
+)
 from mlx_rwkvx.models.config import default_qwen_layers
 from mlx_rwkvx.models.model import Model
 from mlx_rwkvx.models.quantize import GROUP_SIZE, quantize_bits, quantize_tensors
@@ -38,6 +54,7 @@ WRITERS = {
     "rwkvx": write_rwkvx,
 }
 SINGLE_FILES = (".safetensors", ".pth")  # what a DST that is not a folder ends with
+STAGED = ".source.safetensors"  # a .pth source's tensors, beside DST while it is written
 
 
 def convert(
@@ -54,9 +71,9 @@ def convert(
 ) -> Model | None:
     """Read ``src``, transform, write ``dst`` with the tokenizer files of ``src`` beside the
     weights, a tensor at a time; returns the written model, its tensors read from ``dst`` when
-    used (None for a ``.pth``, which is read whole). A tensor holding NaN or infinite values
-    is refused. An existing ``dst`` is replaced only with
-    ``overwrite``, and only when it is a checkpoint; a ``dst`` that is, holds or lies inside
+    used (None for a ``.pth`` DST, which is read whole). A tensor holding NaN or infinite
+    values is refused. An existing ``dst`` is replaced only with ``overwrite``, and only when
+    it is a checkpoint; a ``dst`` that is, holds or lies inside
     ``src``, or would replace the current folder, is refused. ``head_size`` (default 64) and
     ``qwen_layers`` go with ``to_rfa``. While it runs, ``dst`` is locked (``io/targets.py``): a
     second conversion into it is refused. Raises CheckpointError, TargetError or UsageError
@@ -72,19 +89,42 @@ def convert(
     src = resolve_model(src)  # a Hugging Face name: its snapshot in the hub's cache
     real = resolve_target(dst, what="DST", inputs=[src])
     with output_lock(real, "DST"):
-        remove_stale(os.path.dirname(real), os.path.basename(real))
-        return _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrite)
+        folder, name = os.path.split(real)
+        remove_stale(folder, name)
+        remove_stale(folder, name + STAGED)  # a .pth's copy left by a killed conversion
+        # the target first: a conversion that could not be written is not worth reading
+        check_target(
+            dst,
+            overwrite=overwrite,
+            folder=not os.fspath(dst).endswith(SINGLE_FILES),
+            recognise=is_checkpoint,
+        )
+        path = checkpoint_path(src)
+        args = path, dst, to, bits, to_rfa, qwen_layers, head_size, overwrite
+        if not path.endswith(".pth"):
+            return _convert(lambda: read_model(path, dtype=dtype), *args)
+        staged = temp_path(real + STAGED)
+        made = make_parents(staged, "DST")
+        try:
+            return _convert(lambda: _read_pth(path, staged, dtype), *args)
+        finally:
+            remove_path(staged)
+            remove_empty(made)
 
 
-def _convert(src, dst, to, bits, dtype, to_rfa, qwen_layers, head_size, overwrite):
-    # the target first: a conversion that could not be written is not worth reading
-    check_target(
-        dst,
-        overwrite=overwrite,
-        folder=not os.fspath(dst).endswith(SINGLE_FILES),
-        recognise=is_checkpoint,
-    )
-    model, tokenizer = read_model(src, dtype=dtype)  # lazy: nothing is read yet
+def _read_pth(path: str, staged: str, dtype):
+    """The model of the ``.pth`` at ``path`` read lazily through its copy ``staged``."""
+    stage_pth(path, staged)
+    try:
+        model, _ = read_model(staged, dtype=dtype, tokenizer=False)
+        return model, load_tokenizer(path, model.config.vocab_size)
+    except (CheckpointError, ValueError) as e:  # named as the user knows it
+        raise CheckpointError(str(e).replace(staged, path)) from e
+
+
+def _convert(read, src, dst, to, bits, to_rfa, qwen_layers, head_size, overwrite):
+    # read here, so that this frame alone holds the model (and drops it below)
+    model, tokenizer = read()  # lazy: nothing is read yet
     if to_rfa:
         n = len(model.config.block_types)
         layers = qwen_layers if qwen_layers is not None else default_qwen_layers(n)

@@ -89,26 +89,53 @@ def _view(storage, offset, size, stride) -> np.ndarray:
     """The strided view a tensor takes of its storage, refused unless it lies inside it and
     holds no more elements than the storage does (nothing is copied yet)."""
     data = storage[0]
-    itemsize = data.itemsize
+    size, stride = _check_view(len(data), offset, size, stride)
+    return np.lib.stride_tricks.as_strided(
+        data[offset:], shape=size, strides=tuple(s * data.itemsize for s in stride)
+    )
+
+
+def _check_view(length: int, offset, size, stride) -> tuple[tuple, tuple]:
+    """(size, stride) of a view of a storage of ``length`` elements, refused (PthError) unless
+    it lies inside the storage and holds no more elements than it does."""
     size, stride = tuple(size), tuple(stride)
     # as_strided does no bounds check: refuse any view reaching outside the storage
     if offset < 0 or len(size) != len(stride) or any(s < 0 for s in (*size, *stride)):
         raise PthError(f"tensor with offset {offset}, size {size}, stride {stride} is malformed")
-    if all(size) and offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) >= len(
-        data
-    ):
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
+    if all(size) and last >= length:
         raise PthError(f"tensor of size {size} reaches past its storage (truncated file?)")
     # a stride-0 or overlapping view passes that check with any shape, and its copy
     # would take shape-many elements: no view may hold more than its storage does
-    if math.prod(size) > len(data) - offset:
+    if math.prod(size) > length - offset:
         raise PthError(
             f"tensor of size {size} and stride {stride} holds {math.prod(size):,} "
-            f"elements, its storage {len(data) - offset:,} from offset {offset} (a "
+            f"elements, its storage {length - offset:,} from offset {offset} (a "
             "stride-0 or overlapping view: not a checkpoint's tensor)"
         )
-    return np.lib.stride_tricks.as_strided(
-        data[offset:], shape=size, strides=tuple(s * itemsize for s in stride)
-    )
+    return size, stride
+
+
+@dataclass
+class _UnreadStorage:
+    """A storage known from the pickle and its zip record, its bytes not read yet."""
+
+    entry: str
+    numel: int
+    dtype: np.dtype
+
+
+def _read_view(path: str, storage: _UnreadStorage, bf16, offset, size, stride) -> np.ndarray:
+    """A tensor's view of its storage, its storage read from the zip now (then dropped)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            raw = archive.read(storage.entry)
+    except (zipfile.BadZipFile, OSError, KeyError) as e:
+        raise PthError(f"{path}: cannot read {storage.entry} ({e})") from e
+    data = np.frombuffer(raw, dtype=storage.dtype)
+    if len(data) != storage.numel:
+        raise PthError(f"{path}: {storage.entry} changed while it was read")
+    return np.array(_view((data, bf16), offset, size, stride))
 
 
 def _rebuild_tensor(storage, offset, size, stride, *_):
@@ -138,6 +165,7 @@ class _Unpickler(pickle.Unpickler):
         self.stored_bytes = 0  # of the storages read so far
         self.copied_bytes = 0  # of the distinct views copied so far
         self.names_only = False
+        self.lazy = False  # tensors as StoredTensor: no storage's bytes read
 
     def find_class(self, module, name):
         if module == "torch" and name in _STORAGES:
@@ -159,17 +187,33 @@ class _Unpickler(pickle.Unpickler):
             return _rebuild_tensor(storage, offset, size, stride)
         # id(): the storage tuple lives in self.storages for the whole load
         key = (id(storage), offset, tuple(size), tuple(stride))
+        if self.lazy:
+            unread, bf16 = storage
+            size, stride = _check_view(unread.numel, offset, size, stride)
+            if key not in self.views:
+                self.views[key] = None
+                self.copied_bytes += math.prod(size) * unread.dtype.itemsize
+                self._check_copied()
+            return StoredTensor(
+                size,
+                unread.dtype,
+                bf16,
+                lambda: _read_view(self.path, unread, bf16, offset, size, stride),
+            )
         if key not in self.views:
             view = _view(storage, offset, size, stride)
             self.copied_bytes += view.nbytes
-            if self.copied_bytes > self.stored_bytes:
-                raise PthError(
-                    f"{self.path}: its distinct tensors hold more than its storages (at least "
-                    f"{self.copied_bytes:,} bytes of {self.stored_bytes:,}): views that overlap "
-                    "or repeat a storage, not a checkpoint's tensors"
-                )
+            self._check_copied()
             self.views[key] = Tensor(np.array(view), storage[1])  # a copy: storages are shared
         return self.views[key]
+
+    def _check_copied(self) -> None:
+        if self.copied_bytes > self.stored_bytes:
+            raise PthError(
+                f"{self.path}: its distinct tensors hold more than its storages (at least "
+                f"{self.copied_bytes:,} bytes of {self.stored_bytes:,}): views that overlap "
+                "or repeat a storage, not a checkpoint's tensors"
+            )
 
     def persistent_load(self, pid):
         if self.names_only:
@@ -181,14 +225,19 @@ class _Unpickler(pickle.Unpickler):
             raise PthError(f"{self.path}: unsupported storage type {storage_type!r}")
         if key not in self.storages:
             dtype, bf16 = _STORAGES[storage_type.name]
-            raw = self._read_storage(f"{self.prefix}/data/{key}", numel, np.dtype(dtype))
-            self.stored_bytes += len(raw)
-            self.storages[key] = (np.frombuffer(raw, dtype=dtype), bf16)
+            entry = f"{self.prefix}/data/{key}"
+            self._check_storage(entry, numel, np.dtype(dtype))
+            self.stored_bytes += numel * np.dtype(dtype).itemsize
+            if self.lazy:
+                self.storages[key] = (_UnreadStorage(entry, numel, np.dtype(dtype)), bf16)
+            else:
+                raw = self.archive.read(entry)
+                self.storages[key] = (np.frombuffer(raw, dtype=dtype), bf16)
         return self.storages[key]
 
-    def _read_storage(self, name: str, numel, dtype: np.dtype) -> bytes:
-        """The bytes of one storage entry, read only once its zip record is known to hold
-        exactly the ``numel`` elements the pickle declares, uncompressed."""
+    def _check_storage(self, name: str, numel, dtype: np.dtype) -> None:
+        """A storage entry's zip record must hold exactly the ``numel`` elements the pickle
+        declares, uncompressed (checked before its bytes are read)."""
         try:
             info = self.archive.getinfo(name)
         except KeyError as e:
@@ -201,7 +250,6 @@ class _Unpickler(pickle.Unpickler):
                 f"{self.path}: storage {name} holds {info.file_size:,} bytes, its declared "
                 f"{numel:,} elements of {dtype} take {numel * dtype.itemsize:,}"
             )
-        return self.archive.read(name)
 
 
 def _refuse_compressed(path: str, info: zipfile.ZipInfo) -> None:
@@ -220,12 +268,19 @@ def read_pth(path: str) -> dict[str, Tensor]:
     return _load(path, names_only=False)
 
 
+def read_pth_lazily(path: str) -> dict[str, StoredTensor]:
+    """The state dict of a ``torch.save`` file as ``StoredTensor``: names, shapes and dtypes
+    from the pickle, checked as ``read_pth`` checks them, each tensor's storage read from the
+    zip only when it is taken (so a model passes one tensor at a time). Raises PthError."""
+    return _load(path, names_only=False, lazy=True)
+
+
 def pth_names(path: str) -> list[str]:
     """The tensor names of a ``torch.save`` file, without reading any tensor's bytes."""
     return list(_load(path, names_only=True))
 
 
-def _load(path: str, names_only: bool) -> dict:
+def _load(path: str, names_only: bool, lazy: bool = False) -> dict:
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError) as e:
@@ -239,13 +294,14 @@ def _load(path: str, names_only: bool) -> dict:
         with archive.open(pickles[0]) as f:
             try:
                 unpickler = _Unpickler(f, archive, prefix, path)
-                unpickler.names_only = names_only
+                unpickler.names_only, unpickler.lazy = names_only, lazy
                 state = unpickler.load()
             except PthError:
                 raise
             except Exception as e:  # a damaged pickle can fail in many ways
                 raise PthError(f"{path}: damaged checkpoint pickle ({e})") from e
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+    kind = StoredTensor if lazy else Tensor
+    if not isinstance(state, dict) or not all(isinstance(v, kind) for v in state.values()):
         if names_only and isinstance(state, dict):
             return state
         raise PthError(f"{path}: expected a dict of tensors (a state dict)")

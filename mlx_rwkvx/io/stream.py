@@ -37,18 +37,27 @@ SAFETENSORS_DTYPES = {
 def safetensors_header(tensors: dict[str, mx.array], metadata: dict | None = None) -> bytes:
     """The length-prefixed JSON header of a ``.safetensors`` file holding ``tensors`` in the
     order of their names, made from their shapes and dtypes (nothing is evaluated)."""
-    header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()} or None}
-    offset = 0
-    for name in sorted(tensors):
-        x = tensors[name]
+    entries = {}
+    for name, x in tensors.items():
         if x.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: the safetensors format has no dtype {x.dtype}")
+        entries[name] = (SAFETENSORS_DTYPES[x.dtype], tuple(x.shape), x.nbytes)
+    return header_of(entries, metadata)
+
+
+def header_of(entries: dict[str, tuple[str, tuple, int]], metadata: dict | None = None) -> bytes:
+    """The length-prefixed JSON header of a ``.safetensors`` file of ``entries`` (name ->
+    the format's dtype name, shape, bytes), their data in the order of their names."""
+    header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()} or None}
+    offset = 0
+    for name in sorted(entries):
+        dtype, shape, nbytes = entries[name]
         header[name] = {
-            "data_offsets": [offset, offset + x.nbytes],
-            "dtype": SAFETENSORS_DTYPES[x.dtype],
-            "shape": list(x.shape),
+            "data_offsets": [offset, offset + nbytes],
+            "dtype": dtype,
+            "shape": list(shape),
         }
-        offset += x.nbytes
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-byte aligned
     return struct.pack("<Q", len(text)) + text

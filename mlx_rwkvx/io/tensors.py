@@ -8,7 +8,8 @@ import os
 import struct
 
 from mlx_rwkvx.io.atomic import CheckpointError
-from mlx_rwkvx.io.pth import PthError, read_pth
+from mlx_rwkvx.io.pth import PthError, read_pth, read_pth_lazily
+from mlx_rwkvx.io.stream import header_of
 
 import mlx.core as mx
 import numpy as np
@@ -152,6 +153,49 @@ def read_pth_tensors(path: str) -> dict[str, mx.array]:
         x = mx.array(t.array)
         out[name] = x.view(mx.bfloat16) if t.bfloat16 else x
     return out
+
+
+# numpy dtypes of a .pth's storages as the safetensors format names them (bfloat16: "BF16")
+_ST_NAMES = {
+    np.dtype(d): n
+    for d, n in (
+        ("float32", "F32"),
+        ("float16", "F16"),
+        ("float64", "F64"),
+        ("int64", "I64"),
+        ("int32", "I32"),
+        ("int16", "I16"),
+        ("int8", "I8"),
+        ("uint8", "U8"),
+        ("bool", "BOOL"),
+    )
+}
+
+
+def stage_pth(path: str, staged: str) -> None:
+    """Copy the tensors of the ``.pth`` at ``path`` into the ``.safetensors`` file ``staged``
+    (the same names, shapes and dtypes) one at a time: what ``mx.load`` then reads lazily, a
+    tensor when it is used, so that a model read from it is never whole in memory (MLX reads
+    no tensor lazily from a zip). Raises CheckpointError naming ``path``."""
+    try:
+        tensors = read_pth_lazily(path)
+    except PthError as e:
+        raise CheckpointError(str(e)) from e
+    entries = {}
+    for name, t in tensors.items():
+        if not t.bfloat16 and t.dtype not in _ST_NAMES:
+            raise CheckpointError(f"{path}: {name} has dtype {t.dtype}, not a model's")
+        dtype = "BF16" if t.bfloat16 else _ST_NAMES[t.dtype]
+        entries[name] = (dtype, t.shape, t.size * t.dtype.itemsize)
+    with open(staged, "wb") as f:
+        f.write(header_of(entries))
+        for name in sorted(tensors):
+            try:
+                data = np.ascontiguousarray(tensors.pop(name).take())
+            except PthError as e:
+                raise CheckpointError(str(e)) from e
+            f.write(memoryview(data).cast("B"))
+            del data
 
 
 def _read_index(path: str):

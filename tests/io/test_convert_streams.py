@@ -77,6 +77,8 @@ def sources(tmp_path_factory):
         ("hf", "int4", "native"),
         ("native", None, "hf"),
         ("native", None, "blinkdl"),
+        ("model.pth", "int8", "native"),
+        ("model.pth", None, "hf"),
     ],
 )
 def test_converting_holds_about_one_block(sources, tmp_path, src, quantize, to):
@@ -89,6 +91,7 @@ def test_converting_holds_about_one_block(sources, tmp_path, src, quantize, to):
         timeout=300,
     )
     assert run.returncode == 0, run.stderr
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary
     grew = json.loads(run.stdout.splitlines()[-1])["grew"]
     # the whole model is 16 blocks (96 MB): holding it, as reading it whole did, grows by more
     assert grew < 3 * BLOCK_BYTES, f"grew {grew / 2**20:.1f} MB, a block is {BLOCK_BYTES >> 20} MB"

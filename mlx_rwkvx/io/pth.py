@@ -135,7 +135,7 @@ def _read_view(path: str, storage: _UnreadStorage, bf16, offset, size, stride) -
     data = np.frombuffer(raw, dtype=storage.dtype)
     if len(data) != storage.numel:
         raise PthError(f"{path}: {storage.entry} changed while it was read")
-    return np.array(_view((data, bf16), offset, size, stride))
+    return np.ascontiguousarray(_view((data, bf16), offset, size, stride))  # its own bytes
 
 
 def _rebuild_tensor(storage, offset, size, stride, *_):

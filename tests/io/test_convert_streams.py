@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import mlx_rwkvx
+from mlx_rwkvx.io.convert import convert
 from mlx_rwkvx.io.formats import write_blinkdl, write_hf, write_native
 from mlx_rwkvx.models import Model
 
@@ -104,3 +105,75 @@ def test_converting_holds_about_one_block(sources, tmp_path, src, quantize, to):
     assert sorted(got) == sorted(want)
     for name, x in want.items():
         assert got[name].dtype == x.dtype and mx.array_equal(got[name], x).item(), name
+
+
+# A model built from its config with random weights, nothing computed, then written: each
+# tensor is drawn when the writer comes to it.
+BUILD = """
+import json, sys
+from mlx_rwkvx.io.formats import write_native
+from mlx_rwkvx.models import Model, ModelConfig
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+def kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) * 1024
+
+def build_and_write(blocks, out):
+    model = Model(ModelConfig(vocab_size=256, hidden_size=WIDTH, head_size=64,
+                              block_types=["rwkv7"] * blocks), seed=1)
+    model.set_dtype(mx.bfloat16)
+    cfg, tensors = model.config, dict(tree_flatten(model.parameters()))
+    del model  # the tensors' one holder: each is freed once written
+    write_native(out, cfg, tensors)
+
+build_and_write(1, sys.argv[1] + "/warm")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+base = kb("VmRSS")
+build_and_write(BLOCKS, sys.argv[1] + "/big")
+print(json.dumps({"grew": kb("VmHWM") - base}))
+"""
+
+# Loading a quantized checkpoint holds its tensors once: about the file's size, never twice.
+LOAD = """
+import json, os, sys
+import mlx_rwkvx
+from mlx_rwkvx.io.convert import convert
+
+def kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) * 1024
+
+mlx_rwkvx.load(sys.argv[1])
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+base = kb("VmRSS")
+model, _ = mlx_rwkvx.load(sys.argv[2])
+print(json.dumps({"grew": kb("VmHWM") - base}))
+"""
+
+
+def _grew(code: str, *args) -> int:
+    run = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.splitlines()[-1])["grew"]
+
+
+def test_building_a_model_with_random_weights_holds_about_one_block(tmp_path):
+    code = BUILD.replace("WIDTH", str(WIDTH)).replace("BLOCKS", str(BLOCKS))
+    grew = _grew(code, tmp_path)
+    assert grew < 3 * BLOCK_BYTES, f"grew {grew / 2**20:.1f} MB, a block is {BLOCK_BYTES >> 20} MB"
+    model, _ = mlx_rwkvx.load(tmp_path / "big")  # what was drawn, whole
+    assert model.layers[BLOCKS - 1].tmix.key.weight.dtype == mx.bfloat16
+
+
+def test_loading_a_quantized_model_holds_it_once(sources, tmp_path):
+    for blocks in ("small", "big"):
+        convert(str(sources / blocks / "native"), str(tmp_path / blocks), quantize="int4")
+    size = (tmp_path / "big" / "model.safetensors").stat().st_size
+    grew = _grew(LOAD, tmp_path / "small", tmp_path / "big")
+    assert grew < 1.25 * size, f"grew {grew / 2**20:.1f} MB, the file is {size / 2**20:.1f} MB"

@@ -8,9 +8,10 @@ way, naming the longest ``--max-seq-len`` (or the smaller base) that would fit.
 
 The activations are bytes per token and channel of each kind of block, with and without block
 checkpointing, counted from the first block holding a trained tensor (the backward stops
-there), fitted to MLX's peak counter on measured steps: RWKV-7 (widths 512 and 1024, 2 and 4
-blocks, T 256 and 512, LoRA, state tuning and full, bf16 and INT8 bases), RWKV-X (width 512)
-and RFA (widths 512 and 1024), LoRA. The tests check it against runs it was not fitted to."""
+there), and of the attention blocks' scores, fitted to MLX's peak counter on measured steps:
+RWKV-7 (widths 512 and 1024, 2 and 4 blocks, T 256 and 512, LoRA, state tuning and full, bf16
+and INT8 bases), RWKV-X (width 512) and RFA (widths 512 and 1024), LoRA. The tests check it
+against runs it was not fitted to."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import os
 import resource
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from mlx_rwkvx.errors import TrainError
 from mlx_rwkvx.models.quantize import QUANTIZE_BITS, quantizable
@@ -26,12 +28,28 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-# bytes per token and channel of one block's forward and backward: (without checkpointing: what
-# it keeps for the backward and its transients; checkpointed: what it keeps)
-ACTIVATIONS = {"rwkv7": (225, 32), "moba": (130, 32), "qwen2": (45, 32)}
+
+class Kind(NamedTuple):
+    """Bytes per token and channel of one block of a kind, in a training step."""
+
+    plain: int  # without checkpointing: what the block keeps for the backward, its transients
+    plain_frozen: int  # the same for a block training no weights (frozen, or its state alone)
+    kept: int  # checkpointed: what the block keeps until the backward reaches it
+    recomputed: int  # checkpointed: its recomputation and backward (one block at a time)
+    frozen: int  # the same for a block holding no trained tensor (no gradients of its own)
+    quantized: int  # checkpointed, more for the recomputation where the weights are quantized
+
+
+ACTIVATIONS = {
+    "rwkv7": Kind(225, 175, 6, 320, 260, 4),
+    "moba": Kind(66, 66, 4, 48, 48, 45),
+    "qwen2": Kind(45, 45, 8, 35, 35, 58),
+}
 FIXED = 115  # bytes per token and channel beside the blocks: the embedding's output, the norms
 HEAD = 0.6  # bytes per token and vocabulary entry: the fused head and loss (chunked logits)
-SCORES = 8  # bytes per head and pair of tokens of a Qwen2 block's scores (and their gradient)
+# bytes per head, query and key of an attention block's scores (and their gradient); MoBA's
+# queries see their top-k chunks only
+SCORES = {"qwen2": 8, "moba": 16}
 ADAM_MOMENTS = 2  # AdamW's state: two tensors the shape of each trained one
 GB = 1e9
 QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
@@ -129,15 +147,29 @@ def activation_bytes(model, T: int, batch: int, checkpoint: bool) -> int:
     cfg = model.config
     rows = batch * T
     kinds = backward_blocks(model)
-    per_channel = FIXED + sum(ACTIVATIONS[k][1 if checkpoint else 0] for k in kinds)
-    if checkpoint and kinds:  # one block recomputed at a time, as it would keep it
-        per_channel += max(ACTIVATIONS[k][0] for k in kinds)
+    per_channel = FIXED
+    names = [n.split(".") for n, _ in tree_flatten(model.trainable_parameters())]
+    trained = {n[1] for n in names if n[0] == "layers"}  # blocks training any tensor
+    weights = {n[1] for n in names if n[0] == "layers" and n[-1] != "state0"}  # a weight
+    blocks = list(enumerate(kinds, len(model.layers) - len(kinds)))
+    if checkpoint and kinds:  # each block's input kept; one block recomputed at a time
+        quantized = any(isinstance(m, QUANTIZED) for _, m in model.named_modules())
+        per_channel += sum(ACTIVATIONS[k].kept for k in kinds)
+        per_channel += max(
+            (ACTIVATIONS[k].recomputed if str(i) in trained else ACTIVATIONS[k].frozen)
+            + (ACTIVATIONS[k].quantized if quantized else 0)
+            for i, k in blocks
+        )
+    else:
+        per_channel += sum(
+            ACTIVATIONS[k].plain if str(i) in weights else ACTIVATIONS[k].plain_frozen
+            for i, k in blocks
+        )
     total = rows * cfg.hidden_size * per_channel + rows * cfg.vocab_size * HEAD
-    heads = cfg.n_q_heads or 0
-    attention = [k for k in kinds if k == "qwen2"]
-    if attention:  # the scores: every block's kept, or one block's at a time
-        blocks = 1 if checkpoint else len(attention)
-        total += blocks * batch * heads * T * T * SCORES
+    keys = {"qwen2": T, "moba": min(T, cfg.moba_top_k * cfg.moba_chunk_size)}
+    scores = [batch * (cfg.n_q_heads or 0) * T * keys[k] * SCORES[k] for k in kinds if k in SCORES]
+    if scores:  # every block's kept, or one block's at a time
+        total += max(scores) if checkpoint else sum(scores)
     return int(total)
 
 

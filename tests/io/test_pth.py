@@ -7,7 +7,7 @@ import zipfile
 
 import mlx_rwkvx
 from mlx_rwkvx.io.formats import CheckpointError
-from mlx_rwkvx.io.pth import PthError, read_pth
+from mlx_rwkvx.io.pth import PthError, read_pth, read_pth_lazily
 
 import numpy as np
 import pytest
@@ -129,3 +129,38 @@ def test_tied_weights_are_copied_once_and_split_views_load(tmp_path):
     np.testing.assert_array_equal(state["head.weight"].array, storage[:12].reshape(3, 4))
     np.testing.assert_array_equal(state["a"].array, storage[12:18])
     np.testing.assert_array_equal(state["b"].array, storage[18:].reshape(3, 2).T)
+
+
+def test_read_lazily_the_same_tensors_and_the_same_refusals(tmp_path, opened):
+    path = tmp_path / "tied.pth"
+    storage = np.arange(24, dtype=np.float32)
+    views = {
+        "emb.weight": ("0", 0, (3, 4), (4, 1)),
+        "head.weight": ("0", 0, (3, 4), (4, 1)),
+        "a": ("0", 12, (6,), (1,)),
+        "b": ("0", 18, (2, 3), (1, 2)),  # strided: its copy is row-major
+    }
+    _write_pth(path, views, {"0": (24, storage)})
+    eager = read_pth(str(path))
+    opened.clear()
+    lazy = read_pth_lazily(str(path))
+    assert not [n for n in opened if "/data/" in n]  # no storage read yet
+    assert list(lazy) == list(eager)
+    assert all(t.shape == eager[name].array.shape for name, t in lazy.items())
+    for name, t in lazy.items():
+        np.testing.assert_array_equal(t.take(), eager[name].array)
+    hostile = {
+        "views": ({f"w{i}": ("0", i, (64 - i,), (1,)) for i in range(50)}, 64, 64, None),
+        "liar": ({"w": ("0", 0, (4,), (1,))}, 10**9, 64, None),
+        "past": ({"w": ("0", 60, (8,), (1,))}, 64, 64, None),
+        "bomb": ({"w": ("0", 0, (64,), (1,))}, 64, 64, zipfile.ZIP_DEFLATED),
+    }
+    for name, (views, declared, held, compress) in hostile.items():
+        bad = tmp_path / f"{name}.pth"
+        data = np.zeros(held, np.float32)
+        _write_pth(bad, views, {"0": (declared, data)}, compress=compress or zipfile.ZIP_STORED)
+        with pytest.raises(PthError) as eager_error:
+            read_pth(str(bad))
+        with pytest.raises(PthError) as lazy_error:
+            read_pth_lazily(str(bad))
+        assert str(lazy_error.value) == str(eager_error.value), name

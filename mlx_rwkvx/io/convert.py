@@ -136,10 +136,15 @@ def _convert(read, src, dst, to, bits, to_rfa, qwen_layers, head_size, overwrite
             f"{bits}-bit (convert its float original)"
         )
     tensors = dict(tree_flatten(model.parameters()))
+    floats = {}  # layer -> the float weight quantized as it is written, checked then
     if bits and not quantization:
+        given = dict(tensors)
         quantization = quantize_tensors(model, tensors, bits, GROUP_SIZE)
+        layers = (n.removesuffix(".scales") for n in tensors if n.endswith(".scales"))
+        floats = {layer: given[f"{layer}.weight"] for layer in layers}
+        del given
     del model  # ``tensors`` holds them alone now: each is freed once written
-    check = _finite_check(src, quantized=bool(quantization))
+    check = _finite_check(src, floats, quantized=bool(quantization))
     # the native config records the quantization, without which its tensors do not load
     extra = {"quantization": quantization} if to == "native" else {}
     if to == "hf" and isinstance(tokenizer, ByteTokenizer):  # files for transformers too
@@ -154,19 +159,26 @@ def _convert(read, src, dst, to, bits, to_rfa, qwen_layers, head_size, overwrite
     return read_model(dst, tokenizer=False)[0]
 
 
-def _finite_check(src, quantized: bool):
+def _finite_check(src, floats: dict, quantized: bool):
     """The check a writer runs on each tensor it computes: a floating one holding NaN or
-    infinite values is refused, named as written (a quantized weight through its scales and
-    biases, as its weight). One sum per tensor; the exact test only where the sum is not
-    finite (a float16 one may overflow)."""
+    infinite values is refused, named as written (a quantized weight's scales and biases as
+    its weight). A weight quantized as it is written (``floats``: layer -> float weight) is
+    checked itself when its layer's first part is written: computing that part read it, and
+    quantizing may hide a NaN; it is dropped once checked."""
 
-    def check(name: str, x: mx.array) -> None:
-        if not mx.issubdtype(x.dtype, mx.floating):
-            return
+    def refuse_non_finite(name: str, x: mx.array) -> None:
+        # one sum; the exact test only where the sum is not finite (float16 may overflow)
         if math.isfinite(mx.sum(x).astype(mx.float32).item()) or mx.isfinite(x).all().item():
             return
         if quantized:
             name = re.sub(r"\.(scales|biases)\Z", ".weight", name)
         raise CheckpointError(f"{src}: {name} holds NaN or infinite values")
+
+    def check(name: str, x: mx.array) -> None:
+        layer = name.rpartition(".")[0]
+        if layer in floats:
+            refuse_non_finite(f"{layer}.weight", floats.pop(layer))
+        if mx.issubdtype(x.dtype, mx.floating):
+            refuse_non_finite(name, x)
 
     return check

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import mlx_rwkvx
+from mlx_rwkvx.errors import CheckpointError
 from mlx_rwkvx.io.convert import convert
 from mlx_rwkvx.io.formats import write_blinkdl, write_hf, write_native
 from mlx_rwkvx.models import Model
@@ -28,6 +29,7 @@ BLOCK_BYTES = 12 * WIDTH * WIDTH * 2  # one bf16 RWKV-7 block: 4 C x C projectio
 # then the high-water mark reset (writing 5 to clear_refs) and the real one measured.
 MEASURE = """
 import json, sys
+from mlx_rwkvx.errors import CheckpointError
 from mlx_rwkvx.io.convert import convert
 
 def kb(field):
@@ -140,6 +142,7 @@ print(json.dumps({"grew": kb("VmHWM") - base}))
 LOAD = """
 import json, os, sys
 import mlx_rwkvx
+from mlx_rwkvx.errors import CheckpointError
 from mlx_rwkvx.io.convert import convert
 
 def kb(field):
@@ -177,3 +180,13 @@ def test_loading_a_quantized_model_holds_it_once(sources, tmp_path):
     size = (tmp_path / "big" / "model.safetensors").stat().st_size
     grew = _grew(LOAD, tmp_path / "small", tmp_path / "big")
     assert grew < 1.25 * size, f"grew {grew / 2**20:.1f} MB, the file is {size / 2**20:.1f} MB"
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_a_tensor_holding_nan_is_refused_as_it_is_written(tmp_path, quantize):
+    model = _model(2)
+    model.layers[1].ffn.value.weight[0, 3] = float("nan")
+    _write(model, tmp_path / "src", "native")
+    with pytest.raises(CheckpointError, match=r"layers\.1\.ffn\.value\.weight holds NaN"):
+        convert(str(tmp_path / "src"), str(tmp_path / "dst"), quantize=quantize)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing written, no temporary

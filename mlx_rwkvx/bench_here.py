@@ -2,15 +2,19 @@
 issue. Each implementation of WKV7 and MoBA available here (the step loop and dense attention
 at short lengths only, each kernel -- WKV7's sequential and chunked ones -- only when it passed
 its self-check) forward and forward + backward at a few training shapes, and a LoRA step on the
-rwkv7-0.1b shape: tokens/s and peak memory. About a minute; on a CPU the shapes are scaled
-down (each line names its shape)."""
+rwkv7-0.1b shape: tokens/s and peak memory; then one row of README.md's "which Mac" table, the
+peak memory of training the rwkv7-1.5b shape in int4. About a minute on a Mac; on a CPU the
+shapes are scaled down (each line names its shape)."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -20,6 +24,7 @@ import mlx_rwkvx
 from mlx_rwkvx.ops import tuning
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 PREFIX = "bench      "
@@ -38,6 +43,8 @@ class Shapes:
     lora_steps: int = 3
     repeats: int = 3
     model: str = "rwkv7-0.1b"
+    # the row of README.md's "which Mac" table measured here: a preset, its base, T
+    fit: tuple[str, str, int] = ("rwkv7-1.5b", "int4", 512)
 
 
 # On an accelerator: the training shapes of a 0.1B model
@@ -56,6 +63,7 @@ CPU_SHAPES = replace(
     lora_length=256,
     lora_steps=3,
     repeats=3,
+    fit=("rwkv7-1.5b", "int4", 64),
 )
 
 
@@ -170,6 +178,54 @@ def lora_lines(shapes: Shapes) -> list[str]:
     ]
 
 
+def _child_peak(cmd: list[str], log: str) -> int:
+    """Run ``cmd``; its peak resident memory in bytes (RuntimeError with its last lines where
+    it fails: a bug, the inputs being ours)."""
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        tail = "".join(open(log).readlines()[-5:])
+        raise RuntimeError(f"{' '.join(cmd[1:4])} failed ({proc.returncode}):\n{tail}")
+    return usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def fit_lines(shapes: Shapes) -> list[str]:
+    """One row of README.md's "which Mac" table on this machine, as the benchmark measures it:
+    ``python -m mlx_rwkvx.train`` (LoRA, --grad-checkpoint, two steps, batch 1) on the preset
+    cut to 1 and to 2 blocks, random weights, each run a process of its own; its peak resident
+    memory, and the whole model's extrapolated per block."""
+    from mlx_rwkvx.data.records import write_bin
+    from mlx_rwkvx.io.load import save
+    from mlx_rwkvx.models import Model, preset
+
+    name, base, T = shapes.fit
+    cfg = preset(name)
+    rng = np.random.default_rng(0)
+    peaks = []
+    with tempfile.TemporaryDirectory() as tmp:
+        write_bin(f"{tmp}/data.bin", [rng.integers(0, cfg.vocab_size, T + 1) for _ in range(4)])
+        for n in (1, 2):
+            model = Model(replace(cfg, block_types=cfg.block_types[:n]), init=None)
+            model.set_dtype(mx.bfloat16)
+            save(model, f"{tmp}/m{n}")
+            del model
+            cmd = [sys.executable, "-m", "mlx_rwkvx.train", "--model", f"{tmp}/m{n}",
+                   "--data", f"{tmp}/data.bin", "--output", f"{tmp}/out{n}", "--iters", "2",
+                   "--max-seq-len", str(T), "--grad-checkpoint", "--save-every", "99"]  # fmt: skip
+            if base != "bf16":
+                cmd += ["--quantize", base]
+            peaks.append(_child_peak(cmd, f"{tmp}/log{n}"))
+    blocks = len(cfg.block_types)
+    whole = peaks[0] + (blocks - 1) * (peaks[1] - peaks[0])
+    return [
+        f"{PREFIX}memory {name} {base} LoRA T={T} --grad-checkpoint, batch 1, 2 steps: peak "
+        f"RSS {peaks[0] / 1e9:.2f} GB with 1 block, {peaks[1] / 1e9:.2f} GB with 2, "
+        f"{whole / 1e9:.2f} GB extrapolated to its {blocks} (README's which-Mac table)",
+    ]
+
+
 def bench(shapes: Shapes | None = None) -> list[str]:
     """The benchmark's lines: the device, then WKV7, MoBA and the LoRA step."""
     shapes = shapes or shapes_here()
@@ -180,4 +236,5 @@ def bench(shapes: Shapes | None = None) -> list[str]:
         f"{PREFIX}shapes for {'a CPU (scaled down)' if shapes == CPU_SHAPES else 'an accelerator'}"
         f"; times are the median of {shapes.repeats} calls after a warm-up, float32",
     ]
-    return lines + wkv7_lines(shapes) + moba_lines(shapes) + lora_lines(shapes)
+    lines += wkv7_lines(shapes) + moba_lines(shapes) + lora_lines(shapes)
+    return lines + fit_lines(shapes)

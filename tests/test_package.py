@@ -142,6 +142,7 @@ def test_info_bench_prints_a_table_to_paste(capsys, monkeypatch):
         lora_steps=1,
         repeats=1,
         model="rwkv-x-tiny",
+        fit=("rwkv-x-tiny", "int8", 16),
     )
     monkeypatch.setattr(bench_here, "shapes_here", lambda: tiny)
     info.main(["--no-timing", "--bench"])
@@ -169,12 +170,18 @@ def test_info_bench_prints_a_table_to_paste(capsys, monkeypatch):
     timed = [x for x in lines if re.search(ms + "$", x)]
     assert len({x.index(" fwd ") for x in timed}) == 1
     assert len({len(x) for x in timed}) == 1
-    assert "rwkv-x-tiny" in lines[-2] and "batch 1 x T=16" in lines[-2]
+    assert "rwkv-x-tiny" in lines[-3] and "batch 1 x T=16" in lines[-3]
     assert re.fullmatch(
         r"bench      lora +\d+ tokens/s +\d+\.\d ms/step   peak MLX memory +\d+ MiB   "
         r"max RSS +\d+ MiB",
-        lines[-1],
-    ), lines[-1]
+        lines[-2],
+    ), lines[-2]
+    # the "which Mac" row: the training command's own peak, cut to 1 and 2 blocks
+    one, two, whole = map(float, re.findall(r"([\d.]+) GB", lines[-1]))
+    assert lines[-1].startswith("bench      memory rwkv-x-tiny int8 LoRA T=16 --grad-checkpoint")
+    assert 0 < one <= two <= whole and lines[-1].endswith(
+        "extrapolated to its 6 (README's which-Mac table)"
+    )
 
 
 def test_info_selfcheck_prints_the_tuning_table(capsys, monkeypatch, tmp_path):

@@ -564,7 +564,6 @@ def test_gradient_checkpointing_keeps_a_fifth_of_the_activations():
     assert kept < plain / 5, (kept, plain)
 
 
-
 def test_a_checkpointed_block_keeps_little_more_than_its_input():
     """The blocks' trained tensors' gradients are computed as the backward passes each block,
     not after the whole backward (which kept every block's LoRA inputs and cotangents to the
@@ -596,6 +595,7 @@ def test_a_checkpointed_block_keeps_little_more_than_its_input():
 
     per_block = (peak(6) - peak(2)) / 4 / (T * C)
     assert per_block < 8, per_block
+
 
 def flat_params_of(tree):
     from mlx.utils import tree_flatten

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR, Section, now
 from benchmarks.plot import plot_png
+from benchmarks.readme_table import write_readme_table
 from benchmarks.report import (
     JSON_NAME,
     PARTIAL_NAME,
@@ -181,6 +182,8 @@ def write_report(
         raise ReportError(f"{out_dir}: the report cannot be written ({reason(e)})") from None
     except CheckpointError as e:
         raise ReportError(f"{out_dir}: the report cannot be written ({_why(e)})") from None
+    if out_dir.resolve() == RESULTS_DIR.resolve():
+        write_readme_table(report)
     stale = [] if png is not None else [out_dir / PLOT_NAME]
     if with_json:
         stale.append(out_dir / PARTIAL_NAME)

@@ -8,6 +8,7 @@ from benchmarks import (
     generate,
     loss,
     memory,
+    memory_fit,
     moba,
     models,
     parallel,
@@ -33,4 +34,5 @@ SECTIONS: dict[str, Section] = {
     "parallel": parallel.SECTION,
     "train-int8": train_int8.SECTION,
     "memory": memory.SECTION,
+    "memory-fit": memory_fit.SECTION,
 }

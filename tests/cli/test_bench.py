@@ -129,6 +129,12 @@ EXPECTED = {
         r"^\| \*\*peak resident, whole process\*\* \| [\d.]+ \| [\d.]+ \|$",
         r"^What importing costs, each in a fresh interpreter",
     ],
+    "memory-fit": [
+        r"^\| model \| train flags \| peak, checkpointed \(GB\) \| goal \| defaults' peak \|",
+        r"^\| tiny \| `--quantize int8 --max-seq-len 32` \| [\d.]+ \| <= 3.0 \| [\d.]+ \| "
+        r"[\d.]+ \| [\d.]+ \| \d+ GB \|$",
+        r"^- extrapolated / measured whole, % off: [\d.]+ \(goal <= 5\)",
+    ],
     "loss": [
         r"^Verified first: fused vs dense loss [\d.e+-]+, dh [\d.e+-]+, dW [\d.e+-]+\.$",
         r"^\| fused \| [\d.]+ s \| \d+ MiB \|$",
@@ -149,6 +155,7 @@ GOAL_COUNTS = {
     "serve": 16,
     "parallel": 1,
     "memory": 2,
+    "memory-fit": 3,
 }
 
 
@@ -803,3 +810,41 @@ def test_all_quick_end_to_end(tmp_path):
         assert f"Command: `python scripts/bench.py {name} --quick`" in _section_text(text, name)
     assert (tmp_path / "benchmarks.png").exists() == _matplotlib()
     assert (repo_report.read_bytes() if repo_report.exists() else None) == before
+
+
+def test_the_readme_which_mac_table_is_the_recorded_run():
+    """README.md's "which Mac" table is the memory-fit section's last full run, as written by
+    ``write_report`` (never typed by hand)."""
+    from benchmarks import readme_table
+
+    recorded = json.loads((cli.DEFAULT_OUTPUT / "benchmarks.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    record = recorded["sections"].get("memory-fit")
+    if record is None:  # not measured yet: the table is empty
+        assert f"{readme_table.README_BEGIN}\n{readme_table.README_END}" in readme
+        return
+    assert not record["quick"]
+    assert "\n".join(readme_table.readme_lines(record)) in readme
+
+
+def test_a_full_report_rewrites_the_readme_table_and_a_quick_one_does_not(tmp_path, monkeypatch):
+    from benchmarks import readme_table
+
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        f"intro\n{readme_table.README_BEGIN}\nSTALE\n{readme_table.README_END}\nafter\n"
+    )
+    monkeypatch.setattr(readme_table, "PACKAGE_ROOT", tmp_path)
+    row = {"model": "m", "base": "int4", "mode": "lora", "T": 8, "goal": 1.0}
+    part = {"peak": 1e9, "estimate": 1.1e9, "weights": 5e8}
+    results = {"rows": [{"row": row, "whole": {"checkpoint": part, "default": part}}]}
+    record = {"date": "2026-12-07 06:00", "command": "c", "machine": "x", "results": results}
+    readme_table.write_readme_table({"sections": {"memory-fit": dict(record, quick=True)}})
+    assert "STALE" in readme.read_text()
+    readme_table.write_readme_table({"sections": {"memory-fit": dict(record, quick=False)}})
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("\nafter\n") and "STALE" not in text
+    assert (
+        "| m | `--quantize int4 --max-seq-len 8` | 1.00 | <= 1.0 | 1.00 | 1.10 | 0.50 | 8 GB |"
+        in text
+    )

@@ -64,6 +64,7 @@ from mlx_rwkvx.io.pth import StoredTensor, pth_names, write_pth
 from mlx_rwkvx.io.stream import raw_bytes, write_safetensors
 from mlx_rwkvx.io.tensors import (
     INDEX_FILE,
+    pth_placeholders,
     read_folder_safetensors,
     read_pth_tensors,
     read_safetensors,
@@ -89,9 +90,12 @@ class Checkpoint:
     quantization: dict | None = None  # {"group_size", "bits"} of a checkpoint saved quantized
 
 
-def read_checkpoint(path) -> Checkpoint:
-    """Any supported checkpoint (see the module docstring), under native names."""
+def read_checkpoint(path, *, shapes_only: bool = False) -> Checkpoint:
+    """Any supported checkpoint (see the module docstring), under native names.
+    ``shapes_only``: a ``.pth``'s tensors are zeros of their shapes, never to be computed (its
+    data is not read; the others' are read only when computed anyway)."""
     path = checkpoint_path(path)
+    read_pth = pth_placeholders if shapes_only else read_pth_tensors
     fmt = detect(path)
     if fmt == "native":
         config_path = os.path.join(path, CONFIG_FILE)
@@ -111,14 +115,14 @@ def read_checkpoint(path) -> Checkpoint:
         return Checkpoint(cfg, tensors, fmt, {n: (path, n) for n in tensors}, quantization)
     if fmt == "blinkdl":
         from_pth = path.endswith(".pth")
-        raw = read_pth_tensors(path) if from_pth else read_safetensors(path)[0]
+        raw = read_pth(path) if from_pth else read_safetensors(path)[0]
         tensors, kept = rename(path, raw, BLINKDL.read)
         sources = {} if from_pth else {n: (path, stored) for n, stored in kept.items()}
         cfg = rwkv7_config_from_native(path, tensors, **RWKV7_FIXED)
         return Checkpoint(cfg, tensors, fmt, sources)
     if fmt == "rwkvx":
         from_pth = path.endswith(".pth")
-        raw = read_pth_tensors(path) if from_pth else read_safetensors(path)[0]
+        raw = read_pth(path) if from_pth else read_safetensors(path)[0]
         block_types = rwkv_x_block_types(*rwkvx_layout(path, raw))
         tensors, kept = rename(path, raw, RwkvXNaming(block_types).read)
         sources = {} if from_pth else {n: (path, stored) for n, stored in kept.items()}

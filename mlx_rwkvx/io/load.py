@@ -108,16 +108,14 @@ def load_model(path, *, quantize=None, dtype=None) -> Model:
     return _model_of(path, read_checkpoint(path), bits, quantize, dtype)
 
 
-def model_as_loaded(path, *, quantize=None, dtype=None) -> Model | None:
+def model_as_loaded(path, *, quantize=None, dtype=None) -> Model:
     """The model ``load_model`` makes of ``path``, its parameters lazy and never computed: their
     shapes, dtypes and quantization, for estimating memory before loading (the config and the
-    tensors' dtypes are read, no tensor's data). None for a ``.pth``, which is read whole."""
+    tensors' dtypes are read, no tensor's data; a ``.pth``'s from its pickle alone)."""
     bits = quantize_bits(quantize)
     dtype = float_dtype(dtype)
     path = checkpoint_path(resolve_model(path))
-    if path.endswith(".pth"):
-        return None
-    ckpt = read_checkpoint(path)
+    ckpt = read_checkpoint(path, shapes_only=True)
     model = Model(ckpt.config, init=None)
     floats = [x.dtype for x in ckpt.tensors.values() if _floating(x)]
     most = max(set(floats), key=floats.count) if floats else mx.float32

@@ -142,6 +142,20 @@ def read_folder_safetensors(folder: str) -> tuple[dict[str, mx.array], dict[str,
     return tensors, files
 
 
+def pth_placeholders(path: str) -> dict[str, mx.array]:
+    """The tensors of a ``.pth`` as zeros of their shapes and dtypes, lazy and never computed:
+    what a memory estimate reads, without reading the file's tensors."""
+    try:
+        stored = read_pth_lazily(path)
+    except PthError as e:
+        raise CheckpointError(str(e)) from e
+    out = {}
+    for name, t in stored.items():
+        dtype = mx.bfloat16 if t.bfloat16 else getattr(mx, t.dtype.name.replace("bool", "bool_"))
+        out[name] = mx.zeros(t.shape, dtype)
+    return out
+
+
 def read_pth_tensors(path: str) -> dict[str, mx.array]:
     """The tensors of a ``.pth`` (bfloat16 ones as bfloat16), read without torch."""
     try:

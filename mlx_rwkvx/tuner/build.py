@@ -99,9 +99,9 @@ def build(cfg: TrainConfig) -> Built:
 
 def twin(cfg: TrainConfig) -> Model | None:
     """The model ``build(cfg)`` makes, with what it trains set up, its arrays lazy and never
-    computed (their shapes and dtypes: what the memory estimate reads); None where the
-    checkpoint cannot be read so (a ``.pth``) or the set-up needs the weights' values (PiSSA's
-    SVD, whose residual base is float32). Nothing is loaded; errors are ``build``'s."""
+    computed (their shapes and dtypes: what the memory estimate reads; a ``.pth``'s from its
+    pickle); None where the set-up needs the weights' values (PiSSA's SVD, whose residual base
+    is float32). Nothing is loaded; errors are ``build``'s."""
     if cfg.mode == "pissa":
         return None
     if cfg.mode == "pretrain":
@@ -111,8 +111,6 @@ def twin(cfg: TrainConfig) -> Model | None:
             model = model_as_loaded(cfg.model, quantize=cfg.quantize, dtype=cfg.dtype)
         except CheckpointError as e:
             raise _not_a_checkpoint(cfg, e) from e
-        if model is None:
-            return None
     set_up(model, cfg)
     return model
 

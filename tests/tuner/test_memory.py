@@ -186,6 +186,31 @@ def test_the_model_estimated_before_loading_is_the_model_built(tmp_path, setting
     assert memory.backward_blocks(shape) == memory.backward_blocks(built)
 
 
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_a_pth_is_estimated_from_its_pickle_alone(tmp_path, monkeypatch, quantize):
+    """A BlinkDL ``.pth`` (read whole when loaded): its twin from the names, shapes and dtypes
+    in its pickle, no tensor read, the same footprint as the model built from it."""
+    from mlx_rwkvx.io import tensors
+    from mlx_rwkvx.io.convert import convert
+
+    model = Model(rwkv7_cfg(2, 64), seed=0)
+    model.set_dtype(mx.bfloat16)
+    save(model, tmp_path / "model")
+    convert(tmp_path / "model", tmp_path / "m.pth", to="blinkdl")
+    cfg = TrainConfig(model=str(tmp_path / "m.pth"), quantize=quantize)
+
+    def unread(path):
+        raise AssertionError("a tensor of the .pth was read")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tensors, "read_pth", unread)
+        shape = twin(cfg)
+    built = build(cfg).model
+    for part in ("weights", "trained", "activations"):
+        want = getattr(memory.footprint(built, 64, process=0), part)
+        assert getattr(memory.footprint(shape, 64, process=0), part) == want, part
+
+
 def test_a_run_too_big_for_its_budget_is_refused_before_its_weights_are_read(tmp_path):
     save(Model(rwkv7_cfg(2, 64), seed=0), tmp_path / "model")
     weights = tmp_path / "model" / "model.safetensors"

@@ -139,12 +139,7 @@ def read_model(path, *, dtype=None, tokenizer: bool = True) -> tuple[Model, obje
     dtype = float_dtype(dtype)
     path = checkpoint_path(resolve_model(path))
     ckpt = read_checkpoint(path)
-    found = None
-    if tokenizer:
-        try:
-            found = load_tokenizer(path, ckpt.config.vocab_size)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from e
+    found = _tokenizer_of(path, ckpt) if tokenizer else None
     model, _ = _unevaluated(path, ckpt, None, None, dtype)
     model.load_weights(list(ckpt.tensors.items()), strict=True)
     return model, found
@@ -244,13 +239,16 @@ def load(path, *, quantize=None, dtype=None, tokenizer: bool = True):
     dtype = float_dtype(dtype)
     path = checkpoint_path(resolve_model(path))
     ckpt = read_checkpoint(path)  # the config and lazy tensors: the tokenizer is found first
-    found = None
-    if tokenizer:
-        try:
-            found = load_tokenizer(path, ckpt.config.vocab_size)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from e
+    found = _tokenizer_of(path, ckpt) if tokenizer else None
     return _model_of(path, ckpt, bits, quantize, dtype), found
+
+
+def _tokenizer_of(path: str, ckpt):
+    """The checkpoint's tokenizer; CheckpointError naming what is wrong with it."""
+    try:
+        return load_tokenizer(path, ckpt.config.vocab_size)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
 
 
 def save(model: Model, path, *, tokenizer=None, overwrite: bool = False) -> None:

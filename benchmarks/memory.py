@@ -98,6 +98,7 @@ def instrument(steps: list[dict], seen: dict) -> None:
 
     def step(self, micro_batches, stop=False):
         seen.update(model=self.model, optimizer=self.optimizer)
+        seen.setdefault("peak_before_steps", resident_memory()[1])  # loading's, the first time
         before, t0 = mx.get_active_memory(), time.perf_counter()
         out = step_fn(self, micro_batches, stop)
         steps[-1].update(

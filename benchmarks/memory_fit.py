@@ -3,7 +3,7 @@ RWKV-7 shape, its base, the mode, T), the peak resident memory of a whole traini
 (batch 1, two steps through ``train_from_config``, the default LoRA rank and targets), with
 block checkpointing (what a run turns on by itself where it would not fit) and with the
 defaults, beside the run's own estimate and the weights' size. A whole 7.2B step is hours on a
-CPU: each row runs its preset cut to 1 and to 2 blocks, and the whole model's numbers are
+CPU: each row runs its preset cut to a few blocks (``BLOCKS``), the whole model's numbers
 extrapolated per block (every part of a step is the same for every block, or one block's at a
 time); the extrapolation is checked first on a model also run whole.
 
@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import tempfile
+from functools import partial
 from typing import NamedTuple
 
 from benchmarks.common import (
@@ -89,10 +90,6 @@ def model_config(row: Row, blocks: int) -> ModelConfig:
     return cfg
 
 
-def _rows(quick: bool) -> list[Row]:
-    return sizes(ROWS, quick)
-
-
 def cuts(row: Row) -> tuple[int, ...]:
     """The block counts a row runs (0: whole)."""
     return (*BLOCKS, 0) if row.whole else BLOCKS
@@ -127,13 +124,18 @@ def train_worker(folder: str, row: Row, blocks: int, grad_checkpoint: bool) -> d
     train_from_config(TrainConfig(model=model, data=data, output=out, save_every=99, **settings))
     _, peak = resident_memory()
     estimate = footprint(seen["model"], row.T, 1, checkpoint=grad_checkpoint, process=resident0)
-    return {"peak": peak, "estimate": estimate.total, "weights": estimate.weights}
+    return {
+        "peak": peak,
+        "peak_before_steps": seen["peak_before_steps"],
+        "estimate": estimate.total,
+        "weights": estimate.weights,
+    }
 
 
 def _extrapolated(runs: dict, blocks: int) -> dict:
-    """Every measure of the runs cut to 1 and 2 blocks, at ``blocks`` blocks: linear."""
-    one, two = runs["1"], runs["2"]
-    return {k: one[k] + (blocks - 1) * (two[k] - one[k]) for k in one}
+    """Every measure of the runs of the two cuts (``BLOCKS``), at ``blocks`` blocks: linear."""
+    (m, few), (n, more) = ((b, runs[str(b)]) for b in BLOCKS)
+    return {k: few[k] + (blocks - m) * (more[k] - few[k]) / (n - m) for k in few}
 
 
 def _kept_rows() -> dict:
@@ -150,48 +152,52 @@ def measure(quick: bool = False) -> dict:
     takes hours on a CPU: each row measured is kept in ``KEPT`` until the section is done, and
     a run stopped part way goes on from there (a row's date says when it was measured)."""
     rows, kept = [], {} if quick else _kept_rows()
-    for i, row in enumerate(_rows(quick)):
+    for i, row in enumerate(sizes(ROWS, quick)):
         key = json.dumps(row._asdict(), sort_keys=True)
-        if key in kept:
-            rows.append(kept[key])
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            blocks = worker_result(start_worker("memory_fit", "build", tmp, str(i), "0",
-                                                quick=quick))["blocks"]  # fmt: skip
-            runs = {"checkpoint": {}, "default": {}}
-            for n in cuts(row):
-                start = [("checkpoint", ("--grad-checkpoint",))]
-                if n:  # the whole model runs checkpointed only: the method's check
-                    start.append(("default", ()))
-                procs = [
-                    (kind, start_worker("memory_fit", "train", tmp, str(i), str(n), *flags,
-                                        quick=quick, without=("torch",)))
-                    for kind, flags in start
-                ]  # fmt: skip
-                for kind, proc in procs:
-                    runs[kind][str(n)] = worker_result(proc)
-        result = {"row": row._asdict(), "blocks": blocks, "runs": runs}
-        result["whole"] = {k: _extrapolated(r, blocks) for k, r in runs.items()}
-        if "0" in runs["checkpoint"]:
-            measured = runs["checkpoint"]["0"]["peak"]
-            extrapolated = result["whole"]["checkpoint"]["peak"]
-            error = extrapolated / measured - 1
-            off = rel_err(np.array([extrapolated]), np.array([measured]))
+        if key not in kept:
+            kept[key] = _measure_row(i, row, quick)
+            if not quick:  # kept first: a failed check below leaves its measurements to read
+                with atomic_target(str(KEPT), folder=False) as tmp_file:
+                    save_text(tmp_file, json.dumps(kept, indent=1) + "\n")
+        result = kept[key]
+        rows.append(result)
+        if "extrapolation_error" in result:
+            whole = result["runs"]["checkpoint"]["0"]["peak"]
+            extrapolated = np.array([result["whole"]["checkpoint"]["peak"]])
+            off = rel_err(extrapolated, np.array([whole]))
             if not off <= 5 * EXTRAPOLATION_TOL:  # the method itself broken, not a goal missed
                 raise VerificationFailed(
-                    f"{row.model}: {blocks} blocks measured {measured} B, extrapolated from "
-                    f"1 and 2 blocks {result['whole']['checkpoint']['peak']:.0f} B"
+                    f"{row.model}: {result['blocks']} blocks measured {whole} B, extrapolated "
+                    f"from {' and '.join(map(str, BLOCKS))} blocks {extrapolated[0]:.0f} B "
+                    f"(the runs: {KEPT})"
                 )
-            result["extrapolation_error"] = error
-        result["date"] = now()
-        rows.append(result)
-        if not quick:
-            kept[key] = result
-            with atomic_target(str(KEPT), folder=False) as tmp_file:
-                save_text(tmp_file, json.dumps(kept, indent=1) + "\n")
     if not quick:
         KEPT.unlink(missing_ok=True)  # the report holds them now
     return {"rows": rows}
+
+
+def _measure_row(i: int, row: Row, quick: bool) -> dict:
+    """One row's runs, its whole model's numbers extrapolated (see ``measure``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        build = start_worker("memory_fit", "build", tmp, str(i), "0", quick=quick)
+        blocks = worker_result(build)["blocks"]
+        runs = {"checkpoint": {}, "default": {}}
+        for n in cuts(row):
+            start = [("checkpoint", ("--grad-checkpoint",))]
+            if n:  # the whole model runs checkpointed only: the method's check
+                start.append(("default", ()))
+            train = partial(start_worker, "memory_fit", "train", tmp, str(i), str(n))
+            procs = [
+                (kind, train(*flags, quick=quick, without=("torch",))) for kind, flags in start
+            ]
+            for kind, proc in procs:
+                runs[kind][str(n)] = worker_result(proc)
+    result = {"row": row._asdict(), "blocks": blocks, "runs": runs, "date": now()}
+    result["whole"] = {k: _extrapolated(r, blocks) for k, r in runs.items()}
+    if "0" in runs["checkpoint"]:
+        measured = runs["checkpoint"]["0"]["peak"]
+        result["extrapolation_error"] = result["whole"]["checkpoint"]["peak"] / measured - 1
+    return result
 
 
 def smallest_mac(peak: float) -> str:
@@ -200,15 +206,14 @@ def smallest_mac(peak: float) -> str:
     return f"{fits[0]} GB" if fits else f"over {MACS[-1]} GB"
 
 
-def _gb(x: float) -> str:
+def _gb(x: float) -> str:  # bytes as GB
     return f"{x / 1e9:.2f}"
 
 
 def flags(row: dict) -> str:
     """The training flags of a row (beside --model and --data)."""
-    mode = "--mode state " if row["mode"] == "state" else ""
     base = f"--quantize {row['base']} " if row["base"] != "bf16" else ""
-    return f"`{mode}{base}--max-seq-len {row['T']}`"
+    return f"`{'--mode state ' * (row['mode'] == 'state')}{base}--max-seq-len {row['T']}`"
 
 
 def table_lines(results: dict) -> list[str]:
@@ -236,16 +241,17 @@ def render(results: dict) -> Rendered:
     measured = check["runs"]["checkpoint"]["0"]["peak"]
     row = check["row"]
     dates = sorted(r["date"] for r in results["rows"])
+    cut = " and ".join(map(str, BLOCKS))
     lines = [
         f"Verified first: the per-block extrapolation on {row['model']} ({row['base']} "
         f"{row['mode']}, T={row['T']}, checkpointed), run whole ({check['blocks']} blocks): "
-        f"measured {_gb(measured)} GB, extrapolated from 1 and 2 blocks "
+        f"measured {_gb(measured)} GB, extrapolated from {cut} blocks "
         f"{_gb(check['whole']['checkpoint']['peak'])} GB ({check['extrapolation_error']:+.1%}).",
         "",
         "Peak resident memory (Linux's VmHWM) of a whole training process: batch 1, two steps "
         "through `train()` as a run makes them, the default LoRA rank and targets, random "
         "weights saved in bf16 and loaded with the row's --quantize, torch not installed. Each "
-        "row's preset runs cut to 1 and to 2 blocks, each run a process of its own; the "
+        f"row's preset runs cut to {cut} blocks, each run a process of its own; the "
         "whole model's numbers are extrapolated per block. Checkpointed: --grad-checkpoint, "
         "what a run turns on by itself where it would not fit; defaults: without. The "
         "estimate is the run's own (printed before its first step), at the same cut and "
@@ -255,8 +261,8 @@ def render(results: dict) -> Rendered:
         "",
         *table_lines(results),
     ]
-    goals = [Goal("extrapolated / measured whole, % off", 100 * abs(check["extrapolation_error"]),
-                  100 * EXTRAPOLATION_TOL, False)]  # fmt: skip
+    off = 100 * abs(check["extrapolation_error"])
+    goals = [Goal("extrapolated / measured whole, % off", off, 100 * EXTRAPOLATION_TOL, False)]
     errors = []
     for r in results["rows"]:
         for runs in r["runs"].values():
@@ -265,8 +271,8 @@ def render(results: dict) -> Rendered:
             row = r["row"]
             name = f"{row['model']} {row['base']} {row['mode']} T={row['T']} peak resident, GB"
             goals.append(Goal(name, r["whole"]["checkpoint"]["peak"] / 1e9, row["goal"], False))
-    goals.append(Goal("the run's estimate against every run's peak, % off (largest)",
-                      100 * max(errors), 100 * ESTIMATE_TOL, False))  # fmt: skip
+    name = "the run's estimate against every run's peak, % off (largest)"
+    goals.append(Goal(name, 100 * max(errors), 100 * ESTIMATE_TOL, False))
     return with_goals(lines, goals)
 
 
@@ -282,7 +288,7 @@ def main(argv=None) -> None:
     parser.add_argument("--grad-checkpoint", action="store_true", help="with train")
 
     def work(args) -> dict:
-        row = _rows(args.quick)[args.row]
+        row = sizes(ROWS, args.quick)[args.row]
         if args.part == "build":
             return build_worker(args.folder, row)
         return train_worker(args.folder, row, args.blocks, args.grad_checkpoint)

@@ -211,9 +211,16 @@ def fit_lines(shapes: Shapes) -> list[str]:
             model.set_dtype(mx.bfloat16)
             save(model, f"{tmp}/m{n}")
             del model
-            cmd = [sys.executable, "-m", "mlx_rwkvx.train", "--model", f"{tmp}/m{n}",
-                   "--data", f"{tmp}/data.bin", "--output", f"{tmp}/out{n}", "--iters", "2",
-                   "--max-seq-len", str(T), "--grad-checkpoint", "--save-every", "99"]  # fmt: skip
+            flags = {
+                "--model": f"{tmp}/m{n}",
+                "--data": f"{tmp}/data.bin",
+                "--iters": "2",
+                "--output": f"{tmp}/out{n}",
+                "--max-seq-len": str(T),
+                "--save-every": "99",
+            }
+            cmd = [sys.executable, "-m", "mlx_rwkvx.train", "--grad-checkpoint"]
+            cmd += [x for pair in flags.items() for x in pair]
             if base != "bf16":
                 cmd += ["--quantize", base]
             peaks.append(_child_peak(cmd, f"{tmp}/log{n}"))

@@ -570,9 +570,9 @@ def test_a_checkpointed_block_keeps_little_more_than_its_input():
     end: measured 20 bytes per token and channel per block at width 512, T = 512, against 3.8
     now; the block's input, bf16, is 2): MLX's peak over a LoRA step of the loss training
     uses, 6 blocks against 2."""
-    import mlx.nn as nn
-
     from mlx_rwkvx.data.loss import batch_loss
+
+    import mlx.nn as nn
 
     T, C = 256, 512
 

@@ -20,7 +20,8 @@ def readme_lines(record: dict) -> list[str]:
         f"Measured {record['date'][:10]} by `{record['command']}` on {record['machine']} "
         "([BENCHMARKS.md](benchmarks/BENCHMARKS.md#memory-fit) says how): the peak resident "
         "memory of a whole training process, batch 1, the default LoRA rank and targets, "
-        "extrapolated per block from the preset cut to 1 and 2 blocks; on Linux, not on a Mac. "
+        "extrapolated per block from the preset cut to "
+        f"{' and '.join(map(str, memory_fit.BLOCKS))} blocks; on Linux, not on a Mac. "
         "The smallest Mac is the one whose working set (taken as "
         f"{memory_fit.WORKING_SET:.0%} of its memory) holds the checkpointed peak.",
         "",

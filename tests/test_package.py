@@ -176,7 +176,7 @@ def test_info_bench_prints_a_table_to_paste(capsys, monkeypatch):
         r"max RSS +\d+ MiB",
         lines[-2],
     ), lines[-2]
-    # the "which Mac" row: the training command's own peak, cut to 1 and 2 blocks
+    # the "which Mac" row: the training command's own peak, cut to 2 and 4 blocks
     one, two, whole = map(float, re.findall(r"([\d.]+) GB", lines[-1]))
     assert lines[-1].startswith("bench      memory rwkv-x-tiny int8 LoRA T=16 --grad-checkpoint")
     assert 0 < one <= two <= whole and lines[-1].endswith(

@@ -153,7 +153,7 @@ def measure(quick: bool = False) -> dict:
     a run stopped part way goes on from there (a row's date says when it was measured)."""
     rows, kept = [], {} if quick else _kept_rows()
     for i, row in enumerate(sizes(ROWS, quick)):
-        key = json.dumps(row._asdict(), sort_keys=True)
+        key = json.dumps({**row._asdict(), "cuts": BLOCKS}, sort_keys=True)
         if key not in kept:
             kept[key] = _measure_row(i, row, quick)
             if not quick:  # kept first: a failed check below leaves its measurements to read

@@ -28,8 +28,6 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 PREFIX = "bench      "
-# the blocks of the memory row's runs (not block 0 alone: the others mix in its v_first)
-CUTS = (2, 4)
 
 
 @dataclass(frozen=True)
@@ -45,8 +43,10 @@ class Shapes:
     lora_steps: int = 3
     repeats: int = 3
     model: str = "rwkv7-0.1b"
-    # the row of README.md's "which Mac" table measured here: a preset, its base, T
+    # the row of README.md's "which Mac" table measured here: a preset, its base, T; and the
+    # blocks it is cut to, the whole extrapolated from them (fewer over-estimate it)
     fit: tuple[str, str, int] = ("rwkv7-1.5b", "int4", 512)
+    fit_cuts: tuple[int, int] = (4, 8)
 
 
 # On an accelerator: the training shapes of a 0.1B model
@@ -196,7 +196,7 @@ def _child_peak(cmd: list[str], log: str) -> int:
 def fit_lines(shapes: Shapes) -> list[str]:
     """One row of README.md's "which Mac" table on this machine, as the benchmark measures it:
     ``python -m mlx_rwkvx.train`` (LoRA, --grad-checkpoint, two steps, batch 1) on the preset
-    cut to 2 and to 4 blocks, random weights, each run a process of its own; its peak resident
+    cut to 4 and to 8 blocks, random weights, each run a process of its own; its peak resident
     memory, and the whole model's extrapolated per block."""
     from mlx_rwkvx.data.records import write_bin
     from mlx_rwkvx.io.load import save
@@ -208,7 +208,7 @@ def fit_lines(shapes: Shapes) -> list[str]:
     peaks = []
     with tempfile.TemporaryDirectory() as tmp:
         write_bin(f"{tmp}/data.bin", [rng.integers(0, cfg.vocab_size, T + 1) for _ in range(4)])
-        for n in CUTS:
+        for n in shapes.fit_cuts:
             model = Model(replace(cfg, block_types=cfg.block_types[:n]), init=None)
             model.set_dtype(mx.bfloat16)
             save(model, f"{tmp}/m{n}")
@@ -227,7 +227,7 @@ def fit_lines(shapes: Shapes) -> list[str]:
                 cmd += ["--quantize", base]
             peaks.append(_child_peak(cmd, f"{tmp}/log{n}"))
     blocks = len(cfg.block_types)
-    (m, n), (few, more) = CUTS, peaks
+    (m, n), (few, more) = shapes.fit_cuts, peaks
     whole = few + (blocks - m) * (more - few) / (n - m)
     return [
         f"{PREFIX}memory {name} {base} LoRA T={T} --grad-checkpoint, batch 1, 2 steps: peak "

@@ -143,6 +143,7 @@ def test_info_bench_prints_a_table_to_paste(capsys, monkeypatch):
         repeats=1,
         model="rwkv-x-tiny",
         fit=("rwkv-x-tiny", "int8", 16),
+        fit_cuts=(2, 4),
     )
     monkeypatch.setattr(bench_here, "shapes_here", lambda: tiny)
     info.main(["--no-timing", "--bench"])

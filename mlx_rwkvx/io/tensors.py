@@ -145,15 +145,19 @@ def read_folder_safetensors(folder: str) -> tuple[dict[str, mx.array], dict[str,
 def pth_placeholders(path: str) -> dict[str, mx.array]:
     """The tensors of a ``.pth`` as zeros of their shapes and dtypes, lazy and never computed:
     what a memory estimate reads, without reading the file's tensors."""
-    try:
-        stored = read_pth_lazily(path)
-    except PthError as e:
-        raise CheckpointError(str(e)) from e
     out = {}
-    for name, t in stored.items():
+    for name, t in _pth_lazily(path).items():
         dtype = mx.bfloat16 if t.bfloat16 else getattr(mx, t.dtype.name.replace("bool", "bool_"))
         out[name] = mx.zeros(t.shape, dtype)
     return out
+
+
+def _pth_lazily(path: str) -> dict:
+    """``read_pth_lazily``'s tensors; its errors as CheckpointError."""
+    try:
+        return read_pth_lazily(path)
+    except PthError as e:
+        raise CheckpointError(str(e)) from e
 
 
 def read_pth_tensors(path: str) -> dict[str, mx.array]:
@@ -191,10 +195,7 @@ def stage_pth(path: str, staged: str) -> None:
     (the same names, shapes and dtypes) one at a time: what ``mx.load`` then reads lazily, a
     tensor when it is used, so that a model read from it is never whole in memory (MLX reads
     no tensor lazily from a zip). Raises CheckpointError naming ``path``."""
-    try:
-        tensors = read_pth_lazily(path)
-    except PthError as e:
-        raise CheckpointError(str(e)) from e
+    tensors = _pth_lazily(path)
     entries = {}
     for name, t in tensors.items():
         if not t.bfloat16 and t.dtype not in _ST_NAMES:

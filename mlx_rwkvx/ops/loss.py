@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 from mlx_rwkvx.ops.common import FLOAT_DTYPES, require_arrays
+from mlx_rwkvx.ops.quantized import quantized_matmul
 
 import mlx.core as mx
 
@@ -41,7 +42,7 @@ def _fused(vocab: int, block: int, quant: tuple[int, int] | None):
         if quant is None:
             return h32 @ weight[a:b].astype(mx.float32).T  # [N, b - a]
         group, bits = quant
-        return mx.quantized_matmul(
+        return quantized_matmul(
             h32, weight[a:b], scales[a:b], biases[a:b], transpose=True, group_size=group, bits=bits
         ).astype(mx.float32)
 
@@ -89,7 +90,7 @@ def _fused(vocab: int, block: int, quant: tuple[int, int] | None):
                 h32 = _after(h32, [dh, d_weight[-1]])
             else:
                 group, bits = quant
-                dh = dh + mx.quantized_matmul(
+                dh = dh + quantized_matmul(
                     d_logits,
                     weight[a:b],
                     scales[a:b],

@@ -68,10 +68,9 @@ class Row(NamedTuple):
 
 ROWS = {
     "full": [
-        Row("rwkv7-0.4b", "int4", "lora", 512, None, whole=True),
+        Row("rwkv7-2.9b", "int4", "lora", 512, 3.0, whole=True),
         Row("rwkv7-1.5b", "int4", "lora", 512, 1.8),
         Row("rwkv7-1.5b", "bf16", "state", 1024, 4.0),
-        Row("rwkv7-2.9b", "int4", "lora", 512, 3.0),
         Row("rwkv7-7.2b", "int4", "lora", 512, 6.5),
         Row("rwkv7-7.2b", "int8", "lora", 512, 10.0),
     ],

@@ -341,7 +341,7 @@ def train(
 
     if hasattr(step_fn, "between_windows"):
         step_fn.between_windows = between_windows
-    with buffers_given_back():
+    with buffers_given_back(getattr(step_fn, "grad_checkpoint", False)):
         try:
             for callback in callbacks:
                 callback.on_train_begin(state)

@@ -1,14 +1,18 @@
 """The memory estimate of a training run (``tuner/memory.py``): within 15% of measured steps it
 was not fitted to (another width, another T, MLX's peak counter), a run that would not fit
 checkpoints its blocks by itself and says so, one that fits in no way is refused in one line
-naming what would fit and writes nothing, and after a step MLX holds no float copy of a frozen
-quantized weight."""
+naming what would fit and writes nothing, after a step MLX holds no float copy of a frozen
+quantized weight, and a checkpointed run has glibc give freed buffers back."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
+import subprocess
+import sys
 
+import mlx_rwkvx._runtime as runtime
 from mlx_rwkvx.adapters import apply_lora, target_paths
 from mlx_rwkvx.data.batches import batches
 from mlx_rwkvx.data.examples import Example
@@ -234,3 +238,56 @@ def test_the_plan_is_made_at_the_longest_row_of_the_data(long_texts):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert said_peak(done.stdout) < 1 and "checkpointing on" not in done.stdout
+
+
+GIVEN_BACK = """
+import ctypes, sys
+from mlx_rwkvx._runtime import unmapped_when_freed
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+def resident():
+    return next(int(s.split()[1]) << 10 for s in open("/proc/self/status") if "VmRSS" in s)
+def touched(n):
+    p = libc.malloc(n)
+    ctypes.memset(p, 1, n)
+    return p
+if sys.argv[1] == "on":
+    assert unmapped_when_freed()
+libc.free(touched(8 << 20))  # glibc's own threshold rises to 8 MB when this is freed
+before, freed = resident(), []
+for _ in range(32):  # 1 MB buffers with 100 KB ones kept between them
+    freed.append(touched(1 << 20))
+    touched(100 << 10)
+for p in freed:
+    libc.free(p)
+print((resident() - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallopt"), reason="glibc's malloc only")
+def test_a_checkpointed_run_gives_freed_buffers_back_to_the_system():
+    # 32 MB of 1 MB buffers freed between 3 MB kept: glibc's heap keeps them resident, unless
+    # buffers from 128 KB are mapped on their own (what a checkpointed run asks for)
+    def resident_after(setting):
+        out = subprocess.run(
+            [sys.executable, "-c", GIVEN_BACK, setting], capture_output=True, text=True, check=True
+        )
+        return int(out.stdout)
+
+    assert resident_after("off") >= 32
+    assert resident_after("on") <= 8
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_only_a_checkpointed_run_asks_for_it(monkeypatch, checkpoint):
+    calls = []
+    monkeypatch.setattr(runtime, "unmapped_when_freed", lambda: calls.append(1))
+    model = lora_model(1, 64)
+    ids = np.random.default_rng(0).integers(0, 256, (2, 17)).astype(np.int32)
+    data = list(
+        batches([Example(r, np.ones(17, bool)) for r in ids], batch_size=1, seed=0, epoch=0)
+    )
+    task = supervised(grad_checkpoint=checkpoint)
+    train(model, task, optim.AdamW(learning_rate=1e-4), data, steps=1)
+    assert calls == ([1] if checkpoint and mx.default_device() == mx.cpu else [])

@@ -41,9 +41,9 @@ from mlx_rwkvx.io.atomic import atomic_target, save_text
 from mlx_rwkvx.io.load import save
 from mlx_rwkvx.models import Model, ModelConfig
 from mlx_rwkvx.models.config import preset
+from mlx_rwkvx.tuner import memory
 from mlx_rwkvx.tuner.config import TrainConfig
 from mlx_rwkvx.tuner.from_config import train_from_config
-from mlx_rwkvx.tuner.memory import footprint
 
 import mlx.core as mx
 import numpy as np
@@ -112,9 +112,10 @@ def build_worker(folder: str, row: Row) -> dict:
 def train_worker(folder: str, row: Row, blocks: int, grad_checkpoint: bool) -> dict:
     """Two steps of the row's training on the cut model: the process's peak resident memory,
     and what the run estimated (``tuner/memory.py``), its weights' part alone too."""
-    resident0, _ = resident_memory()
-    steps, seen = [], {}
+    steps, seen, estimates = [], {}, []
     instrument(steps, seen)
+    estimate_of = memory.footprint  # the run's own estimates, the last one what it printed
+    memory.footprint = lambda *a, **k: estimates.append(estimate_of(*a, **k)) or estimates[-1]
     settings = dict(iters=STEPS, max_seq_len=row.T, mode=row.mode, grad_checkpoint=grad_checkpoint)
     if row.base != "bf16":
         settings["quantize"] = row.base
@@ -122,7 +123,7 @@ def train_worker(folder: str, row: Row, blocks: int, grad_checkpoint: bool) -> d
     data, model = f"{folder}/data.bin", f"{folder}/m{blocks}"
     train_from_config(TrainConfig(model=model, data=data, output=out, save_every=99, **settings))
     _, peak = resident_memory()
-    estimate = footprint(seen["model"], row.T, 1, checkpoint=grad_checkpoint, process=resident0)
+    estimate = estimates[-1]
     return {
         "peak": peak,
         "peak_before_steps": seen["peak_before_steps"],

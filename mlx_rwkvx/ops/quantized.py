@@ -4,16 +4,20 @@ MLX's CPU kernel for ``mx.quantized_matmul`` multiplies one row of the input at 
 512 x 2048 x 8192 product runs at 2.3 GFLOP/s on a 2-core x86 machine, where OpenBLAS's
 float32 GEMM runs at ~70 (mlx 0.32; int4 and int8 alike). From ``TILED_ROWS`` rows of input on
 the CPU, ``quantized_matmul`` below dequantizes the weight in float32 a tile of its rows at a
-time and multiplies each tile by BLAS: 69 GFLOP/s there with 2 MB tiles (1, 4, 8 MB: 56, 73,
-69), and closer to the exact product (scales and biases applied in float32: 3e-7 of the largest
-output off a float64 reference, MLX's kernel 1.3e-6). Below ``TILED_ROWS`` rows (decoding)
-MLX's kernel is faster: 15 ms against 95 ms at one row; the two cross between 8 and 16 rows.
+time and multiplies each tile by BLAS: 56, 69, 73, 69 and 59 GFLOP/s there with tiles of 1, 2,
+4, 8 and 16 MB (at 512 x 4096 x 4096 2 MB: 55, 16 MB: 76), and closer to the exact product (scales and biases applied in float32: 3e-7 of the
+largest output off a float64 reference, MLX's kernel 1.3e-6). Below ``TILED_ROWS`` rows
+(decoding) MLX's kernel is faster: 15 ms against 95 ms at one row; the two cross between 8 and
+16 rows.
 
 Memory: the backward keeps what ``mx.quantized_matmul``'s keeps (the input and the quantized
 weight; the input's gradient is the tiled product the other way round); one tile is dequantized
-at a time (MLX's dequantize needs twice its output while it runs). Four 2048 x 2048 int4
-layers' gradient at 64 rows: 12.1 MB above the inputs at peak, MLX's kernel 9.0. Metal's
-kernel is left alone: the GPU path is MLX's.
+at a time (MLX's dequantize needs twice its output while it runs). Small tiles cost resident
+memory that MLX's counters do not see: training blocks of the 1.5B RWKV-7 (int4 LoRA, T = 512,
+checkpointed), the process's resident memory after a step grew 76 MB per block with 2 MB tiles,
+49 with 16 MB, 47 with 64 MB, where MLX's peak grew 44-47 (the block's weights 36); MLX's peak
+itself 27 MB higher with 16 MB tiles than with 2, 300 higher with 64. Metal's kernel is left
+alone: the GPU path is MLX's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import functools
 import mlx.core as mx
 
 TILED_ROWS = 16  # rows of input from which the CPU goes through float32 tiles
-TILE_BYTES = 2 << 20  # a float32 tile of the dequantized weight, at most
+TILE_BYTES = 16 << 20  # a float32 tile of the dequantized weight, at most
 
 
 def quantized_matmul(

@@ -58,9 +58,11 @@ def test_below_the_threshold_it_is_mlx_kernel():
     assert mx.array_equal(ours, mx.quantized_matmul(x, wq, s, b, True, 64, 4))
 
 
-def test_the_backward_keeps_no_float_copy_of_the_weight():
-    # four 2048 x 2048 int4 layers: each a 16 MB float32 matrix dequantized; a backward that
-    # kept them would hold 64 MB more (measured: 12 MB above the inputs; MLX's own kernel 9)
+def test_the_backward_keeps_no_float_copy_of_the_weight(monkeypatch):
+    # four 2048 x 2048 int4 layers in 2 MB tiles: each a 16 MB float32 matrix dequantized; a
+    # backward that kept them would hold 64 MB more (measured: 12 MB above the inputs; MLX's
+    # own kernel 9)
+    monkeypatch.setattr(quantized, "TILE_BYTES", 2 << 20)
     layers = [_weight(2048, 2048, 4, seed)[0] for seed in range(4)]
     x = mx.random.normal((64, 2048))
     mx.eval(x, layers)

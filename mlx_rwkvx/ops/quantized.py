@@ -5,10 +5,10 @@ MLX's CPU kernel for ``mx.quantized_matmul`` multiplies one row of the input at 
 float32 GEMM runs at ~70 (mlx 0.32; int4 and int8 alike). From ``TILED_ROWS`` rows of input on
 the CPU, ``quantized_matmul`` below dequantizes the weight in float32 a tile of its rows at a
 time and multiplies each tile by BLAS: 56, 69, 73, 69 and 59 GFLOP/s there with tiles of 1, 2,
-4, 8 and 16 MB (at 512 x 4096 x 4096 2 MB: 55, 16 MB: 76), and closer to the exact product (scales and biases applied in float32: 3e-7 of the
-largest output off a float64 reference, MLX's kernel 1.3e-6). Below ``TILED_ROWS`` rows
-(decoding) MLX's kernel is faster: 15 ms against 95 ms at one row; the two cross between 8 and
-16 rows.
+4, 8 and 16 MB (at 512 x 4096 x 4096 2 MB: 55, 16 MB: 76), and closer to the exact product
+(scales and biases applied in float32: 3e-7 of the largest output off a float64 reference,
+MLX's kernel 1.3e-6). Below ``TILED_ROWS`` rows (decoding) MLX's kernel is faster: 15 ms
+against 95 ms at one row; the two cross between 8 and 16 rows.
 
 Memory: the backward keeps what ``mx.quantized_matmul``'s keeps (the input and the quantized
 weight; the input's gradient is the tiled product the other way round); one tile is dequantized

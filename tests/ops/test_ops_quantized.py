@@ -1,7 +1,8 @@
 """The CPU's quantized matmul through float32 tiles (``ops/quantized.py``) against the float64
 product of the dequantized weight: both orientations, the input's gradient, several tiles with
 a short last one, 3-D inputs, under mx.compile; MLX's own kernel below ``TILED_ROWS`` rows;
-the backward keeps no float copy of the weight; a quantized model's layers take the path."""
+the backward keeps no float copy of the weight; a quantized model's layers take the path; the
+tiles are MLX's dequantized values exactly."""
 
 import mlx_rwkvx.ops.quantized as quantized
 from mlx_rwkvx.models.quantize import QuantizedLinear
@@ -100,3 +101,18 @@ def test_quantized_layers_take_the_tiled_path(monkeypatch):
         W = mx.dequantize(layer.weight, layer.scales, layer.biases, 64, 4).astype(mx.float32)
         dense = dense @ W.T + (layer.bias if "bias" in layer else 0)
     assert rel_err(np.array(y.astype(mx.float32)), np.array(dense)) < 1e-2  # bf16 output
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(300, 512), (4, 7, 128)])
+def test_the_dequantized_tiles_are_mlx_dequantize_exactly(bits, dtype, shape):
+    """The compiled unpacking (2, 4, 8 bits) and MLX's kernel (3 bits) give MLX's values."""
+    rng = np.random.default_rng(bits)
+    w = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+    wq, scales, biases = mx.quantize(w, 64, bits)
+    scales, biases = scales.astype(dtype), biases.astype(dtype)
+    want = mx.dequantize(wq, scales, biases, 64, bits)
+    got = quantized.dequantized(wq, scales, biases, 64, bits)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert mx.array_equal(got, want)

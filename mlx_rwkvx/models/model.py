@@ -25,6 +25,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+# A checkpointed RWKV-7 block's recomputation and backward, bytes per token and channel (MLX's
+# peak, width 2048, int4 base with LoRA, float32 input: 369; the channel-mix alone 192, the
+# time-mix 272), and the shortest span it may be recomputed in (``checkpoint_span``): 128 tokens,
+# where the CPU's per-span costs (a quantized weight dequantized once per span) stay
+# small (one block's forward and backward at width 2048 in spans of 128 and 256 tokens: 1.55
+# and 1.17 times its time in one span of 512)
+RECOMPUTED = 370
+MIN_SPAN = 128
+
 # Every block kind: its constructor from the config and the block's index among RWKV blocks
 BLOCKS = {
     "rwkv7": lambda cfg, rwkv_index: RWKV7Block(cfg, rwkv_index),
@@ -51,7 +60,7 @@ def _replaced(tree, arrays):
     return tree_map(lambda x: next(it) if isinstance(x, mx.array) else x, tree)
 
 
-def _recomputed(fn):
+def _recomputed(fn, span: int | None = None):
     """``fn`` (arrays, dicts, lists and None in; the same out) whose activations are computed
     again in the backward instead of kept. Unlike ``mx.checkpoint``, the recomputation waits
     for the cotangents of ``fn``'s outputs (``mx.depends``): MLX may otherwise evaluate every
@@ -61,9 +70,17 @@ def _recomputed(fn):
     before any of them is used: MLX evaluates a graph depth first from its outputs in their
     order, so the gradients of a later block's trained tensors were otherwise computed at the
     end, each block's inputs and cotangents kept until then (width 512, T = 512: 20 bytes per
-    token and channel kept per block, 3.8 with this; the block's bf16 input is 2)."""
+    token and channel kept per block, 3.8 with this; the block's bf16 input is 2).
+
+    ``span`` (a block ``fn(params, h, v_first, state)`` of RWKV-7): its tokens ``span`` at a
+    time, each span starting from the state the last one left, the states between spans
+    kept; the backward recomputes one span at a time, last first, and adds each span's
+    gradients of ``params`` to the sum before the next (``_in_spans``)."""
 
     def call(*args):
+        T = args[1].shape[1]
+        if span is not None and span < T:
+            return _in_spans(fn, span, T, args)
         out_tree = None  # fn's outputs as it returns them (their arrays go through MLX flat)
 
         def run(arrays):
@@ -85,6 +102,91 @@ def _recomputed(fn):
         return _replaced(out_tree, outs)
 
     return call
+
+
+def _span_args(args, state, a: int, b: int):
+    """A block's arguments ``(params, h, v_first, state)`` for its tokens ``a:b``."""
+    params, h, v_first, _ = args
+    return params, h[:, a:b], None if v_first is None else v_first[:, a:b], state
+
+
+def _run_span(fn, piece, *arrays):
+    return _leaves(fn(*_replaced(piece, arrays)))
+
+
+def _in_spans(fn, span: int, T: int, args):
+    """``_recomputed``'s block over its tokens in spans (see there)."""
+    starts = list(range(0, T, span))
+    trees = {}  # the output tree of fn (h, v_first, state) and the states between spans
+
+    def spans_forward(arrays):
+        state = arrays[3]
+        outs, between = [], []
+        for a in starts:
+            h, v_first, state = fn(*_span_args(arrays, state, a, a + span))
+            outs.append((h, v_first))
+            if a + span < T:
+                between.append(state)
+        joined = [mx.concatenate(x, axis=1) for x in zip(*outs, strict=True)]
+        return (joined[0], joined[1], state), between
+
+    @mx.custom_function
+    def forward(*arrays):
+        out, between = spans_forward(_replaced(args, arrays))
+        trees.update(out=out, between=between)
+        return _leaves(out) + _leaves(between)
+
+    @forward.vjp
+    def backward(primals, cotangents, outputs):
+        arrays = _replaced(args, primals)
+        n_out = len(_leaves(trees["out"]))
+        d_h, d_v_first, d_state = _replaced(trees["out"], cotangents[:n_out])
+        states = [arrays[3], *_replaced(trees["between"], outputs[n_out:])]
+        d_params, d_hs, d_v_firsts = None, [], []
+        for k in reversed(range(len(starts))):
+            a, b = starts[k], starts[k] + span
+            piece = _span_args(arrays, states[k], a, b)
+            cots = _leaves((d_h[:, a:b], d_v_first[:, a:b], d_state))
+            waiting = mx.depends(_leaves(piece), cots + _leaves(d_params))
+            run = functools.partial(_run_span, fn, piece)
+            grads = mx.vjp(run, waiting, cots)[1]
+            grads = mx.depends(grads, grads)
+            g_params, g_h, g_v_first, d_state = _replaced(piece, grads)
+            d_params = g_params if d_params is None else tree_map(mx.add, d_params, g_params)
+            d_hs.insert(0, g_h)
+            d_v_firsts.insert(0, g_v_first)
+        d_v_first = None if arrays[2] is None else mx.concatenate(d_v_firsts, axis=1)
+        return _leaves((d_params, mx.concatenate(d_hs, axis=1), d_v_first, d_state))
+
+    outs = forward(*_leaves(args))
+    return _replaced(trees["out"], outs[: len(_leaves(trees["out"]))])
+
+
+def state_bytes(cfg: ModelConfig) -> int:
+    """Bytes of one row's state in every RWKV-7 block (float32 WKV state and token shifts)."""
+    per_block = 4 * (cfg.n_heads * cfg.head_size**2 + 2 * cfg.hidden_size)
+    return per_block * cfg.block_types.count("rwkv7")
+
+
+def checkpoint_span(cfg: ModelConfig, T: int) -> int:
+    """The tokens a checkpointed model recomputes at once: ``T``, or for a model of RWKV-7
+    blocks alone spans of fewer (the state carried from one to the next, as in generation), so
+    that the backward holds one block's activations of a span, not of the whole text, beside
+    each span's states: of ``T`` and the powers of two below it from ``MIN_SPAN``, the span
+    that needs least of the two, ``RECOMPUTED`` bytes per token and channel against
+    ``state_bytes`` per span after the first. (An attention block would keep its keys and
+    values for every span: a model with one is not split.)"""
+    if any(kind != "rwkv7" for kind in cfg.block_types):
+        return T
+
+    def held(span: int) -> float:
+        return RECOMPUTED * span * cfg.hidden_size + (-(-T // span) - 1) * state_bytes(cfg)
+
+    spans, span = [T], MIN_SPAN
+    while span < T:
+        spans.append(span)
+        span *= 2
+    return min(spans, key=lambda s: (held(s), -s))
 
 
 def _batched_block(layer, h, v_first, state, rows: Rows):
@@ -248,7 +350,8 @@ class Model(nn.Module):
         """``tokens [B, T]`` after ``state`` (None: the start of a text) -> (final normalised
         hidden states ``[B, T, C]``, before the head; the state after these tokens).
         ``checkpoint``: each block's activations are recomputed in the backward instead of
-        kept (``_recomputed``): less memory for training, one more forward of time.
+        kept (``_recomputed``), a span of tokens at a time (``checkpoint_span``): less memory
+        for training, one more forward of time.
         ``check=False``: the ids are known to be in the vocabulary (sampled, or checked once
         for a whole text): no read back (see ``check_tokens``). ``valid [B, T]`` (bool): each
         row's tokens, the rest padding (left or right, contiguous) that leaves the state as
@@ -274,13 +377,14 @@ class Model(nn.Module):
         h = self._embed(tokens)
         if "ln0" in self:
             h = self.ln0(h)
+        span = checkpoint_span(self.config, h.shape[1]) if checkpoint and rows is None else None
         v_first = None
         new_state = []
         for layer, s in zip(self.layers, state, strict=True):
             if rows is not None:
                 h, v_first, s = _batched_block(layer, h, v_first, s, rows)
             elif checkpoint:
-                run = _recomputed(functools.partial(_run_block, layer))
+                run = _recomputed(functools.partial(_run_block, layer), span)
                 h, v_first, s = run(layer.trainable_parameters(), h, v_first, s)
             else:
                 h, v_first, s = layer(h, v_first, s)

@@ -171,8 +171,8 @@ class TrainConfig(Settings):
         "continue the run in --output from its newest complete checkpoint", default=False
     )
     grad_checkpoint: bool = opt(
-        "recompute each block in the backward (less memory; turned on by itself where the run "
-        "would not fit without it)",
+        "recompute each block in the backward, a model of RWKV-7 blocks alone a span of tokens "
+        "at a time (less memory; turned on by itself where the run would not fit without it)",
         default=False,
     )
     memory_budget: float | None = opt(

@@ -8,10 +8,12 @@ way, naming the longest ``--max-seq-len`` (or the smaller base) that would fit.
 
 The activations are bytes per token and channel of each kind of block, with and without block
 checkpointing, counted from the first block holding a trained tensor (the backward stops
-there), and of the attention blocks' scores, fitted to MLX's peak counter on measured steps:
-RWKV-7 (widths 512 and 1024, 2 and 4 blocks, T 256 and 512, LoRA, state tuning and full, bf16
-and INT8 bases), RWKV-X (width 512) and RFA (widths 512 and 1024), LoRA. The tests check it
-against runs it was not fitted to."""
+there; a checkpointed RWKV-7 model recomputes a span of tokens at a time, ``checkpoint_span``,
+and keeps the states between spans), and of the attention blocks' scores, fitted to MLX's peak
+counter on measured steps: RWKV-7 (widths 512 and 1024, 2 and 4 blocks, T 256 and 512, LoRA,
+state tuning and full, bf16 and INT8 bases), RWKV-X (width 512) and RFA (widths 512 and 1024),
+LoRA; on a CPU, the float32 tiles of the quantized products beside them (``tile_bytes``). The
+tests check it against runs it was not fitted to."""
 
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mlx_rwkvx.errors import TrainError
+from mlx_rwkvx.models.model import checkpoint_span, state_bytes
 from mlx_rwkvx.models.quantize import QUANTIZE_BITS, quantizable
+from mlx_rwkvx.ops.quantized import TILE_BYTES
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,6 +50,22 @@ ACTIVATIONS = {
     "qwen2": Kind(45, 45, 8, 35, 35, 58),
 }
 FIXED = 115  # bytes per token and channel beside the blocks: the embedding's output, the norms
+# A checkpointed model of RWKV-7 blocks alone, recomputed in spans (``checkpoint_span``): bytes
+# per token and channel beside the blocks, and per token of a span (not of the text) of the
+# recomputed block: training weights (LoRA), a state alone, or nothing (its input's gradient
+# only), fitted to MLX's peak over LoRA and state-tuning steps on the CPU (the gradient
+# uncompiled: ``trainer.Step``; widths 512 to 2048, T 256 to 1024, 2 to 4 blocks, bf16, INT8
+# and int4 bases: 10, 380 and 325; the frozen block's as the unsplit fit's ratio)
+SPLIT_FIXED = 10
+
+
+class Split(NamedTuple):
+    weights: int
+    state: int
+    frozen: int
+
+
+SPLIT = Split(weights=380, state=325, frozen=310)
 HEAD = 0.6  # bytes per token and vocabulary entry: the fused head and loss (chunked logits)
 # bytes per head, query and key of an attention block's scores (and their gradient); MoBA's
 # queries see their top-k chunks only
@@ -152,7 +172,20 @@ def activation_bytes(model, T: int, batch: int, checkpoint: bool) -> int:
     trained = {n[1] for n in names if n[0] == "layers"}  # blocks training any tensor
     weights = {n[1] for n in names if n[0] == "layers" and n[-1] != "state0"}  # a weight
     blocks = list(enumerate(kinds, len(model.layers) - len(kinds)))
-    if checkpoint and kinds:  # each block's input kept; one block recomputed at a time
+    boundaries = 0  # the states kept between spans of a checkpointed model
+    if checkpoint and kinds and all(k == "rwkv7" for k in cfg.block_types):  # split in spans
+        span = checkpoint_span(cfg, T)
+        per_channel = SPLIT_FIXED + ACTIVATIONS["rwkv7"].kept * len(kinds)
+        per_channel += (span / T) * max(
+            SPLIT.weights
+            if str(i) in weights
+            else SPLIT.state
+            if str(i) in trained
+            else SPLIT.frozen
+            for i, _ in blocks
+        )
+        boundaries = (-(-T // span) - 1) * batch * state_bytes(cfg)
+    elif checkpoint and kinds:  # each block's input kept; one block recomputed at a time
         quantized = any(isinstance(m, QUANTIZED) for _, m in model.named_modules())
         per_channel += sum(ACTIVATIONS[k].kept for k in kinds)
         per_channel += max(
@@ -165,12 +198,33 @@ def activation_bytes(model, T: int, batch: int, checkpoint: bool) -> int:
             ACTIVATIONS[k].plain if str(i) in weights else ACTIVATIONS[k].plain_frozen
             for i, k in blocks
         )
-    total = rows * cfg.hidden_size * per_channel + rows * cfg.vocab_size * HEAD
+    total = rows * cfg.hidden_size * per_channel + rows * cfg.vocab_size * HEAD + boundaries
+    total += tile_bytes(model) if kinds else 0
     keys = {"qwen2": T, "moba": min(T, cfg.moba_top_k * cfg.moba_chunk_size)}
     scores = [batch * (cfg.n_q_heads or 0) * T * keys[k] * SCORES[k] for k in kinds if k in SCORES]
     if scores:  # every block's kept, or one block's at a time
         total += max(scores) if checkpoint else sum(scores)
     return int(total)
+
+
+def tile_bytes(model) -> int:
+    """What the CPU's quantized products (``ops/quantized.py``) hold in float32 tiles of their
+    weights at once, fitted: ``3 + n / 4`` tiles, n those of the largest weight (MLX's peak
+    over LoRA steps of RWKV-7 blocks, T = 256 and 512 in spans of 128: 54 and 70 MB more than
+    a bf16 base at widths 1024 and 2048, for 3.2 and 4.2 tiles of 16.8 MB); the blocks'
+    alone (the head's come before the backward, in the loss); none on a GPU, whose quantized
+    products are MLX's own."""
+    sizes = [
+        4 * m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
+        for layer in model.layers
+        for _, m in layer.named_modules()
+        if isinstance(m, nn.QuantizedLinear)
+    ]
+    if not sizes or mx.default_device() != mx.cpu:
+        return 0
+    largest = max(sizes)
+    tile = min(TILE_BYTES, largest)
+    return int((3 + -(-largest // tile) / 4) * tile)
 
 
 def footprint(

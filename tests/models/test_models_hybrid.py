@@ -536,12 +536,99 @@ def test_gradient_checkpointing_with_lora_and_a_state_in_gives_the_same_gradient
     assert all(mx.array_equal(ga[k], gb[k]) for k in ga)
 
 
+def _peak_of_a_gradient(model, tokens, checkpoint: bool) -> int:
+    """MLX's peak above what it held before, over a value and gradient of the hidden states."""
+    import mlx.nn as nn
+
+    def loss(m):
+        return (m.hidden(tokens, checkpoint=checkpoint)[0] ** 2).sum()
+
+    mx.synchronize()
+    mx.clear_cache()
+    start = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(nn.value_and_grad(model, loss)(model))
+    return mx.get_peak_memory() - start
+
+
+def test_a_checkpointed_rwkv7_model_split_in_spans_gives_the_same_loss_gradients_and_state(
+    monkeypatch,
+):
+    """T = 300 in spans of 128, 128 and 44 (the state carried from one to the next): the
+    loss on the hidden states and the state out, LoRA's gradients and a carried-in state's,
+    as the model recomputed in one span (the unsplit checkpointed model equals the plain one
+    exactly: the test above)."""
+    from mlx_rwkvx.models import model as model_module
+
+    import mlx.nn as nn
+
+    model = Model(rwkv7_cfg(3, vocab_size=64, hidden_size=128, **LOW_RANK), seed=5)
+    model.freeze()
+    apply_lora(model, target_paths(model, "rwkv"), rank=4, alpha=8)
+    tokens = _tokens(model.config, 310)[:, :310]
+    state_in = model.hidden(tokens[:, :10])[1]
+    assert model_module.checkpoint_span(model.config, 300) == 128
+
+    def run(min_span):
+        monkeypatch.setattr(model_module, "MIN_SPAN", min_span)
+
+        def loss(m, state):
+            h, out = m.hidden(tokens[:, 10:], state, checkpoint=True)
+            return (h**2).sum() + sum((s["wkv"] ** 2).sum() for s in out)
+
+        value, grads = nn.value_and_grad(model, loss)(model, state_in)
+        state_grad = mx.grad(lambda st: loss(model, st))(state_in)
+        return value, dict(flat_params_of(grads)), flat_params_of(state_grad)
+
+    (a, ga, sa), (b, gb, sb) = run(128), run(10**9)  # spans of 128; one span
+    assert abs(a.item() - b.item()) <= 1e-5 * abs(b.item())
+    assert ga.keys() == gb.keys() and len(ga) == 3 * 12
+    for k in ga:
+        assert rel_err(np.array(ga[k]), np.array(gb[k])) < 1e-4, k
+    assert [k for k, _ in sa] == [k for k, _ in sb]
+    for (k, x), (_, y) in zip(sa, sb, strict=True):
+        assert rel_err(np.array(x), np.array(y)) < 1e-4, k
+
+
+def test_only_a_model_of_rwkv7_blocks_alone_is_split_and_where_it_saves_memory():
+    from mlx_rwkvx.models.model import checkpoint_span
+
+    for name in ("rwkv-x-tiny", "rfa"):
+        assert checkpoint_span(CONFIGS[name](), 4096) == 4096  # attention keeps every span's K/V
+    cfg = preset("rwkv7-1.5b")
+    assert [checkpoint_span(cfg, T) for T in (100, 128, 129, 512, 4096)] == [
+        100,
+        128,
+        129,  # 128 + 1: a second span's 24 states (12.6 MB) cost more than one token saves
+        128,
+        256,
+    ]
+
+
+def test_spans_hold_a_third_of_one_span_peak_at_t_1024(monkeypatch):
+    """MLX's peak over a LoRA step of 4 RWKV-7 blocks of width 512 at T = 1024, checkpointed:
+    in spans of 128 tokens under a third of the unsplit peak (measured 59 MB against 231)."""
+    from mlx_rwkvx.models import model as model_module
+
+    model = Model(rwkv7_cfg(4, vocab_size=40, hidden_size=512, **LOW_RANK), seed=0)
+    model.freeze()
+    apply_lora(model, target_paths(model, "rwkv"), rank=8, alpha=16)
+    tokens = _tokens(model.config, 1024)[:1]
+    mx.eval(model.parameters(), tokens)
+
+    def peak(min_span):
+        monkeypatch.setattr(model_module, "MIN_SPAN", min_span)
+        return _peak_of_a_gradient(model, tokens, checkpoint=True)
+
+    split, whole = peak(128), peak(10**9)
+    assert split < whole / 3, (split, whole)
+
+
 def test_gradient_checkpointing_keeps_a_fifth_of_the_activations():
     """MLX's own peak counter over a LoRA value-and-gradient of 12 RWKV-7 blocks of width 512
-    at T = 256: checkpointed, under a fifth of the plain peak (measured: 71 MB against 413;
-    ``mx.checkpoint``'s recomputation, which may run before the backward reaches its block,
-    gives 97)."""
-    import mlx.nn as nn
+    at T = 256: checkpointed, under a fifth of the plain peak (measured: 48 MB against 413,
+    in spans of 128 tokens; 71 in one span; ``mx.checkpoint``'s recomputation, which may run
+    before the backward reaches its block, gives 97)."""
 
     model = Model(rwkv7_cfg(12, vocab_size=40, hidden_size=512, **LOW_RANK), seed=0)
     model.freeze()
@@ -549,18 +636,8 @@ def test_gradient_checkpointing_keeps_a_fifth_of_the_activations():
     tokens = _tokens(model.config, 256)[:1]
     mx.eval(model.parameters(), tokens)
 
-    def peak(checkpoint):
-        def loss(m):
-            return (m.hidden(tokens, checkpoint=checkpoint)[0] ** 2).sum()
-
-        mx.synchronize()
-        mx.clear_cache()
-        start = mx.get_active_memory()
-        mx.reset_peak_memory()
-        mx.eval(nn.value_and_grad(model, loss)(model))
-        return mx.get_peak_memory() - start
-
-    plain, kept = peak(False), peak(True)
+    plain = _peak_of_a_gradient(model, tokens, checkpoint=False)
+    kept = _peak_of_a_gradient(model, tokens, checkpoint=True)
     assert kept < plain / 5, (kept, plain)
 
 

@@ -168,15 +168,21 @@ def state_bytes(cfg: ModelConfig) -> int:
     return per_block * cfg.block_types.count("rwkv7")
 
 
+def split_in_spans(cfg: ModelConfig) -> bool:
+    """Whether a checkpointed model of this config may recompute its blocks in spans of
+    tokens: RWKV-7 blocks alone (an attention block would keep its keys and values for every
+    span)."""
+    return all(kind == "rwkv7" for kind in cfg.block_types)
+
+
 def checkpoint_span(cfg: ModelConfig, T: int) -> int:
     """The tokens a checkpointed model recomputes at once: ``T``, or for a model of RWKV-7
     blocks alone spans of fewer (the state carried from one to the next, as in generation), so
     that the backward holds one block's activations of a span, not of the whole text, beside
     each span's states: of ``T`` and the powers of two below it from ``MIN_SPAN``, the span
     that needs least of the two, ``RECOMPUTED`` bytes per token and channel against
-    ``state_bytes`` per span after the first. (An attention block would keep its keys and
-    values for every span: a model with one is not split.)"""
-    if any(kind != "rwkv7" for kind in cfg.block_types):
+    ``state_bytes`` per span after the first (``split_in_spans``: else ``T``)."""
+    if not split_in_spans(cfg):
         return T
 
     def held(span: int) -> float:

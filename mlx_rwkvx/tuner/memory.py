@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mlx_rwkvx.errors import TrainError
-from mlx_rwkvx.models.model import checkpoint_span, state_bytes
+from mlx_rwkvx.models.model import checkpoint_span, split_in_spans, state_bytes
 from mlx_rwkvx.models.quantize import QUANTIZE_BITS, quantizable
 from mlx_rwkvx.ops.quantized import TILE_BYTES
 
@@ -173,7 +173,7 @@ def activation_bytes(model, T: int, batch: int, checkpoint: bool) -> int:
     weights = {n[1] for n in names if n[0] == "layers" and n[-1] != "state0"}  # a weight
     blocks = list(enumerate(kinds, len(model.layers) - len(kinds)))
     boundaries = 0  # the states kept between spans of a checkpointed model
-    if checkpoint and kinds and all(k == "rwkv7" for k in cfg.block_types):  # split in spans
+    if checkpoint and kinds and split_in_spans(cfg):
         span = checkpoint_span(cfg, T)
         per_channel = SPLIT_FIXED + ACTIVATIONS["rwkv7"].kept * len(kinds)
         per_channel += (span / T) * max(

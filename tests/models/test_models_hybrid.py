@@ -536,19 +536,24 @@ def test_gradient_checkpointing_with_lora_and_a_state_in_gives_the_same_gradient
     assert all(mx.array_equal(ga[k], gb[k]) for k in ga)
 
 
+def _peak_above_start(run) -> int:
+    """MLX's peak above what it held before, over evaluating ``run()``."""
+    mx.synchronize()
+    mx.clear_cache()
+    start = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(run())
+    return mx.get_peak_memory() - start
+
+
 def _peak_of_a_gradient(model, tokens, checkpoint: bool) -> int:
-    """MLX's peak above what it held before, over a value and gradient of the hidden states."""
+    """``_peak_above_start`` of a value and gradient of the hidden states."""
     import mlx.nn as nn
 
     def loss(m):
         return (m.hidden(tokens, checkpoint=checkpoint)[0] ** 2).sum()
 
-    mx.synchronize()
-    mx.clear_cache()
-    start = mx.get_active_memory()
-    mx.reset_peak_memory()
-    mx.eval(nn.value_and_grad(model, loss)(model))
-    return mx.get_peak_memory() - start
+    return _peak_above_start(lambda: nn.value_and_grad(model, loss)(model))
 
 
 def test_a_checkpointed_rwkv7_model_split_in_spans_gives_the_same_loss_gradients_and_state(
@@ -663,12 +668,7 @@ def test_a_checkpointed_block_keeps_little_more_than_its_input():
             model, lambda m: batch_loss(m, tokens[:, :-1], tokens[:, 1:], checkpoint=True)[0]
         )
         mx.eval(model.parameters(), tokens)
-        mx.synchronize()
-        mx.clear_cache()
-        start = mx.get_active_memory()
-        mx.reset_peak_memory()
-        mx.eval(step(model))
-        return mx.get_peak_memory() - start
+        return _peak_above_start(lambda: step(model))
 
     per_block = (peak(6) - peak(2)) / 4 / (T * C)
     assert per_block < 8, per_block

@@ -127,24 +127,24 @@ def run(folder, out: str, *flags, code: int = 0) -> str:
     return done.stdout
 
 
-def said_peak(text: str) -> float:
-    number, unit = re.search(r"memory: about ([\d.]+) (GB|MB)", text).groups()
+def said_gb(text: str, before: str = "memory: about") -> float:
+    """The size a run printed after ``before`` ("1.23 GB" or "456 MB"), in GB."""
+    number, unit = re.search(before + r" ([\d.]+) (GB|MB)", text).groups()
     return float(number) * (1 if unit == "GB" else 1e-3)
 
 
 def test_a_run_that_would_not_fit_checkpoints_its_blocks_and_one_that_fits_nowhere_is_refused(
     long_texts,
 ):
-    plain = said_peak(run(long_texts, "a", "--memory-budget", 1000))
+    plain = said_gb(run(long_texts, "a", "--memory-budget", 1000))
     checkpointed = run(long_texts, "b", "--memory-budget", 1000, "--grad-checkpoint")
-    ckpt = said_peak(checkpointed)
+    ckpt = said_gb(checkpointed)
     assert ckpt < plain - 0.05
     text = run(long_texts, "c", "--memory-budget", (plain + ckpt) / 2)
     assert "block checkpointing on (--grad-checkpoint)" in text
     assert json.loads((long_texts / "c" / "adapter_config.json").read_text())["steps"] == 1
     # short of the checkpointed peak by half its activations: a shorter text would fit
-    number, unit = re.search(r"activations ([\d.]+) (GB|MB)", checkpointed).groups()
-    activations = float(number) * (1 if unit == "GB" else 1e-3)
+    activations = said_gb(checkpointed, "activations")
     line = run(long_texts, "d", "--memory-budget", ckpt - activations / 2, code=2)
     assert re.search(r"the run needs about .* --max-seq-len \d+ would fit", line), line
     assert not (long_texts / "d").exists() or not any((long_texts / "d").iterdir())
@@ -244,7 +244,7 @@ def test_the_plan_is_made_at_the_longest_row_of_the_data(long_texts):
         *(long_texts / "short", "--iters", 1, "--max-seq-len", 65536, "--memory-budget", 2),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert said_peak(done.stdout) < 1 and "checkpointing on" not in done.stdout
+    assert said_gb(done.stdout) < 1 and "checkpointing on" not in done.stdout
 
 
 GIVEN_BACK = """
